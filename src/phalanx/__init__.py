@@ -1,0 +1,15 @@
+"""phalanx: one training script from a laptop CPU to a cluster.
+
+    import phalanx
+    engine = phalanx.Engine(strategy="ddp", precision="bf16-mixed")
+    model, optimizer, loader = engine.prepare(model, optimizer, loader)
+
+Run with ``python train.py`` or ``phalanx launch -n 4 train.py``.
+"""
+
+from phalanx.engine import Engine
+from phalanx.launch import spawn
+
+__version__ = "0.1.0"
+
+__all__ = ["Engine", "spawn", "__version__"]

@@ -1,0 +1,127 @@
+"""The ``phalanx`` command.
+
+    phalanx demo                          # trains a byte-level GPT on 2 processes
+    phalanx launch -n 2 train.py [args]   # runs your script on 2 processes
+    phalanx config --config phalanx.yaml  # prints the resolved config and where each value came from
+    phalanx env                           # versions, devices and backends
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+from typing import Any, Sequence
+
+from phalanx.config import ConfigError, resolve_config
+
+__all__ = ["main"]
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine (override the config file and PHALANX_* variables)")
+    g.add_argument("--strategy", help="ddp")
+    g.add_argument("--precision", help="fp32, bf16-mixed or fp16-mixed")
+    g.add_argument("--grad-accum-steps", type=int, dest="grad_accum_steps")
+    g.add_argument("--seed", type=int)
+
+
+def _add_launch_flags(p: argparse.ArgumentParser, default_n: int | None = None) -> None:
+    g = p.add_argument_group("launch")
+    g.add_argument("-n", "--nproc-per-node", type=int, dest="nproc_per_node", default=default_n,
+                   help="processes on this node (default 1)")
+    g.add_argument("--nnodes", type=int)
+    g.add_argument("--node-rank", type=int, dest="node_rank")
+    g.add_argument("--master-addr", dest="master_addr", help="address of node 0 (default 127.0.0.1: this machine only)")
+    g.add_argument("--master-port", type=int, dest="master_port", help="rendezvous port (default: a free one)")
+    g.add_argument("--rdzv-endpoint", dest="rdzv_endpoint", help="HOST:PORT of a c10d rendezvous (elastic)")
+    g.add_argument("--max-restarts", type=int, dest="max_restarts")
+    p.add_argument("--config", help="phalanx YAML config file")
+
+
+def _cli_values(ns: argparse.Namespace) -> dict[str, Any]:
+    engine = {k: getattr(ns, k, None) for k in ("strategy", "precision", "grad_accum_steps", "seed")}
+    launch = {
+        f"launch.{k}": getattr(ns, k, None)
+        for k in ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint", "max_restarts")
+    }
+    return {**engine, **launch}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="phalanx", description="Train PyTorch models on one or many devices.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("launch", help="run a training script on several processes (torchrun underneath)")
+    _add_launch_flags(p)
+    _add_engine_flags(p)
+    p.add_argument("-m", "--module", action="store_true", help="the script is a module name, as in python -m")
+    p.add_argument("script", help="training script (or module with -m)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+    p = sub.add_parser("config", help="print the resolved config with the origin of every value")
+    _add_launch_flags(p)
+    _add_engine_flags(p)
+
+    sub.add_parser("env", help="print versions, devices and backends")
+
+    p = sub.add_parser("demo", help="train a small byte-level GPT on the Python standard library's source")
+    _add_launch_flags(p)
+    _add_engine_flags(p)
+    p.add_argument("demo_args", nargs=argparse.REMAINDER, help="demo options; see `phalanx demo -- --help`")
+    return parser
+
+
+def _env_report() -> str:
+    import torch
+    import torch.distributed as dist
+
+    import phalanx
+
+    lines = [
+        f"phalanx {phalanx.__version__}",
+        f"python {platform.python_version()} on {platform.platform()}",
+        f"torch {torch.__version__}",
+        f"cpu cores {os.cpu_count()}",
+        f"cuda available {torch.cuda.is_available()}, devices {torch.cuda.device_count()}",
+        f"backends gloo={dist.is_gloo_available()} nccl={dist.is_nccl_available()} mpi={dist.is_mpi_available()}",
+    ]
+    for i in range(torch.cuda.device_count()):
+        lines.append(f"  cuda:{i} {torch.cuda.get_device_name(i)}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
+    try:
+        if ns.command == "env":
+            print(_env_report())
+            return 0
+        cfg = resolve_config(file=ns.config, cli=_cli_values(ns))
+        if ns.command == "config":
+            print(cfg.describe())
+            return 0
+        from phalanx.launch import LaunchError, launch
+
+        try:
+            if ns.command == "launch":
+                return launch(cfg, ns.script, ns.script_args, module=ns.module)
+            if ns.command == "demo":
+                demo_args = [a for a in ns.demo_args if a != "--"]
+                if ns.nproc_per_node is None:
+                    from phalanx.demo import default_nproc
+
+                    cfg.launch.nproc_per_node = default_nproc()
+                return launch(cfg, "phalanx.demo", demo_args, module=True)
+        except LaunchError as e:
+            print(f"phalanx {ns.command}: {e}", file=sys.stderr)
+            return 2
+    except ConfigError as e:
+        print(f"phalanx {ns.command}: config error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

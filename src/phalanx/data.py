@@ -1,0 +1,225 @@
+"""World-size-independent data order, per-rank sharding of every global batch, and exact metric gathers.
+
+The global order of samples is a permutation drawn from ``seed + epoch`` (or the dataset order when the
+loader did not shuffle). Global batch ``b`` is the chunk ``order[b*G:(b+1)*G]`` with ``G = batch_size *
+world_size``, and rank ``r`` takes the ``r``-th contiguous slice of it. So the sequence of global batches
+is the same on 1, 2 or 4 ranks, as long as the global batch size is.
+
+The last chunk may be short. Unless the loader drops it, it is padded by wrapping around to the start of
+the order so that every rank gets the same number of samples (no rank starves, no collective hangs);
+:meth:`LoaderState.trim` lets ``gather_for_metrics`` drop the padding again.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
+
+from phalanx.logging import warn_once
+
+__all__ = ["GlobalBatchSampler", "PreparedDataLoader", "LoaderState", "move_to_device"]
+
+
+@dataclass
+class LoaderState:
+    """What the most recently yielded batch was: used by ``gather_for_metrics`` to drop tail padding."""
+
+    padded_size: int = 0
+    """Samples in the current global batch including padding (per-rank batch * world size)."""
+    real_size: int = 0
+    """Samples in the current global batch that are real."""
+    end_of_dataloader: bool = False
+
+    def trim(self, gathered_len: int) -> int:
+        """How many leading items of a gathered batch-shaped result to keep."""
+        if self.real_size < self.padded_size and gathered_len == self.padded_size:
+            return self.real_size
+        return gathered_len
+
+
+class GlobalBatchSampler(Sampler[list[int]]):
+    """Yields this rank's share of each global batch; see the module docstring for the layout."""
+
+    def __init__(
+        self,
+        num_samples: int,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        shuffle: bool,
+        seed: int,
+        drop_last: bool,
+        base_sampler: Sampler[int] | None = None,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1; got {batch_size}")
+        self.num_samples, self.batch_size = num_samples, batch_size
+        self.rank, self.world_size = rank, world_size
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.base_sampler = base_sampler
+        self.epoch = 0
+        self.start_batch = 0
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.world_size
+
+    def global_order(self, epoch: int) -> list[int]:
+        if self.base_sampler is not None:
+            if hasattr(self.base_sampler, "set_epoch"):
+                self.base_sampler.set_epoch(epoch)
+            return list(self.base_sampler)
+        if not self.shuffle:
+            return list(range(self.num_samples))
+        g = torch.Generator()
+        g.manual_seed(self.seed + epoch)
+        return torch.randperm(self.num_samples, generator=g).tolist()
+
+    def __len__(self) -> int:
+        g = self.global_batch_size
+        return self.num_samples // g if self.drop_last else math.ceil(self.num_samples / g)
+
+    def padded_size(self, real: int) -> int:
+        """Samples in a global batch holding ``real`` real ones, once padded to split evenly over ranks."""
+        g = self.global_batch_size
+        return g if real >= g else math.ceil(real / self.world_size) * self.world_size
+
+    def chunks(self, epoch: int) -> Iterator[tuple[list[int], int]]:
+        """(this rank's indices, real samples in the global batch) for each batch from ``start_batch``."""
+        order = self.global_order(epoch)
+        g = self.global_batch_size
+        for b in range(self.start_batch, len(self)):
+            chunk = order[b * g : (b + 1) * g]
+            real = len(chunk)
+            per_rank = self.padded_size(real) // self.world_size
+            need = per_rank * self.world_size - real
+            chunk = chunk + [order[i % len(order)] for i in range(need)]
+            yield chunk[self.rank * per_rank : (self.rank + 1) * per_rank], real
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for indices, _ in self.chunks(self.epoch):
+            yield indices
+
+
+def move_to_device(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    """Move every tensor in a (nested) batch to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=non_blocking)
+    if isinstance(obj, Mapping):
+        return type(obj)({k: move_to_device(v, device, non_blocking) for k, v in obj.items()})  # type: ignore[call-arg]
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(move_to_device(v, device, non_blocking) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(move_to_device(v, device, non_blocking) for v in obj)
+    if hasattr(obj, "to") and callable(obj.to) and not isinstance(obj, type):
+        return obj.to(device)
+    return obj
+
+
+class PreparedDataLoader(DataLoader):
+    """A DataLoader that yields this rank's share of each global batch, on the Engine's device.
+
+    ``set_epoch`` happens by itself at the start of each pass; call it yourself to pick an epoch.
+    ``state_dict()`` gives the position in the epoch in samples, which resumes on any world size.
+    """
+
+    def __init__(self, loader: DataLoader, rank: int, world_size: int, seed: int, device: torch.device, state: LoaderState) -> None:
+        if isinstance(loader.dataset, IterableDataset):
+            raise TypeError(
+                f"engine.prepare cannot shard an IterableDataset ({type(loader.dataset).__name__}): it has no length "
+                "or index order to split. Give it a map-style Dataset, or shard the stream yourself by engine.rank "
+                "and do not pass the loader to prepare"
+            )
+        batch_size, drop_last, sampler = loader.batch_size, loader.drop_last, loader.sampler
+        if batch_size is None:
+            inner = loader.batch_sampler
+            if not isinstance(inner, BatchSampler):
+                raise TypeError(
+                    f"engine.prepare needs a DataLoader with batch_size or a torch BatchSampler; got batch_sampler "
+                    f"of type {type(inner).__name__} (pass batch_size=..., and a sampler= for a custom order)"
+                )
+            batch_size, drop_last, sampler = inner.batch_size, inner.drop_last, inner.sampler
+        shuffle = isinstance(sampler, RandomSampler)
+        base = None if isinstance(sampler, (RandomSampler, SequentialSampler)) else sampler
+        if base is not None:
+            warn_once(
+                f"using the order of the custom sampler {type(sampler).__name__} as the global order; it must give "
+                "the same order on every rank (seed it the same everywhere)"
+            )
+        batch_sampler = GlobalBatchSampler(len(loader.dataset), batch_size, rank, world_size, shuffle, seed, drop_last, base)  # type: ignore[arg-type]
+        pin = loader.pin_memory or device.type == "cuda"
+        kwargs: dict[str, Any] = dict(
+            batch_sampler=batch_sampler,
+            num_workers=loader.num_workers,
+            collate_fn=loader.collate_fn,
+            pin_memory=pin,
+            timeout=loader.timeout,
+            worker_init_fn=loader.worker_init_fn,
+            generator=loader.generator,
+            persistent_workers=loader.persistent_workers,
+        )
+        if loader.num_workers > 0:
+            kwargs["prefetch_factor"] = loader.prefetch_factor
+            kwargs["multiprocessing_context"] = loader.multiprocessing_context
+        super().__init__(loader.dataset, **kwargs)
+        self.device = device
+        self._non_blocking = pin and device.type == "cuda"
+        self._state = state
+        self._epoch_set_by_user = False
+        self._batches_done = 0
+
+    @property
+    def global_sampler(self) -> GlobalBatchSampler:
+        return self.batch_sampler  # type: ignore[return-value]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.global_sampler.epoch = epoch
+        self._epoch_set_by_user = True
+
+    def __len__(self) -> int:
+        return len(self.global_sampler)
+
+    def __iter__(self) -> Iterator[Any]:
+        sampler = self.global_sampler
+        reals = [real for _, real in sampler.chunks(sampler.epoch)]
+        self._batches_done = sampler.start_batch
+        total = len(sampler)
+        for i, batch in enumerate(super().__iter__()):
+            index = sampler.start_batch + i
+            self._state.real_size = reals[i]
+            self._state.padded_size = sampler.padded_size(reals[i])
+            self._state.end_of_dataloader = index == total - 1
+            self._batches_done = index + 1
+            yield move_to_device(batch, self.device, self._non_blocking)
+        # The pass is over: the next one starts a new epoch from its first batch.
+        sampler.start_batch = 0
+        self._batches_done = 0
+        sampler.epoch += 1
+        self._epoch_set_by_user = False
+
+    def state_dict(self) -> dict[str, Any]:
+        sampler = self.global_sampler
+        return {
+            "epoch": sampler.epoch,
+            "samples_done": self._batches_done * sampler.global_batch_size,
+            "seed": sampler.seed,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        sampler = self.global_sampler
+        g = sampler.global_batch_size
+        if state["samples_done"] % g:
+            raise ValueError(
+                f"cannot resume at sample {state['samples_done']} of the epoch: it is not a multiple of the global "
+                f"batch size {g} (batch_size {sampler.batch_size} x world size {sampler.world_size}); keep the global "
+                "batch size a divisor of the saved position"
+            )
+        sampler.epoch = int(state["epoch"])
+        sampler.seed = int(state["seed"])
+        sampler.start_batch = state["samples_done"] // g
+

@@ -1,0 +1,480 @@
+"""Engine: the one object a training script talks to.
+
+    engine = phalanx.Engine(strategy="ddp", precision="bf16-mixed", grad_accum_steps=4)
+    model, optimizer, loader, scheduler = engine.prepare(model, optimizer, loader, scheduler)
+    for batch in loader:
+        with engine.accumulate():
+            loss = model(batch).loss
+            engine.backward(loss)                 # or engine.backward(loss_sum, items=n_tokens)
+            engine.clip_grad_norm_(1.0)
+            optimizer.step(); scheduler.step(); optimizer.zero_grad()
+
+Run it with ``python train.py`` (one process) or ``phalanx launch -n 4 train.py`` (four); nothing changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import random
+from numbers import Number
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import DataLoader
+
+from phalanx.comm import REDUCE_OPS, all_gather_varlen, all_reduce
+from phalanx.config import EngineConfig, resolve_config
+from phalanx.data import LoaderState, PreparedDataLoader
+from phalanx.logging import configure_logging, get_logger
+from phalanx.precision import Precision
+from phalanx.runtime import WorldInfo, detect_world, init_distributed, pick_device
+from phalanx.strategies import get_strategy_class
+from phalanx.topology import Topology
+
+__all__ = ["Engine", "PreparedOptimizer", "PreparedScheduler"]
+
+
+class Engine:
+    """Trains with one strategy and one precision on whatever world the launcher started.
+
+    Keyword arguments override the config file and ``PHALANX_*`` environment variables handed down by
+    ``phalanx launch``; with none, ``Engine()`` runs on the resolved config (or the defaults).
+    """
+
+    def __init__(
+        self,
+        strategy: str | None = None,
+        precision: str | None = None,
+        grad_accum_steps: int | None = None,
+        seed: int | None = None,
+        config_file: str | os.PathLike[str] | None = None,
+        **options: Any,
+    ) -> None:
+        overrides = dict(strategy=strategy, precision=precision, grad_accum_steps=grad_accum_steps, seed=seed, **options)
+        self.config: EngineConfig = resolve_config(file=config_file, cli=overrides, cli_origin="argument").engine
+        self.world: WorldInfo = detect_world()
+        configure_logging(self.world.rank, self.config.log_all_ranks)
+        self.device = pick_device(self.config.device, self.world.local_rank)
+        init_distributed(self.world, self.device, self.config.timeout_s)
+        self.topology = Topology(self.world.world_size, self.world.rank, self.config.pp_size)
+        self.topology.build_groups(self.device.type)
+        self.precision = Precision(self.config.precision, self.device)
+        self.strategy = get_strategy_class(self.config.strategy)(self.config, self.topology, self.device, self.precision)
+        _seed_everything(self.config.seed)
+
+        self._models: list[nn.Module] = []
+        self._optimizers: list[PreparedOptimizer] = []
+        self._loader_state = LoaderState()
+        self.sync_gradients = True
+        """True when the current micro-batch ends an accumulation window (gradients are reduced, steps happen)."""
+        self.step_was_skipped = False
+        """True when the last optimizer step was skipped because fp16 gradients overflowed."""
+        self._micro_steps = 0
+        self._in_accumulate = False
+        self._window_items: torch.Tensor | None = None
+        self._window_mode: str | None = None
+        self._stepped = False  # an optimizer step happened that the scheduler has not yet counted
+
+    # ------------------------------------------------------------------ world
+    @property
+    def rank(self) -> int:
+        return self.world.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.world.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.world.world_size
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.world.rank == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.world.local_rank == 0
+
+    # ---------------------------------------------------------------- prepare
+    def prepare(self, *objects: Any) -> Any:
+        """Prepare models, optimizers, DataLoaders and LR schedulers, returned in the order given."""
+        kinds = [_kind_of(o) for o in objects]
+        out: list[Any] = list(objects)
+        for kind in ("model", "optimizer", "scheduler", "loader"):
+            for i, obj in enumerate(objects):
+                if kinds[i] == kind:
+                    out[i] = getattr(self, f"prepare_{kind}")(obj)
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.device)
+        wrapped = self.strategy.wrap_model(model)
+        if self.precision.compute_dtype is not None:
+            _autocast_forward(self.unwrap_model(wrapped), self.precision)
+        self._models.append(wrapped)
+        return wrapped
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
+        prepared = PreparedOptimizer(self.strategy.wrap_optimizer(optimizer), self)
+        self._optimizers.append(prepared)
+        return prepared
+
+    def prepare_scheduler(self, scheduler: LRScheduler) -> PreparedScheduler:
+        return PreparedScheduler(scheduler, self)
+
+    def prepare_loader(self, loader: DataLoader) -> PreparedDataLoader:
+        return PreparedDataLoader(
+            loader, self.topology.dp_rank, self.topology.dp_size, self.config.seed, self.device, self._loader_state
+        )
+
+    def unwrap_model(self, model: nn.Module) -> nn.Module:
+        """The user's own module, without anything phalanx wrapped around it."""
+        return self.strategy.unwrap_model(model)
+
+    def get_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The full, unsharded state dict, on CPU, on every rank, under every strategy."""
+        return self.strategy.full_state_dict(model)
+
+    # -------------------------------------------------------- the train loop
+    @contextlib.contextmanager
+    def accumulate(self) -> Iterator[None]:
+        """One micro-batch of an accumulation window of ``grad_accum_steps``.
+
+        Inside the window, backward only accumulates local gradients, and ``optimizer.step()``,
+        ``zero_grad()``, ``scheduler.step()`` and ``clip_grad_norm_`` do nothing. The window's last
+        micro-batch (or the last batch of the DataLoader) reduces the gradients and steps.
+        """
+        if self._in_accumulate:
+            raise RuntimeError("engine.accumulate() is already active; do not nest it")
+        self._micro_steps += 1
+        self.sync_gradients = (
+            self._micro_steps >= self.config.grad_accum_steps or self._loader_state.end_of_dataloader
+        )
+        self._in_accumulate = True
+        try:
+            with contextlib.nullcontext() if self.sync_gradients else self.strategy.no_sync():
+                yield
+        finally:
+            self._in_accumulate = False
+            if self.sync_gradients:
+                self._micro_steps = 0
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward inside only accumulates local gradients; the next backward outside reduces them all."""
+        with self.strategy.no_sync():
+            yield
+
+    def autocast(self) -> Any:
+        """The forward-pass autocast of the configured precision (prepared models already use it)."""
+        return self.precision.autocast()
+
+    def backward(self, loss: torch.Tensor, items: int | torch.Tensor | None = None, **kwargs: Any) -> None:
+        """Backward of a mean loss, or of a summed loss with ``items`` (e.g. the number of tokens in it).
+
+        With ``items``, the window's gradients are divided by the item count summed over every micro-batch
+        of the window and every rank: exactly the gradient of the mean over all items of the global batch.
+        """
+        mode = "sum" if items is not None else "mean"
+        if self._window_mode not in (None, mode):
+            raise ValueError(
+                "engine.backward was called with items= and without it in one accumulation window; use "
+                "backward(loss_sum, items=n) for every micro-batch of a window, or backward(mean_loss) for every one"
+            )
+        self._window_mode = mode
+        in_window = self._in_accumulate
+        window_len = self._micro_steps if in_window else 1
+        if mode == "mean":
+            if in_window and self.config.grad_accum_steps > 1:
+                loss = loss / self.config.grad_accum_steps
+            if self.sync_gradients:
+                # A short last window (the DataLoader ran out) still averages over the micro-batches it had.
+                correction = self.config.grad_accum_steps / window_len if in_window else 1.0
+                self.strategy.set_grad_scale(correction / self.topology.dp_size)
+        else:
+            n = torch.as_tensor(items, dtype=torch.float64, device=self.device).reshape(())
+            self._window_items = n if self._window_items is None else self._window_items + n
+            if self.sync_gradients:
+                total = self._window_items.clone()
+                all_reduce(total, "sum", group=self.topology.dp_group)
+                self.strategy.set_grad_scale((1.0 / total).to(torch.float32))
+        if self.sync_gradients:
+            self._window_items, self._window_mode = None, None
+        self.precision.scale_loss(loss).backward(**kwargs)
+        if self.sync_gradients:
+            self.strategy.finish_gradient_sync()
+
+    def clip_grad_norm_(self, *args: Any, norm_type: float = 2.0) -> torch.Tensor | None:
+        """Clip to the global gradient norm; returns that norm (before clipping).
+
+        ``engine.clip_grad_norm_(max_norm)`` clips every prepared model's parameters, and the Accelerate
+        form ``engine.clip_grad_norm_(parameters, max_norm)`` clips the given ones. Inside an accumulation
+        window, before its last micro-batch, gradients are partial: nothing is clipped and None is returned.
+        """
+        if len(args) == 1 and isinstance(args[0], Number):
+            max_norm, params = float(args[0]), [p for m in self._models for p in m.parameters()]
+        elif len(args) == 2:
+            params, max_norm = list(args[0]), float(args[1])
+        else:
+            raise TypeError("use engine.clip_grad_norm_(max_norm) or engine.clip_grad_norm_(parameters, max_norm)")
+        if not self.sync_gradients:
+            return None
+        self.strategy.finish_gradient_sync()
+        for opt in self._optimizers:
+            self.precision.unscale_(opt.optimizer)  # clip the true gradients, not the loss-scaled ones
+        return self.strategy.clip_grad_norm_([p for p in params if p.grad is not None], max_norm, norm_type)
+
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.strategy.finish_gradient_sync()
+        self.step_was_skipped = self.precision.step(optimizer)
+        self._stepped = not self.step_was_skipped
+
+    def _consume_step(self) -> bool:
+        stepped, self._stepped = self._stepped, False
+        return stepped
+
+    def train_step(self, batch: Any, loss_fn: Callable[[nn.Module, Any], Any]) -> torch.Tensor:
+        """One micro-batch of training: forward, backward and, at the window's end, clip and step.
+
+        ``loss_fn(model, batch)`` returns a mean loss, or a tuple ``(loss_sum, items)``. Returns the
+        detached loss (the mean over items in the second form). Needs exactly one prepared model and
+        optimizer; a prepared scheduler, if any, steps with them.
+        """
+        if len(self._models) != 1 or len(self._optimizers) != 1:
+            raise RuntimeError(
+                f"engine.train_step needs exactly one prepared model and one optimizer; got {len(self._models)} "
+                f"model(s) and {len(self._optimizers)} optimizer(s) (write the loop with engine.backward instead)"
+            )
+        model, optimizer = self._models[0], self._optimizers[0]
+        with self.accumulate():
+            out = loss_fn(model, batch)
+            if isinstance(out, tuple):
+                loss_sum, items = out
+                self.backward(loss_sum, items=items)
+                loss = loss_sum.detach() / torch.as_tensor(items, device=loss_sum.device)
+            else:
+                self.backward(out)
+                loss = out.detach()
+            if self.config.max_grad_norm is not None:
+                self.clip_grad_norm_(self.config.max_grad_norm)
+            optimizer.step()
+            for sched in optimizer.schedulers:
+                sched.step()
+            optimizer.zero_grad()
+        return loss
+
+    # ------------------------------------------------------------ collectives
+    def gather_for_metrics(self, data: Any) -> Any:
+        """Gather tensors (or nested lists/dicts/tuples of them) from every rank, in global sample order.
+
+        The padding that evened out the last batch is dropped, so a pass over a prepared DataLoader gives
+        exactly ``len(dataset)`` items, each once.
+        """
+        if isinstance(data, torch.Tensor):
+            gathered = all_gather_varlen(data, group=self.topology.dp_group)
+            return gathered[: self._loader_state.trim(gathered.shape[0])]
+        if isinstance(data, Mapping):
+            return type(data)({k: self.gather_for_metrics(v) for k, v in data.items()})  # type: ignore[call-arg]
+        if isinstance(data, (list, tuple)) and data and all(isinstance(x, torch.Tensor) for x in data):
+            return type(data)(self.gather_for_metrics(x) for x in data)
+        if isinstance(data, list):
+            if self.topology.dp_size == 1:
+                return data
+            parts: list[Any] = [None] * self.topology.dp_size
+            dist.all_gather_object(parts, data, group=self.topology.dp_group)
+            flat = [x for part in parts for x in part]
+            return flat[: self._loader_state.trim(len(flat))]
+        raise TypeError(
+            f"gather_for_metrics takes tensors, or lists, tuples and dicts of them; got {type(data).__name__}"
+        )
+
+    def reduce(self, tensor: torch.Tensor | Number, op: str = "mean") -> torch.Tensor:
+        """All-reduce a copy of ``tensor`` over the data-parallel ranks with op in sum, mean, max, min."""
+        if op not in REDUCE_OPS:
+            raise ValueError(f"unknown reduce op {op!r}; valid ops: {', '.join(REDUCE_OPS)}")
+        t = torch.as_tensor(tensor, device=self.device).detach().clone()
+        if op == "mean" and not t.is_floating_point():
+            t = t.double()
+        all_reduce(t, op, group=self.topology.dp_group)
+        return t
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the main process only."""
+        if self.is_main_process:
+            print(*args, **kwargs)
+
+    def wait(self) -> None:
+        """Wait until every rank gets here."""
+        if dist.is_initialized():
+            dist.barrier()
+
+    @contextlib.contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        """Run the block on rank 0 first (e.g. to download or cache data), then on the other ranks."""
+        if not self.is_main_process:
+            self.wait()
+        try:
+            yield
+        finally:
+            if self.is_main_process:
+                self.wait()
+
+    # --------------------------------------------------------------- reports
+    def precision_report(self) -> dict[str, str]:
+        """The dtypes actually in use: parameters, gradients, optimizer state, compute and communication."""
+
+        def dtypes(tensors: Iterable[torch.Tensor]) -> str:
+            found = sorted({str(t.dtype).replace("torch.", "") for t in tensors})
+            return ", ".join(found) if found else "none yet"
+
+        params = [p for m in self._models for p in m.parameters()]
+        state = [
+            v for opt in self._optimizers for s in opt.optimizer.state.values() for v in s.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        ]
+        comm = self.strategy.comm_dtype()
+        return {
+            "precision": self.precision.name,
+            "params": dtypes(params),
+            "grads": dtypes(p.grad for p in params if p.grad is not None),
+            "optimizer_state": dtypes(state),
+            "compute": str(self.precision.compute_dtype or dtypes(params)).replace("torch.", ""),
+            "communication": str(comm).replace("torch.", "") if comm is not None else "none (one replica)",
+            "loss_scaling": "dynamic" if self.precision.scaler is not None else "none",
+        }
+
+
+class PreparedOptimizer(torch.optim.Optimizer):
+    """The user's optimizer, stepping only at the end of an accumulation window and through loss scaling."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: Engine) -> None:
+        # Deliberately no super().__init__: state and param_groups stay the wrapped optimizer's own.
+        self.optimizer = optimizer
+        self._engine = engine
+        self.schedulers: list[PreparedScheduler] = []
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise ValueError("phalanx optimizers do not take a closure (step without one; LBFGS is not supported)")
+        if self._engine.sync_gradients:
+            self._engine._optimizer_step(self.optimizer)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._engine.sync_gradients:
+            self._engine.strategy.zero_grad(self.optimizer, set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise RuntimeError("add parameter groups before engine.prepare: the strategy has already laid out gradients")
+
+    def __repr__(self) -> str:
+        return f"PreparedOptimizer({self.optimizer!r})"
+
+
+class PreparedScheduler:
+    """The user's LR scheduler, stepping once per optimizer step that really happened.
+
+    Micro-batches inside an accumulation window and fp16 steps skipped for overflow do not count, and
+    the world size does not either: after K optimizer steps the LR is the same on 1 rank or 64.
+    """
+
+    def __init__(self, scheduler: LRScheduler, engine: Engine) -> None:
+        self.scheduler = scheduler
+        self._engine = engine
+        for opt in engine._optimizers:
+            if opt.optimizer is scheduler.optimizer:
+                opt.schedulers.append(self)
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if self._engine._consume_step():
+            self.scheduler.step(*args, **kwargs)
+
+    def get_last_lr(self) -> list[float]:
+        return self.scheduler.get_last_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.scheduler, name)
+
+
+def _kind_of(obj: Any) -> str:
+    if isinstance(obj, nn.Module):
+        return "model"
+    if isinstance(obj, torch.optim.Optimizer):
+        return "optimizer"
+    if isinstance(obj, LRScheduler):
+        return "scheduler"
+    if isinstance(obj, DataLoader):
+        return "loader"
+    raise TypeError(
+        f"engine.prepare does not know what to do with a {type(obj).__name__}; it takes nn.Module, "
+        "torch.optim.Optimizer, torch.utils.data.DataLoader and LR schedulers"
+    )
+
+
+def _to_fp32(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor) and obj.dtype in (torch.float16, torch.bfloat16):
+        return obj.float()
+    if isinstance(obj, Mapping):
+        return type(obj)({k: _to_fp32(v) for k, v in obj.items()})  # type: ignore[call-arg]
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_to_fp32(v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_fp32(v) for v in obj)
+    return obj
+
+
+def _autocast_forward(module: nn.Module, precision: Precision) -> None:
+    """Run ``module.forward`` under autocast and hand back fp32 outputs, so losses are computed in fp32."""
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def autocast_forward(*args: Any, **kwargs: Any) -> Any:
+        with precision.autocast():
+            out = forward(*args, **kwargs)
+        return _to_fp32(out)
+
+    module.forward = autocast_forward  # type: ignore[method-assign]
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass

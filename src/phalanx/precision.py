@@ -1,0 +1,75 @@
+"""Mixed precision: autocast contexts, dynamic loss scaling for fp16, and the dtype report.
+
+Master weights, gradients and optimizer state stay in the parameters' own dtype (fp32 for a model built
+in fp32); autocast runs the forward in the low-precision dtype. fp16 scales the loss so that small
+gradients do not underflow, and skips a step whose gradients overflowed, lowering the scale.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ContextManager, Iterator
+
+import torch
+
+__all__ = ["PRECISIONS", "Precision"]
+
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
+_AUTOCAST_DTYPE = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+
+
+class Precision:
+    """One precision policy for one Engine. ``name`` is one of :data:`PRECISIONS`."""
+
+    def __init__(self, name: str, device: torch.device) -> None:
+        if name not in PRECISIONS:
+            raise ValueError(f"unknown precision {name!r}; valid precisions: {', '.join(PRECISIONS)}")
+        self.name = name
+        self.device = device
+        self.compute_dtype = _AUTOCAST_DTYPE[name]
+        # GradScaler supplies the loss-scaling logic (growth, backoff, inf checks); we decide when it runs.
+        self.scaler = torch.amp.GradScaler(device.type) if name == "fp16-mixed" else None
+        self._unscaled: set[int] = set()
+
+    def autocast(self) -> ContextManager[Any]:
+        if self.compute_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        with self.autocast():
+            yield
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the (already reduced) gradients by the loss scale, once per step."""
+        if self.scaler is not None and id(optimizer) not in self._unscaled:
+            self.scaler.unscale_(optimizer)
+            self._unscaled.add(id(optimizer))
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step the optimizer unless fp16 gradients overflowed. Returns True when the step was skipped."""
+        if self.scaler is None:
+            optimizer.step()
+            return False
+        self.unscale_(optimizer)
+        # The scale only falls when an inf/nan was found, which is exactly when GradScaler skips the step.
+        scale_before = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        self._unscaled.discard(id(optimizer))
+        return self.scaler.get_scale() < scale_before
+
+    @property
+    def loss_scale(self) -> float | None:
+        return self.scaler.get_scale() if self.scaler is not None else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])

@@ -1,0 +1,81 @@
+"""The Strategy interface: what ddp, zero and pipeline each implement, and all the Engine calls.
+
+A strategy wraps models and optimizers, decides when and how gradients are reduced, computes the global
+gradient norm, and gives the full and sharded state dicts. The Engine never asks which strategy it holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from phalanx.comm import CommStats
+
+if TYPE_CHECKING:
+    from phalanx.config import EngineConfig
+    from phalanx.precision import Precision
+    from phalanx.topology import Topology
+
+__all__ = ["Strategy"]
+
+
+class Strategy(ABC):
+    name: ClassVar[str]
+    supports_pipeline: ClassVar[bool] = False
+
+    def __init__(self, config: EngineConfig, topology: Topology, device: torch.device, precision: Precision) -> None:
+        if topology.pp_size > 1 and not self.supports_pipeline:
+            raise ValueError(
+                f"strategy {self.name!r} does not split the model into pipeline stages; got pp_size={topology.pp_size} "
+                "(use pp_size=1, or a pipeline strategy)"
+            )
+        self.config = config
+        self.topology = topology
+        self.device = device
+        self.precision = precision
+        self.stats = CommStats()
+
+    @abstractmethod
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        """Make ``model`` (already on the device) take part in the strategy; returns what the user trains."""
+
+    def unwrap_model(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return optimizer
+
+    @abstractmethod
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Inside, backward only accumulates local gradients; nothing is communicated."""
+
+    @abstractmethod
+    def set_grad_scale(self, scale: float | torch.Tensor) -> None:
+        """The factor that the next gradient reduction multiplies by (1/dp for mean losses, 1/items for sums)."""
+
+    @abstractmethod
+    def finish_gradient_sync(self) -> None:
+        """Wait for every gradient reduction in flight. Idempotent."""
+
+    @abstractmethod
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None: ...
+
+    @abstractmethod
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
+        """Clip gradients to the global norm across every rank's share; return that norm."""
+
+    @abstractmethod
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The whole, unsharded state dict of ``model``, on CPU, on every rank."""
+
+    def comm_dtype(self) -> torch.dtype | None:
+        """The dtype gradients travel in, or None when nothing is communicated."""
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        return {"strategy": self.name}
