@@ -71,6 +71,12 @@ def _bind(addr: str, port: int) -> socket.socket:
     return sock
 
 
+def _gloo_on_loopback(env: Any) -> None:
+    """A one-machine job: gloo's pair sockets listen on loopback too, not on the hostname's address."""
+    if sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
 def torchrun_args(cfg: PhalanxConfig, script: str, script_args: Sequence[str], module: bool = False) -> list[str]:
     """The torch.distributed.run argument list for a resolved launch config."""
     lc = cfg.launch
@@ -108,11 +114,14 @@ def launch(cfg: PhalanxConfig, script: str, script_args: Sequence[str] = (), mod
         # One process per core share: oversubscribed OpenMP pools slow every rank down.
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // lc.nproc_per_node))
 
+    local_only = lc.rdzv_endpoint is None and lc.nnodes == 1 and _is_loopback(lc.master_addr)
+    if local_only:
+        _gloo_on_loopback(os.environ)
     store = None
     if lc.rdzv_endpoint is None and lc.node_rank == 0:
         sock = _bind(lc.master_addr, lc.master_port)
         lc.master_port = sock.getsockname()[1]
-        if _is_loopback(lc.master_addr) and lc.nnodes == 1:
+        if local_only:
             # torchrun's own store would listen on every interface. Ours listens on loopback only, and
             # torchrun's static rendezvous (multi_tenant) reuses the server already open on this port.
             store = dist.TCPStore(
@@ -147,20 +156,23 @@ def _spawn_entry(
         RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs),
         PHALANX_INIT_METHOD=init_method, OMP_NUM_THREADS=str(threads),
     )
+    _gloo_on_loopback(os.environ)
     import torch
 
     torch.set_num_threads(threads)
     try:
         result = fn(*args)
     except BaseException:
-        conn.send((False, traceback.format_exc()))
+        conn.send_bytes(pickle.dumps((False, traceback.format_exc())))
         conn.close()
         # Leave at once: peers may wait in a collective, and a clean teardown would wait with them.
         os._exit(1)
     from phalanx.runtime import teardown
 
     teardown()
-    conn.send((True, result))
+    # Plain pickle copies tensors by value; Connection.send would share them by file descriptor, which
+    # dies with this process before the parent reads it.
+    conn.send_bytes(pickle.dumps((True, result)))
     conn.close()
 
 
@@ -231,7 +243,7 @@ def _collect(procs: list[Any], readers: list[Connection], timeout: float | None)
         for rank, reader in list(open_readers.items()):
             if reader.poll():
                 try:
-                    ok, payload = reader.recv()
+                    ok, payload = pickle.loads(reader.recv_bytes())
                 except EOFError:
                     del open_readers[rank]
                     continue

@@ -1,0 +1,292 @@
+"""Engine semantics across world sizes: accumulation, token normalisation, scheduler, metrics, sampler, fp16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+import phalanx
+from _common import OddNet, make_data
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------- accumulation
+def _accumulate(accum: int, micro_batch: int, steps: int) -> dict:
+    engine = phalanx.Engine(grad_accum_steps=accum, seed=3)
+    torch.manual_seed(100)
+    model = OddNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    x, y = make_data(steps * micro_batch * accum * engine.world_size)
+    loader = DataLoader(TensorDataset(x, y), batch_size=micro_batch, shuffle=True)
+    model, optimizer, loader = engine.prepare(model, optimizer, loader)
+    optimizer_steps = 0
+    for xb, yb in loader:
+        with engine.accumulate():
+            engine.backward(F.mse_loss(model(xb), yb))
+            optimizer.step()
+            optimizer.zero_grad()
+            optimizer_steps += engine.sync_gradients
+    return {"state": engine.get_state_dict(model), "steps": optimizer_steps}
+
+
+def test_accumulation_split_does_not_change_the_result(run_ranks):
+    """Global batch 16 per optimizer step as accum 4 x 1 rank, accum 2 x 2 ranks, accum 1 x 4 ranks."""
+    runs = {
+        (accum, world): run_ranks(_accumulate, world, accum, 4, 6)
+        for accum, world in [(4, 1), (2, 2), (1, 4)]
+    }
+    base = runs[(4, 1)][0]
+    assert base["steps"] == 6
+    for key, results in runs.items():
+        for res in results:
+            assert res["steps"] == 6, key
+            for k in base["state"]:
+                torch.testing.assert_close(res["state"][k], base["state"][k], **TOL, msg=f"{k} for accum,world={key}")
+
+
+# ------------------------------------------------------------------------- token normalisation
+VOCAB, DIM = 11, 8
+
+
+class _TokenModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, DIM)
+        self.head = torch.nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.emb(tokens)))
+
+
+def _sequences() -> list[torch.Tensor]:
+    """Eight sequences of very different lengths, so per-sequence means differ from the token mean."""
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, VOCAB, (n,), generator=g) for n in (3, 17, 5, 30, 2, 9, 21, 4)]
+
+
+def _token_loss_sum(model: torch.nn.Module, seqs: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+    loss = sum(F.cross_entropy(model(s[:-1]), s[1:], reduction="sum") for s in seqs)
+    return loss, sum(len(s) - 1 for s in seqs)  # type: ignore[return-value]
+
+
+def _token_grads(use_items: bool) -> dict:
+    """2 ranks x 2 micro-batches: rank r takes sequences [4r, 4r+4), two per micro-batch."""
+    engine = phalanx.Engine(grad_accum_steps=2)
+    torch.manual_seed(5)
+    model = _TokenModel()
+    model = engine.prepare(model)
+    mine = _sequences()[4 * engine.rank : 4 * engine.rank + 4]
+    for micro in range(2):
+        with engine.accumulate():
+            seqs = mine[2 * micro : 2 * micro + 2]
+            loss_sum, n = _token_loss_sum(model, seqs)
+            if use_items:
+                engine.backward(loss_sum, items=n)
+            else:
+                engine.backward(loss_sum / n)  # the common mistake: mean per micro-batch, then average
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def test_token_normalised_backward_equals_full_batch(run_ranks):
+    torch.manual_seed(5)
+    ref = _TokenModel()
+    loss_sum, n = _token_loss_sum(ref, _sequences())
+    (loss_sum / n).backward()
+    expected = {name: p.grad for name, p in ref.named_parameters()}
+    with_items = run_ranks(_token_grads, 2, True)
+    for grads in with_items:
+        for name in expected:
+            torch.testing.assert_close(grads[name], expected[name], **TOL, msg=name)
+    # The same window with per-micro-batch means is measurably different: the test can tell them apart.
+    naive = run_ranks(_token_grads, 2, False)[0]
+    assert not torch.allclose(naive["head.weight"], expected["head.weight"], rtol=1e-3, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------- scheduler
+def _lr_trace(accum: int, batches: int) -> list[float]:
+    engine = phalanx.Engine(grad_accum_steps=accum)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+    model, optimizer, scheduler = engine.prepare(model, optimizer, scheduler)
+    lrs = []
+    for _ in range(batches):
+        with engine.accumulate():
+            engine.backward(model(torch.ones(2, 3)).sum())
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        if engine.sync_gradients:
+            lrs.append(scheduler.get_last_lr()[0])
+    return lrs
+
+
+def test_scheduler_counts_optimizer_steps_whatever_the_world_size(run_ranks):
+    traces = {world: run_ranks(_lr_trace, world, 2, 8) for world in (1, 2, 4)}
+    expected = [0.5**k for k in range(1, 5)]  # 8 micro-batches, accum 2: 4 optimizer steps
+    for world, per_rank in traces.items():
+        for trace in per_rank:
+            assert trace == expected, f"world size {world}"
+
+
+# ------------------------------------------------------------------------ metrics and sampler
+class _Indices(Dataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def _gather_pass(n: int, per_rank_batch: int, shuffle: bool, epochs: int) -> dict:
+    engine = phalanx.Engine(seed=11)
+    loader = engine.prepare(DataLoader(_Indices(n), batch_size=per_rank_batch, shuffle=shuffle))
+    out = {"epochs": [], "batches": []}
+    for _ in range(epochs):  # no set_epoch call: the loader advances its epoch by itself
+        seen, batches = [], []
+        for batch in loader:
+            gathered = engine.gather_for_metrics(batch)
+            seen += gathered.tolist()
+            batches.append(gathered.tolist())
+        out["epochs"].append(seen)
+        out["batches"].append(batches)
+    return out
+
+
+def _gather_cases(cases: list[tuple[int, bool]]) -> list[list[int]]:
+    return [_gather_pass(n, 8, shuffle, 1)["epochs"][0] for n, shuffle in cases]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_gather_for_metrics_returns_each_sample_once(run_ranks, world):
+    cases = [(n, shuffle) for n in (97, 101) for shuffle in (False, True)]
+    for per_rank in run_ranks(_gather_cases, world, cases):
+        for (n, shuffle), seen in zip(cases, per_rank):
+            assert len(seen) == n, (n, shuffle)
+            assert sorted(seen) == list(range(n)), (n, shuffle)
+
+
+def test_global_batches_are_the_same_for_every_world_size(run_ranks):
+    """Global batch 8 as 8x1, 4x2 and 2x4; 64 samples so no padding; two epochs that must differ."""
+    runs = {world: run_ranks(_gather_pass, world, 64, 8 // world, True, 2)[0] for world in (1, 2, 4)}
+    base = runs[1]["batches"]
+    assert base[0] != base[1], "epoch 1 must be shuffled differently from epoch 0"
+    assert all(len(b) == 8 for b in base[0])
+    for world, res in runs.items():
+        assert res["batches"] == base, f"world size {world}"
+
+
+def _uneven_training(n: int) -> int:
+    """Training over a dataset whose tail does not fill a global batch must not hang."""
+    engine = phalanx.Engine(grad_accum_steps=3)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.arange(n, dtype=torch.float32).unsqueeze(1)
+    model, optimizer, loader = engine.prepare(model, optimizer, DataLoader(TensorDataset(x, x), batch_size=4))
+    steps = 0
+    for epoch in range(2):
+        for xb, yb in loader:
+            with engine.accumulate():
+                engine.backward(F.mse_loss(model(xb), yb))
+                optimizer.step()
+                optimizer.zero_grad()
+                steps += engine.sync_gradients
+    return steps
+
+
+def test_uneven_tail_trains_without_hanging(run_ranks):
+    # 97 samples, batch 4 x 3 ranks: 9 batches per epoch, windows of 3 -> 3 optimizer steps per epoch.
+    assert run_ranks(_uneven_training, 3, 97, timeout=120) == [6, 6, 6]
+
+
+# ------------------------------------------------------------------------------------- fp16
+def _fp16_overflow() -> dict:
+    engine = phalanx.Engine(precision="fp16-mixed")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    model, optimizer, scheduler = engine.prepare(model, optimizer, scheduler)
+    before = {k: v.clone() for k, v in engine.get_state_dict(model).items()}
+    scale_before = engine.precision.loss_scale
+    x = torch.full((3, 4), 0.1)
+    # An overflow on rank 1 only, injected during backward: the all-reduce must carry it to every rank.
+    poison = float("inf") if engine.rank == 1 else 1.0
+    engine.backward(model(x).mean() * poison)
+    optimizer.step()
+    scheduler.step()
+    skipped = engine.step_was_skipped
+    after = engine.get_state_dict(model)
+    optimizer.zero_grad()
+    # A clean step afterwards goes through.
+    engine.backward(model(x).mean())
+    optimizer.step()
+    scheduler.step()
+    return {
+        "skipped": skipped,
+        "unchanged": all(torch.equal(before[k], after[k]) for k in before),
+        "scale": (scale_before, engine.precision.loss_scale),
+        "lr_after_skip_then_step": scheduler.get_last_lr()[0],
+        "second_skipped": engine.step_was_skipped,
+        "report": engine.precision_report(),
+    }
+
+
+def test_fp16_inf_gradient_skips_step_and_lowers_scale(run_ranks):
+    for res in run_ranks(_fp16_overflow, 2):
+        assert res["skipped"] and res["unchanged"]
+        assert res["scale"][1] < res["scale"][0]
+        assert not res["second_skipped"]
+        assert res["lr_after_skip_then_step"] == pytest.approx(0.05)  # one real step, not two
+        assert res["report"]["compute"] == "float16" and res["report"]["loss_scaling"] == "dynamic"
+        assert res["report"]["params"] == "float32" and res["report"]["communication"] == "float32"
+
+
+# --------------------------------------------------------------------------- clip and collectives
+def _clip_and_collectives() -> dict:
+    engine = phalanx.Engine()
+    torch.manual_seed(0)
+    model = engine.prepare(OddNet())
+    x, y = make_data(8)
+    rows = slice(4 * engine.rank, 4 * engine.rank + 4)
+    engine.backward(F.mse_loss(model(x[rows]), y[rows]))
+    norm = engine.clip_grad_norm_(0.01)
+    clipped = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    return {
+        "norm": norm.item(),
+        "clipped": clipped.item(),
+        "sum": engine.reduce(torch.tensor(engine.rank + 1.0), "sum").item(),
+        "max": engine.reduce(torch.tensor(engine.rank + 1.0), "max").item(),
+        "mean": engine.reduce(engine.rank + 1, "mean").item(),
+    }
+
+
+def test_clip_returns_global_norm_and_reduce_ops(run_ranks):
+    torch.manual_seed(0)
+    ref = OddNet()
+    x, y = make_data(8)
+    F.mse_loss(ref(x), y).backward()
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01).item()
+    for res in run_ranks(_clip_and_collectives, 2):
+        assert res["norm"] == pytest.approx(expected, rel=1e-5)
+        assert res["clipped"] == pytest.approx(0.01, rel=1e-4)
+        assert (res["sum"], res["max"], res["mean"]) == (3.0, 2.0, 1.5)
+
+
+def test_single_process_engine_needs_no_launcher():
+    """A plain `python train.py`: world size 1, no process group, the same API."""
+    engine = phalanx.Engine(precision="bf16-mixed")
+    assert (engine.world_size, engine.rank, engine.is_main_process) == (1, 0, True)
+    model = engine.prepare(torch.nn.Linear(3, 2))
+    out = model(torch.ones(4, 3))
+    assert out.dtype == torch.float32  # autocast inside, fp32 handed back for the loss
+    engine.backward(out.sum())
+    assert engine.precision_report()["compute"] == "bfloat16"
+    assert engine.gather_for_metrics(torch.arange(5)).tolist() == list(range(5))
+    assert engine.unwrap_model(model) is model
