@@ -27,17 +27,16 @@ def _train_ddp(model_name: str, opt: str, steps: int, global_batch: int, options
     loader = DataLoader(TensorDataset(x, y), batch_size=global_batch // engine.world_size, shuffle=True)
     model, optimizer, loader = engine.prepare(model, optimizer, loader)
     losses = []
+    flats = {b.flat.untyped_storage().data_ptr() for r in engine.strategy.reducers for b in r.buckets}
+    grad_is_view = True
     for xb, yb in loader:
         with engine.accumulate():
             loss = F.mse_loss(model(xb), yb)
             engine.backward(loss)
+            grad_is_view &= all(p.grad.untyped_storage().data_ptr() in flats for p in model.parameters())
             optimizer.step()
             optimizer.zero_grad()
         losses.append(engine.reduce(loss.detach(), "mean").item())
-    grad_is_view = all(
-        p.grad is not None and p.grad.untyped_storage().data_ptr() != p.untyped_storage().data_ptr()
-        for p in model.parameters()
-    )
     return {"losses": losses, "state": engine.get_state_dict(model), "desc": engine.strategy.describe(), "views": grad_is_view}
 
 

@@ -191,12 +191,13 @@ class Engine:
         in_window = self._in_accumulate
         window_len = self._micro_steps if in_window else 1
         if mode == "mean":
-            if in_window and self.config.grad_accum_steps > 1:
-                loss = loss / self.config.grad_accum_steps
+            # Averaging over the window and the replicas is folded into the loss: a scalar multiply here
+            # instead of a pass over every gradient before the all-reduce.
+            accum = self.config.grad_accum_steps if in_window else 1
+            loss = loss * (1.0 / (accum * self.topology.dp_size))
             if self.sync_gradients:
                 # A short last window (the DataLoader ran out) still averages over the micro-batches it had.
-                correction = self.config.grad_accum_steps / window_len if in_window else 1.0
-                self.strategy.set_grad_scale(correction / self.topology.dp_size)
+                self.strategy.set_grad_scale(accum / window_len)
         else:
             n = torch.as_tensor(items, dtype=torch.float64, device=self.device).reshape(())
             self._window_items = n if self._window_items is None else self._window_items + n

@@ -165,17 +165,20 @@ class GradReducer:
             b.reset()
         self._next_bucket = 0
 
-    def zero_grad(self, params: set[torch.Tensor] | None = None) -> None:
+    def zero_grad(self, params: set[torch.Tensor] | None = None, set_to_none: bool = True) -> None:
+        """Drop the gradients (the next hook copies autograd's fresh tensor into the bucket), or zero them."""
         for b in self.buckets:
-            if params is None or all(p in params for p in b.params):
+            whole = params is None or all(p in params for p in b.params)
+            if whole and not set_to_none:
                 b.flat.zero_()
-            else:
-                for p, v in zip(b.params, b.views):
-                    if p in params:
-                        v.zero_()
             for p, v in zip(b.params, b.views):
                 if params is None or p in params:
-                    p.grad = v
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        if not whole:
+                            v.zero_()
+                        p.grad = v
 
     def remove(self) -> None:
         for h in self._handles:
@@ -252,7 +255,7 @@ class DDPStrategy(Strategy):
         params = {p for group in optimizer.param_groups for p in group["params"]}
         bucketed: set[torch.Tensor] = set()
         for r in self.reducers:
-            r.zero_grad(params)
+            r.zero_grad(params, set_to_none)
             bucketed.update(p for b in r.buckets for p in b.params)
         # Gradients that live outside our buckets get the optimizer's usual treatment.
         for p in params - bucketed:

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Sets up .venv and runs the whole test suite. Extra arguments go to pytest (e.g. -k ddp).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+set +e
+.venv/bin/python -m pytest -q "$@"
+code=$?
+set -e
+if [ "$code" -eq 5 ]; then
+  echo "pytest collected no tests: the suite is missing or the selection matched nothing" >&2
+  exit 1
+fi
+exit "$code"
