@@ -183,3 +183,23 @@ def _mismatched_models() -> str:
 def test_models_that_differ_between_ranks_are_refused(run_ranks):
     for message in run_ranks(_mismatched_models, 2):
         assert "differs between ranks" in message
+
+
+def _bytes_per_window(accum: int) -> dict:
+    engine = phalanx.Engine(grad_accum_steps=accum)
+    model = engine.prepare(OddNet())
+    x, y = make_data(4 * accum)
+    seen = []
+    for micro in range(accum):
+        with engine.accumulate():
+            before = engine.strategy.stats.bytes["all_reduce"]
+            rows = slice(4 * micro, 4 * micro + 4)
+            engine.backward(F.mse_loss(model(x[rows]), y[rows]))
+            seen.append(engine.strategy.stats.bytes["all_reduce"] - before)
+    grad_bytes = sum(p.numel() * 4 for p in model.parameters())
+    return {"per_micro": seen, "grad_bytes": grad_bytes}
+
+
+def test_accumulation_window_communicates_only_at_its_end(run_ranks):
+    for res in run_ranks(_bytes_per_window, 2, 4):
+        assert res["per_micro"] == [0, 0, 0, res["grad_bytes"]]
