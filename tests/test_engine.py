@@ -382,3 +382,17 @@ def _main_process_first(path: str) -> bool:
 
 def test_main_process_first_runs_rank_0_before_the_others(run_ranks, tmp_path):
     assert run_ranks(_main_process_first, 3, str(tmp_path / "cache")) == [True, True, True]
+
+
+def _gather_after_a_padded_pass() -> dict:
+    engine = phalanx.Engine()
+    loader = engine.prepare(DataLoader(_Indices(3), batch_size=1))  # 3 samples on 2 ranks: the tail is padded
+    inside = [engine.gather_for_metrics(batch).tolist() for batch in loader]
+    after = engine.gather_for_metrics(torch.tensor([float(engine.rank)])).tolist()
+    return {"inside": inside, "after": after}
+
+
+def test_gather_after_the_loop_is_not_trimmed(run_ranks):
+    for res in run_ranks(_gather_after_a_padded_pass, 2):
+        assert res["inside"] == [[0, 1], [2]]
+        assert res["after"] == [0.0, 1.0]  # a per-rank value gathered once the pass is over keeps both ranks

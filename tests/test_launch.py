@@ -184,3 +184,20 @@ def test_single_node_launch_listens_on_loopback_only(tmp_path):
     for rank in (0, 1):
         line = next(l for l in proc.stdout.splitlines() if l.startswith(f"rank {rank} "))
         assert int(line.split()[4]) >= 1 and line.endswith("non-loopback: []"), line
+
+
+def test_demo_runs_end_to_end_on_two_ranks(tmp_path):
+    proc = _run(["demo", "-n", "2", "--", "--steps", "4", "--layers", "1", "--eval-batches", "1", "--sample-bytes", "16",
+                 "--max-bytes", "200000"], tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "phalanx demo summary" in out and "world size          2" in out
+    assert "rank 0: peak RSS" in out and "rank 1: peak RSS" in out
+    loss = float(out.split("final train loss")[1].split()[0])
+    assert 0 < loss < 6.0  # bytes: a uniform guess is ln(256) = 5.55; a few steps already beat 6
+
+
+def test_demo_rejects_bad_options_before_starting_processes(tmp_path):
+    proc = _run(["demo", "--steps", "0"], tmp_path)
+    assert proc.returncode == 2 and "--steps must be >= 1; got 0" in proc.stderr
+    assert "rank 0 failed" not in proc.stderr

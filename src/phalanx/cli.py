@@ -69,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="train a small byte-level GPT on the Python standard library's source")
     _add_launch_flags(p)
     _add_engine_flags(p)
-    p.add_argument("demo_args", nargs=argparse.REMAINDER, help="demo options; see `phalanx demo -- --help`")
+    p.epilog = "Demo options (e.g. --steps 50) follow the flags above, or come after --; see `phalanx demo -- --help`."
     return parser
 
 
@@ -93,7 +93,18 @@ def _env_report() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ns = _parser().parse_args(argv)
+    parser = _parser()
+    args = list(sys.argv[1:] if argv is None else argv)
+    after_separator: list[str] = []
+    if args[:1] == ["demo"] and "--" in args:
+        cut = args.index("--")
+        args, after_separator = args[:cut], args[cut + 1 :]
+    ns, unknown = parser.parse_known_args(args)
+    if ns.command == "demo":
+        # Options phalanx does not know are the demo's, in the order given.
+        ns.demo_args = unknown + after_separator
+    elif unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         if ns.command == "env":
             print(_env_report())
@@ -108,12 +119,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if ns.command == "launch":
                 return launch(cfg, ns.script, ns.script_args, module=ns.module)
             if ns.command == "demo":
-                demo_args = [a for a in ns.demo_args if a != "--"]
-                if ns.nproc_per_node is None:
-                    from phalanx.demo import default_nproc
+                from phalanx.demo import default_nproc, parse_args
 
+                parse_args(ns.demo_args)  # --help and bad options end here, before any process starts
+                if ns.nproc_per_node is None:
                     cfg.launch.nproc_per_node = default_nproc()
-                return launch(cfg, "phalanx.demo", demo_args, module=True)
+                return launch(cfg, "phalanx.demo", ns.demo_args, module=True)
         except LaunchError as e:
             print(f"phalanx {ns.command}: {e}", file=sys.stderr)
             return 2

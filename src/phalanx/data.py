@@ -22,7 +22,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 
 from phalanx.logging import warn_once
 
-__all__ = ["GlobalBatchSampler", "PreparedDataLoader", "LoaderState", "move_to_device"]
+__all__ = ["ActiveLoaders", "GlobalBatchSampler", "PreparedDataLoader", "LoaderState", "move_to_device"]
 
 
 @dataclass
@@ -40,6 +40,30 @@ class LoaderState:
         if self.real_size < self.padded_size and gathered_len == self.padded_size:
             return self.real_size
         return gathered_len
+
+
+class ActiveLoaders:
+    """The prepared loaders now being iterated, innermost last (e.g. an eval pass inside a training epoch).
+
+    ``gather_for_metrics`` trims and ``accumulate`` ends a window by the innermost one; once a pass ends
+    (or is abandoned) its loader leaves the stack, so a later gather of other data is never trimmed.
+    """
+
+    def __init__(self) -> None:
+        self._stack: list[LoaderState] = []
+
+    def enter(self, state: LoaderState) -> None:
+        self._stack.append(state)
+
+    def leave(self, state: LoaderState) -> None:
+        self._stack = [s for s in self._stack if s is not state]
+
+    def trim(self, gathered_len: int) -> int:
+        return self._stack[-1].trim(gathered_len) if self._stack else gathered_len
+
+    @property
+    def end_of_dataloader(self) -> bool:
+        return bool(self._stack) and self._stack[-1].end_of_dataloader
 
 
 class GlobalBatchSampler(Sampler[list[int]]):
@@ -128,7 +152,9 @@ class PreparedDataLoader(DataLoader):
     ``state_dict()`` gives the position in the epoch in samples, which resumes on any world size.
     """
 
-    def __init__(self, loader: DataLoader, rank: int, world_size: int, seed: int, device: torch.device, state: LoaderState) -> None:
+    def __init__(
+        self, loader: DataLoader, rank: int, world_size: int, seed: int, device: torch.device, active: ActiveLoaders
+    ) -> None:
         if isinstance(loader.dataset, IterableDataset):
             raise TypeError(
                 f"engine.prepare cannot shard an IterableDataset ({type(loader.dataset).__name__}): it has no length "
@@ -169,8 +195,8 @@ class PreparedDataLoader(DataLoader):
         super().__init__(loader.dataset, **kwargs)
         self.device = device
         self._non_blocking = pin and device.type == "cuda"
-        self._state = state
-        self._epoch_set_by_user = False
+        self._state = LoaderState()
+        self._active = active
         self._batches_done = 0
 
     @property
@@ -179,7 +205,6 @@ class PreparedDataLoader(DataLoader):
 
     def set_epoch(self, epoch: int) -> None:
         self.global_sampler.epoch = epoch
-        self._epoch_set_by_user = True
 
     def __len__(self) -> int:
         return len(self.global_sampler)
@@ -189,18 +214,24 @@ class PreparedDataLoader(DataLoader):
         reals = [real for _, real in sampler.chunks(sampler.epoch)]
         self._batches_done = sampler.start_batch
         total = len(sampler)
-        for i, batch in enumerate(super().__iter__()):
-            index = sampler.start_batch + i
-            self._state.real_size = reals[i]
-            self._state.padded_size = sampler.padded_size(reals[i])
-            self._state.end_of_dataloader = index == total - 1
-            self._batches_done = index + 1
-            yield move_to_device(batch, self.device, self._non_blocking)
+        state = self._state
+        self._active.enter(state)
+        try:
+            for i, batch in enumerate(super().__iter__()):
+                index = sampler.start_batch + i
+                state.real_size = reals[i]
+                state.padded_size = sampler.padded_size(reals[i])
+                state.end_of_dataloader = index == total - 1
+                self._batches_done = index + 1
+                yield move_to_device(batch, self.device, self._non_blocking)
+        finally:
+            self._active.leave(state)
+            state.real_size = state.padded_size = 0
+            state.end_of_dataloader = False
         # The pass is over: the next one starts a new epoch from its first batch.
         sampler.start_batch = 0
         self._batches_done = 0
         sampler.epoch += 1
-        self._epoch_set_by_user = False
 
     def state_dict(self) -> dict[str, Any]:
         sampler = self.global_sampler

@@ -6,16 +6,22 @@
 
 from __future__ import annotations
 
+import argparse
 import math
+import os
+import sys
 import sysconfig
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader
 
-__all__ = ["GPTConfig", "TinyGPT", "load_stdlib_bytes", "ByteChunks", "default_nproc"]
+__all__ = ["GPTConfig", "TinyGPT", "load_stdlib_bytes", "ByteChunks", "default_nproc", "parse_args", "main"]
 
 
 def default_nproc() -> int:
@@ -118,3 +124,244 @@ class ByteChunks(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         chunk = self.data[i * self.block_size : (i + 1) * self.block_size + 1].long()
         return chunk[:-1], chunk[1:]
+
+
+# ----------------------------------------------------------------------------------------- the demo
+class _RankZeroParser(argparse.ArgumentParser):
+    """Every rank parses the demo options; only rank 0 prints help and errors (every rank still exits)."""
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if os.environ.get("RANK", "0") == "0":
+            super()._print_message(message, file)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _RankZeroParser(
+        prog="phalanx demo --",
+        description="Train a byte-level GPT on the Python standard library's source with phalanx.Engine. Engine "
+        "options go before `--` (phalanx demo -n 2 --precision bf16-mixed -- --steps 100); these go after it.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    d = GPTConfig()
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per micro-batch")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="context length in bytes")
+    p.add_argument("--layers", type=int, default=d.n_layer)
+    p.add_argument("--heads", type=int, default=d.n_head)
+    p.add_argument("--d-model", type=int, default=d.n_embd, help="embedding width")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (linear warmup, then cosine to 10%%)")
+    p.add_argument("--warmup", type=int, default=None, help="warmup steps (None: 10%% of --steps, at most 100)")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--eval-batches", type=int, default=8, help="held-out batches per rank for the eval loss (0: skip)")
+    p.add_argument("--eval-fraction", type=float, default=0.05, help="share of the bytes held out for eval")
+    p.add_argument("--sample-bytes", type=int, default=200, help="bytes to generate at the end (0: skip)")
+    p.add_argument("--prompt", default="def ", help="prompt for the generated sample")
+    p.add_argument("--max-bytes", type=int, default=4_000_000, help="bytes of stdlib source to load")
+    p.add_argument("--log-every", type=int, default=10, help="read the loss for the progress bar every N steps")
+    p.add_argument("--metrics-jsonl", default=None, metavar="PATH", help="also append metrics to this JSONL file")
+    return p
+
+
+def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    for name in ("steps", "batch_size", "block_size", "layers", "heads", "d_model", "max_bytes", "log_every"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(a, name)}")
+    for name in ("eval_batches", "sample_bytes"):
+        if getattr(a, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0; got {getattr(a, name)}")
+    if a.d_model % a.heads:
+        p.error(f"--d-model ({a.d_model}) must be divisible by --heads ({a.heads})")
+    if not 0.0 <= a.eval_fraction < 1.0:
+        p.error(f"--eval-fraction must be in [0, 1); got {a.eval_fraction}")
+    if a.lr <= 0:
+        p.error(f"--lr must be > 0; got {a.lr}")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse and check the demo options; `phalanx demo` calls it before starting any process."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
+    return args
+
+
+def _lr_lambda(steps: int, warmup: int, floor: float = 0.1) -> Callable[[int], float]:
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+def _forever(loader: Iterable[Any]) -> Iterator[Any]:
+    """Batches from pass after pass over ``loader`` (a prepared loader reshuffles each pass by itself)."""
+    while True:
+        yielded = False
+        for batch in loader:
+            yielded = True
+            yield batch
+        if not yielded:
+            raise RuntimeError("the training DataLoader is empty")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import phalanx
+    from phalanx.tracking import JsonlMetrics, ProgressBar, Throughput, format_count, gather_peak_memory
+
+    parser = _parser()
+    args = parse_args(argv)
+
+    engine = phalanx.Engine()
+    cfg = engine.config
+    accum = cfg.grad_accum_steps
+    dp = engine.topology.dp_size
+
+    # ---- data: the stdlib's source, the tail held out for eval
+    data = load_stdlib_bytes(args.max_bytes)
+    n_eval = int(len(data) * args.eval_fraction) if args.eval_batches else 0
+    train_bytes, eval_bytes = data[: len(data) - n_eval], data[len(data) - n_eval :]
+    train_set = ByteChunks(train_bytes, args.block_size)
+    if len(train_set) < args.batch_size * dp:
+        parser.error(
+            f"{len(train_bytes)} training bytes make only {len(train_set)} sequences of {args.block_size + 1} bytes, "
+            f"fewer than one global batch ({args.batch_size} x {dp} ranks); raise --max-bytes or lower --batch-size"
+        )
+    loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True)
+
+    # ---- model, optimizer, schedule
+    gpt_cfg = GPTConfig(block_size=args.block_size, n_layer=args.layers, n_head=args.heads, n_embd=args.d_model)
+    model = TinyGPT(gpt_cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr, betas=(0.9, 0.95),
+    )
+    warmup = args.warmup if args.warmup is not None else max(1, min(100, args.steps // 10))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(args.steps, warmup))
+    model, optimizer, loader, scheduler = engine.prepare(model, optimizer, loader, scheduler)
+
+    engine.print(
+        f"phalanx demo: TinyGPT {format_count(n_params)} params ({args.layers} layers, {args.heads} heads, d_model "
+        f"{args.d_model}, context {args.block_size} bytes) on {format_count(len(train_bytes))}B of stdlib source "
+        f"({format_count(len(eval_bytes))}B held out)\n"
+        f"  {cfg.strategy} x {engine.world_size} rank(s) on {engine.device.type}, {cfg.precision}, global batch "
+        f"{args.batch_size} x {dp} x {accum} accum = {format_count(args.batch_size * dp * accum * args.block_size)} "
+        f"tokens/step, {args.steps} steps",
+        flush=True,
+    )
+
+    # ---- train
+    tokens_per_micro = args.batch_size * args.block_size * dp  # global tokens in one micro-batch
+    recent: deque[torch.Tensor] = deque(maxlen=args.log_every * accum)  # last log_every steps' detached losses: no sync
+    bar = ProgressBar(total=args.steps, enabled=engine.is_main_process, desc="train")
+    metrics = JsonlMetrics(args.metrics_jsonl, enabled=engine.is_main_process)
+    meter = Throughput()
+    steps_done, skipped = 0, 0
+    model.train()
+    for x, y in _forever(loader):
+        with engine.accumulate():
+            logits = model(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+            engine.backward(loss)
+            engine.clip_grad_norm_(1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        recent.append(loss.detach())
+        meter.add(tokens_per_micro)
+        if not engine.sync_gradients:
+            continue
+        steps_done += 1
+        skipped += int(engine.step_was_skipped)
+        if engine.is_main_process:
+            if steps_done % args.log_every == 0 or steps_done == args.steps:
+                shown_loss = torch.stack(list(recent)).mean().item()  # the only host sync, every log_every steps
+                tps = meter.rate()
+                lr = scheduler.get_last_lr()[0]
+                bar.update(1, loss=shown_loss, tokens_per_s=tps, lr=lr)
+                metrics.log(step=steps_done, loss=shown_loss, tokens_per_s=tps, lr=lr)
+            else:
+                bar.update(1)  # no sync: only the count moves
+        if steps_done >= args.steps:
+            break
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    train_time = meter.elapsed()
+    bar.close()
+    # Every rank's mean loss over its last log_every steps, averaged over the ranks.
+    train_loss = engine.reduce(torch.stack(list(recent)).mean().float(), "mean").item()
+
+    # ---- eval on the held-out tail: per-sequence losses gathered in global order
+    eval_loss: float | None = None
+    if n_eval and args.eval_batches:
+        eval_set = ByteChunks(eval_bytes, args.block_size)
+        if len(eval_set) > 0:
+            eval_loader = engine.prepare(DataLoader(eval_set, batch_size=args.batch_size, shuffle=False))
+            model.eval()
+            losses = []
+            with torch.no_grad():
+                for i, (x, y) in enumerate(eval_loader):
+                    if i >= args.eval_batches:
+                        break
+                    logits = model(x)
+                    per_token = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), reduction="none")
+                    losses.append(engine.gather_for_metrics(per_token.view(x.shape[0], -1).mean(dim=1)))
+            model.train()
+            eval_loss = torch.cat(losses).mean().item() if losses else None
+            metrics.log(step=steps_done, eval_loss=eval_loss, eval_sequences=sum(len(t) for t in losses))
+
+    memory = gather_peak_memory(engine.device)  # collective: every rank
+
+    # ---- a sample from rank 0 only; the other ranks wait for it below
+    sample = ""
+    if engine.is_main_process and args.sample_bytes:
+        net = engine.unwrap_model(model)
+        net.eval()
+        prompt_bytes = args.prompt.encode("utf-8") or b"\n"
+        prompt = torch.tensor([list(prompt_bytes)], dtype=torch.long, device=engine.device)
+        torch.manual_seed(cfg.seed)
+        out = net.generate(prompt, args.sample_bytes)
+        sample = bytes(out[0].tolist()).decode("utf-8", errors="replace")
+        net.train()
+
+    # ---- summary
+    global_tps = meter.total_tokens / train_time if train_time > 0 else 0.0
+    mem_lines = []
+    for r, m in enumerate(memory):
+        line = f"    rank {r}: peak RSS {m['rss_mib']:.0f} MiB"
+        if "cuda_mib" in m:
+            line += f", peak CUDA allocated {m['cuda_mib']:.0f} MiB"
+        mem_lines.append(line)
+    lines = [
+        "",
+        "phalanx demo summary",
+        f"  strategy            {cfg.strategy}",
+        f"  world size          {engine.world_size} ({engine.device.type}, {dp} data-parallel)",
+        f"  precision           {cfg.precision}",
+        f"  steps               {steps_done}" + (f" of {accum} micro-batches" if accum > 1 else "")
+        + (f" ({skipped} skipped: fp16 overflow)" if skipped else ""),
+        f"  tokens              {format_count(meter.total_tokens)} in {train_time:.1f} s",
+        f"  tokens/s (global)   {format_count(global_tps)}",
+        "  peak memory per rank",
+        *mem_lines,
+        f"  final train loss    {train_loss:.4f}  (mean of the last {len(recent)} micro-batches, all ranks)",
+        f"  eval loss           " + (f"{eval_loss:.4f}  (held-out tail of the corpus)" if eval_loss is not None else "skipped"),
+    ]
+    if sample:
+        lines += ["  sample (rank 0, prompt " + repr(args.prompt) + "):", *("    | " + s.rstrip() for s in sample.splitlines())]
+    engine.print("\n".join(lines), flush=True)
+    metrics.log(
+        summary=True, strategy=cfg.strategy, world_size=engine.world_size, precision=cfg.precision, steps=steps_done,
+        tokens_per_s=global_tps, train_loss=train_loss, eval_loss=eval_loss, peak_memory=memory,
+    )
+    metrics.close()
+    engine.wait()  # rank 0 generated while the others waited here: leave together
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

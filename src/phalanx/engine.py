@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 
 from phalanx.comm import REDUCE_OPS, all_gather_varlen, all_reduce
 from phalanx.config import EngineConfig, resolve_config
-from phalanx.data import LoaderState, PreparedDataLoader
+from phalanx.data import ActiveLoaders, PreparedDataLoader
 from phalanx.logging import configure_logging, get_logger
 from phalanx.precision import Precision
 from phalanx.runtime import WorldInfo, detect_world, init_distributed, pick_device
@@ -69,7 +69,7 @@ class Engine:
 
         self._models: list[nn.Module] = []
         self._optimizers: list[PreparedOptimizer] = []
-        self._loader_state = LoaderState()
+        self._loaders = ActiveLoaders()
         self.sync_gradients = True
         """True when the current micro-batch ends an accumulation window (gradients are reduced, steps happen)."""
         self.step_was_skipped = False
@@ -130,7 +130,7 @@ class Engine:
 
     def prepare_loader(self, loader: DataLoader) -> PreparedDataLoader:
         return PreparedDataLoader(
-            loader, self.topology.dp_rank, self.topology.dp_size, self.config.seed, self.device, self._loader_state
+            loader, self.topology.dp_rank, self.topology.dp_size, self.config.seed, self.device, self._loaders
         )
 
     def unwrap_model(self, model: nn.Module) -> nn.Module:
@@ -154,7 +154,7 @@ class Engine:
             raise RuntimeError("engine.accumulate() is already active; do not nest it")
         self._micro_steps += 1
         self.sync_gradients = (
-            self._micro_steps >= self.config.grad_accum_steps or self._loader_state.end_of_dataloader
+            self._micro_steps >= self.config.grad_accum_steps or self._loaders.end_of_dataloader
         )
         self._in_accumulate = True
         try:
@@ -279,7 +279,7 @@ class Engine:
         """
         if isinstance(data, torch.Tensor):
             gathered = all_gather_varlen(data, group=self.topology.dp_group)
-            return gathered[: self._loader_state.trim(gathered.shape[0])]
+            return gathered[: self._loaders.trim(gathered.shape[0])]
         if isinstance(data, Mapping):
             return type(data)({k: self.gather_for_metrics(v) for k, v in data.items()})  # type: ignore[call-arg]
         if isinstance(data, (list, tuple)) and data and all(isinstance(x, torch.Tensor) for x in data):
@@ -290,7 +290,7 @@ class Engine:
             parts: list[Any] = [None] * self.topology.dp_size
             dist.all_gather_object(parts, data, group=self.topology.dp_group)
             flat = [x for part in parts for x in part]
-            return flat[: self._loader_state.trim(len(flat))]
+            return flat[: self._loaders.trim(len(flat))]
         raise TypeError(
             f"gather_for_metrics takes tensors, or lists, tuples and dicts of them; got {type(data).__name__}"
         )
