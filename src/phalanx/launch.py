@@ -234,27 +234,25 @@ def _collect(procs: list[Any], readers: list[Connection], timeout: float | None)
     deadline = None if timeout is None else time.monotonic() + timeout
     open_readers = dict(enumerate(readers))
     while len(results) < len(procs):
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if left == 0.0:
+        if deadline is not None and time.monotonic() >= deadline:
             running = [r for r in range(len(procs)) if r not in results]
             raise TimeoutError(f"spawned ranks {running} did not finish within {timeout} s")
-        waitables: list[Any] = list(open_readers.values()) + [p.sentinel for p in procs]
-        wait(waitables, timeout=min(left, 1.0) if left is not None else 1.0)
+        wait([*open_readers.values(), *(p.sentinel for p in procs)], timeout=1.0)
         for rank, reader in list(open_readers.items()):
-            if reader.poll():
-                try:
-                    ok, payload = pickle.loads(reader.recv_bytes())
-                except EOFError:
-                    del open_readers[rank]
-                    continue
-                del open_readers[rank]
-                if not ok:
-                    raise SpawnError(rank, f"rank {rank} failed:\n{payload}")
-                results[rank] = payload
+            if not reader.poll():
+                continue
+            del open_readers[rank]
+            try:
+                ok, payload = pickle.loads(reader.recv_bytes())
+            except EOFError:
+                continue  # closed without a word: the exit code below tells what happened
+            if not ok:
+                raise SpawnError(rank, f"rank {rank} failed:\n{payload}")
+            results[rank] = payload
         for rank, p in enumerate(procs):
-            if rank not in results and rank not in open_readers and p.exitcode is not None:
-                raise SpawnError(rank, f"rank {rank} exited with code {p.exitcode} before returning a result")
-            if rank not in results and p.exitcode not in (None, 0) and not readers[rank].poll():
+            # A rank sends its result before it exits, so an exited rank with nothing left to read has failed.
+            pending = rank in open_readers and open_readers[rank].poll()
+            if rank not in results and p.exitcode is not None and not pending:
                 raise SpawnError(rank, f"rank {rank} exited with code {p.exitcode} before returning a result")
     return [results[r] for r in range(len(procs))]
 
