@@ -30,7 +30,7 @@ def test_engine_places_model_and_batches_on_the_local_gpu():
 
 
 def _nccl_ddp() -> list[float]:
-    engine = phalanx.Engine()
+    engine = phalanx.Engine(device="cuda")
     torch.manual_seed(engine.rank)
     model = torch.nn.Linear(8, 2)
     model = engine.prepare(model)

@@ -203,3 +203,88 @@ def _bytes_per_window(accum: int) -> dict:
 def test_accumulation_window_communicates_only_at_its_end(run_ranks):
     for res in run_ranks(_bytes_per_window, 2, 4):
         assert res["per_micro"] == [0, 0, 0, res["grad_bytes"]]
+
+
+def _launch_order() -> dict:
+    """Record each bucket's all-reduce: its size, and how many gradients had landed when it started."""
+    import phalanx.strategies.ddp as ddp_module
+
+    engine = phalanx.Engine(bucket_mb=1e-6)  # one bucket per parameter
+    model = engine.prepare(OddNet())
+    landed, launches = [0], []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda _p: landed.__setitem__(0, landed[0] + 1))
+    real_all_reduce = ddp_module.dist.all_reduce
+
+    def recording_all_reduce(tensor, *args, **kwargs):
+        launches.append((tensor.numel(), landed[0]))
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    ddp_module.dist.all_reduce = recording_all_reduce
+    x, y = make_data(4)
+    engine.backward(F.mse_loss(model(x), y))
+    ddp_module.dist.all_reduce = real_all_reduce
+    return {"launches": launches, "numels": [p.numel() for p in model.parameters()]}
+
+
+def test_buckets_launch_in_reverse_parameter_order_during_backward(run_ranks):
+    for res in run_ranks(_launch_order, 2):
+        sizes = [n for n, _ in res["launches"]]
+        assert sizes == res["numels"][::-1]
+        # Our hook runs before the counting hook, so bucket k starts after k gradients were counted:
+        # the first all-reduces start while backward is still producing the other gradients.
+        assert [at for _, at in res["launches"]] == list(range(len(sizes)))
+
+
+def _unused_on_rank_1_only() -> None:
+    engine = phalanx.Engine()
+    model = engine.prepare(_PartlyUsed())
+    x = torch.ones(3, 4)
+    out = model.used(x) + (model.unused(x) if engine.rank == 0 else 0)
+    engine.backward(out.sum())
+
+
+def test_parameter_unused_on_one_rank_fails_without_hanging(run_ranks):
+    with pytest.raises(phalanx.launch.SpawnError) as info:
+        run_ranks(_unused_on_rank_1_only, 2, timeout=60)
+    assert info.value.rank == 1 and "unused.weight" in str(info.value)
+
+
+def _reentrant_checkpoint() -> str:
+    from torch.utils.checkpoint import checkpoint
+
+    engine = phalanx.Engine(find_unused_parameters=True)
+    model = engine.prepare(OddNet())
+    x, y = make_data(4)
+    try:
+        hidden = torch.tanh(model.fc1(x)) * model.scale
+        # The last layers are checkpointed: their backward runs as a nested backward inside the outer one.
+        out = checkpoint(lambda h: model.out(torch.relu(model.fc2(h))), hidden, use_reentrant=True)
+        engine.backward(F.mse_loss(out, y))
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_reentrant_checkpoint_is_refused_rather_than_reducing_twice(run_ranks):
+    for message in run_ranks(_reentrant_checkpoint, 2):
+        assert "use_reentrant=False" in message
+
+
+def _plain_backward_after_engine_backward() -> list[float]:
+    engine = phalanx.Engine()
+    model = engine.prepare(torch.nn.Linear(1, 1, bias=False))
+    x = torch.full((1, 1), float(engine.rank + 1))
+    grads = []
+    for use_engine in (True, False):
+        if use_engine:
+            engine.backward(model(x).sum())
+        else:
+            model(x).sum().backward()  # a user who calls backward directly still gets the mean over ranks
+        grads.append(model.weight.grad.item())
+        model.zero_grad()
+    return grads
+
+
+def test_plain_backward_still_averages_after_engine_backward(run_ranks):
+    assert run_ranks(_plain_backward_after_engine_backward, 2) == [[1.5, 1.5], [1.5, 1.5]]

@@ -339,7 +339,8 @@ def test_train_step_equals_the_hand_written_loop(run_ranks):
 
 # ------------------------------------------------------------------------ sampler state, helpers
 def test_sampler_resumes_mid_epoch_on_another_world_size():
-    """Position is kept in samples: saved on 2 ranks after 3 batches, resumed on 1 and on 4 ranks."""
+    """Position is kept in samples: saved after 3 global batches, it resumes the same global sequence whether
+    the loader then runs on 1, 2 or 4 ranks (the samplers of each rank are built here side by side)."""
     from phalanx.data import GlobalBatchSampler
 
     def global_batches(world: int, start: int = 0, epoch: int = 1) -> list[list[int]]:
@@ -363,6 +364,7 @@ def test_sampler_resumes_mid_epoch_on_another_world_size():
         assert global_batches(world, start=state["samples_done"] // 8) == straight[3:], world
     resumed = engine.prepare(DataLoader(_Indices(96), batch_size=8, shuffle=True))
     resumed.load_state_dict(state)
+    assert resumed.state_dict() == state  # saving again before the first batch keeps the position
     assert [b.tolist() for b in resumed] == straight[3:]
     assert [b.tolist() for b in resumed] == global_batches(1, epoch=2)  # the next pass is a fresh epoch
 
@@ -396,3 +398,65 @@ def test_gather_after_the_loop_is_not_trimmed(run_ranks):
     for res in run_ranks(_gather_after_a_padded_pass, 2):
         assert res["inside"] == [[0, 1], [2]]
         assert res["after"] == [0.0, 1.0]  # a per-rank value gathered once the pass is over keeps both ranks
+
+
+# ------------------------------------------------------------------- review regressions
+def _items_inside_no_sync() -> float:
+    engine = phalanx.Engine()
+    model = engine.prepare(torch.nn.Linear(1, 1, bias=False))
+    torch.nn.init.ones_(model.weight)
+    with engine.no_sync():
+        engine.backward(model(torch.ones(3, 1)).sum(), items=3)
+    engine.backward(model(torch.ones(1, 1)).sum(), items=1)
+    return model.weight.grad.item()
+
+
+def _two_optimizers_fp16_clip() -> dict:
+    engine = phalanx.Engine(precision="fp16-mixed")
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    sched_a = torch.optim.lr_scheduler.StepLR(opt_a, 1, gamma=0.5)
+    sched_b = torch.optim.lr_scheduler.StepLR(opt_b, 1, gamma=0.5)
+    a, b, opt_a, opt_b, sched_a, sched_b = engine.prepare(a, b, opt_a, opt_b, sched_a, sched_b)
+    scale0 = engine.precision.loss_scale
+    x = torch.full((2, 4), 0.01)
+    engine.backward(b(a(x)).mean())
+    engine.clip_grad_norm_(100.0)
+    grad_b = b.bias.grad.clone()
+    for opt, sched in ((opt_a, sched_a), (opt_b, sched_b)):
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return {"grad_b": grad_b.item(), "lrs": [sched_a.get_last_lr()[0], sched_b.get_last_lr()[0]],
+            "scale": (scale0, engine.precision.loss_scale), "skipped": engine.step_was_skipped}
+
+
+def _existing_process_group() -> tuple[int, int, float]:
+    import os
+
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    init = os.environ.pop("PHALANX_INIT_METHOD")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # as after mp.spawn: nothing in the environment
+        os.environ.pop(var)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    engine = phalanx.Engine()
+    model = engine.prepare(torch.nn.Linear(1, 1, bias=False))
+    engine.backward(model(torch.full((1, 1), float(rank + 1))).sum())
+    grad = model.weight.grad.item()
+    dist.destroy_process_group()
+    return engine.rank, engine.world_size, grad
+
+
+def test_review_regressions(run_ranks):
+    # items= inside no_sync: normalised by all 4 items of the window, not by the last micro-batch's 1
+    assert run_ranks(_items_inside_no_sync, 1) == [1.0]
+    # two optimizers: each scheduler counts its own step; fp16 unscales each optimizer once
+    for res in run_ranks(_two_optimizers_fp16_clip, 2):
+        assert res["lrs"] == [0.05, 0.05]
+        assert res["grad_b"] == pytest.approx(1.0, rel=1e-3)  # d mean / d bias = 1, unscaled once
+        assert not res["skipped"] and res["scale"][1] == res["scale"][0]
+    # a process group the script made itself is the world
+    assert run_ranks(_existing_process_group, 2) == [(0, 2, 1.5), (1, 2, 1.5)]

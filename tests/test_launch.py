@@ -36,9 +36,8 @@ TRAIN = textwrap.dedent(
 
 
 def _run(args: list[str], cwd: Path, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*PHALANX, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
-    )
+    env = {**os.environ, "PHALANX_DEVICE": "cpu", **(env or {})}
+    return subprocess.run([*PHALANX, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 @pytest.fixture
@@ -52,13 +51,16 @@ def test_launch_runs_two_ranks_with_the_config_handed_down(script, tmp_path):
     config = tmp_path / "phalanx.yaml"
     config.write_text("precision: bf16-mixed\nlaunch:\n  nproc_per_node: 2\n")
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    # A PHALANX_* variable is overridden by the CLI flag, in the workers too.
+    env.update(PHALANX_DEVICE="cpu", PHALANX_STRATEGY="no-such-strategy")
     proc = subprocess.run(
         [*PHALANX, "launch", "--config", str(config), "--strategy", "ddp", str(script)],
         cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env,
     )
     assert proc.returncode == 0, proc.stderr
+    threads = max(1, (os.cpu_count() or 1) // 2)  # the launcher shares the cores among the processes
     for rank in (0, 1):
-        assert f"rank {rank} of 2 strategy ddp precision bf16-mixed sum 2 threads 1" in proc.stdout
+        assert f"rank {rank} of 2 strategy ddp precision bf16-mixed sum 2 threads {threads}" in proc.stdout
 
 
 def test_python_dash_m_phalanx_launch_works(script, tmp_path):
@@ -201,3 +203,8 @@ def test_demo_rejects_bad_options_before_starting_processes(tmp_path):
     proc = _run(["demo", "--steps", "0"], tmp_path)
     assert proc.returncode == 2 and "--steps must be >= 1; got 0" in proc.stderr
     assert "rank 0 failed" not in proc.stderr
+
+
+def test_two_nodes_on_loopback_is_refused(script, tmp_path):
+    proc = _run(["launch", "--nnodes", "2", "--master-port", "29999", str(script)], tmp_path)
+    assert proc.returncode == 2 and "needs the address of node 0" in proc.stderr

@@ -116,6 +116,11 @@ class LaunchConfig:
         )
         _require(0 <= self.master_port <= 65535, "master_port", self.master_port, "use a port in 1..65535, or 0 for a free one")
         _require(self.max_restarts >= 0, "max_restarts", self.max_restarts, "use 0 or more")
+        if self.nnodes > 1 and self.rdzv_endpoint is None and self.master_addr in ("127.0.0.1", "localhost", "::1"):
+            raise ConfigError(
+                f"nnodes={self.nnodes} needs the address of node 0 that the other nodes can reach; got master_addr="
+                f"{self.master_addr!r}, which is this machine's loopback (pass --master-addr <node 0's address>)"
+            )
         if self.nnodes > 1 and self.master_port == 0 and self.rdzv_endpoint is None:
             raise ConfigError(
                 f"nnodes={self.nnodes} needs a fixed rendezvous port that every node knows; got master_port=0 "
@@ -234,7 +239,10 @@ def resolve_config(
         values[key] = _coerce(value, types_[name], key, where)
         origins[key] = where
 
-    if ENV_CONFIG_JSON in env:
+    handed_down = ENV_CONFIG_JSON in env
+    if handed_down:
+        # The launcher already layered file < env < CLI; re-reading the environment here would let a
+        # PHALANX_* variable override a CLI flag.
         handed = json.loads(env[ENV_CONFIG_JSON])
         for key, value in handed["values"].items():
             put(key, value, handed["origins"].get(key, "launcher"))
@@ -248,7 +256,7 @@ def resolve_config(
                     put(f"launch.{sub}", v, where)
             else:
                 put(str(key), value, where)
-    for var, text in env.items():
+    for var, text in ({} if handed_down else env).items():
         if var.startswith(_ENV_PREFIX) and var not in _ENV_NOT_FIELDS:
             name = var[len(_ENV_PREFIX):].lower()
             if name in engine_types:

@@ -177,7 +177,9 @@ class PreparedDataLoader(DataLoader):
                 f"using the order of the custom sampler {type(sampler).__name__} as the global order; it must give "
                 "the same order on every rank (seed it the same everywhere)"
             )
-        batch_sampler = GlobalBatchSampler(len(loader.dataset), batch_size, rank, world_size, shuffle, seed, drop_last, base)  # type: ignore[arg-type]
+        # A custom sampler may pick a subset, or draw more samples than the dataset holds: count what it yields.
+        num_samples = len(base) if base is not None else len(loader.dataset)  # type: ignore[arg-type]
+        batch_sampler = GlobalBatchSampler(num_samples, batch_size, rank, world_size, shuffle, seed, drop_last, base)
         pin = loader.pin_memory or device.type == "cuda"
         kwargs: dict[str, Any] = dict(
             batch_sampler=batch_sampler,
@@ -253,4 +255,5 @@ class PreparedDataLoader(DataLoader):
         sampler.epoch = int(state["epoch"])
         sampler.seed = int(state["seed"])
         sampler.start_batch = state["samples_done"] // g
+        self._batches_done = sampler.start_batch
 

@@ -78,7 +78,8 @@ class Engine:
         self._in_accumulate = False
         self._window_items: torch.Tensor | None = None
         self._window_mode: str | None = None
-        self._stepped = False  # an optimizer step happened that the scheduler has not yet counted
+        self._stepped: set[int] = set()  # optimizers that stepped and whose schedulers have not yet counted it
+        self._no_sync_depth = 0
 
     # ------------------------------------------------------------------ world
     @property
@@ -168,8 +169,12 @@ class Engine:
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward inside only accumulates local gradients; the next backward outside reduces them all."""
-        with self.strategy.no_sync():
-            yield
+        self._no_sync_depth += 1
+        try:
+            with self.strategy.no_sync():
+                yield
+        finally:
+            self._no_sync_depth -= 1
 
     def autocast(self) -> Any:
         """The forward-pass autocast of the configured precision (prepared models already use it)."""
@@ -190,25 +195,26 @@ class Engine:
         self._window_mode = mode
         in_window = self._in_accumulate
         window_len = self._micro_steps if in_window else 1
+        boundary = self.sync_gradients and self._no_sync_depth == 0  # this backward reduces the gradients
         if mode == "mean":
             # Averaging over the window and the replicas is folded into the loss: a scalar multiply here
             # instead of a pass over every gradient before the all-reduce.
             accum = self.config.grad_accum_steps if in_window else 1
             loss = loss * (1.0 / (accum * self.topology.dp_size))
-            if self.sync_gradients:
+            if boundary:
                 # A short last window (the DataLoader ran out) still averages over the micro-batches it had.
                 self.strategy.set_grad_scale(accum / window_len)
         else:
             n = torch.as_tensor(items, dtype=torch.float64, device=self.device).reshape(())
             self._window_items = n if self._window_items is None else self._window_items + n
-            if self.sync_gradients:
+            if boundary:
                 total = self._window_items.clone()
                 all_reduce(total, "sum", group=self.topology.dp_group)
                 self.strategy.set_grad_scale((1.0 / total).to(torch.float32))
-        if self.sync_gradients:
+        if boundary:
             self._window_items, self._window_mode = None, None
         self.precision.scale_loss(loss).backward(**kwargs)
-        if self.sync_gradients:
+        if boundary:
             self.strategy.finish_gradient_sync()
 
     def clip_grad_norm_(self, *args: Any, norm_type: float = 2.0) -> torch.Tensor | None:
@@ -234,11 +240,17 @@ class Engine:
     def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.strategy.finish_gradient_sync()
         self.step_was_skipped = self.precision.step(optimizer)
-        self._stepped = not self.step_was_skipped
+        if not self.step_was_skipped:
+            self._stepped.add(id(optimizer))
+        self.precision.end_round_if_complete([o.optimizer for o in self._optimizers])
+        self.strategy.after_optimizer_step()
 
-    def _consume_step(self) -> bool:
-        stepped, self._stepped = self._stepped, False
-        return stepped
+    def _consume_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """True once for each real step of ``optimizer``: its scheduler counts that step."""
+        if id(optimizer) in self._stepped:
+            self._stepped.discard(id(optimizer))
+            return True
+        return False
 
     def train_step(self, batch: Any, loss_fn: Callable[[nn.Module, Any], Any]) -> torch.Tensor:
         """One micro-batch of training: forward, backward and, at the window's end, clip and step.
@@ -278,7 +290,8 @@ class Engine:
         exactly ``len(dataset)`` items, each once.
         """
         if isinstance(data, torch.Tensor):
-            gathered = all_gather_varlen(data, group=self.topology.dp_group)
+            # NCCL gathers device tensors only; CPU metrics travel through the engine's device.
+            gathered = all_gather_varlen(data.to(self.device), group=self.topology.dp_group)
             return gathered[: self._loaders.trim(gathered.shape[0])]
         if isinstance(data, Mapping):
             return type(data)({k: self.gather_for_metrics(v) for k, v in data.items()})  # type: ignore[call-arg]
@@ -392,6 +405,18 @@ class PreparedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state_dict)
 
+    def register_step_pre_hook(self, hook: Callable[..., Any]) -> Any:
+        return self.optimizer.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook: Callable[..., Any]) -> Any:
+        return self.optimizer.register_step_post_hook(hook)
+
+    def __getattr__(self, name: str) -> Any:
+        # Anything else (custom optimizer attributes) comes from the wrapped optimizer.
+        if name == "optimizer":
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise RuntimeError("add parameter groups before engine.prepare: the strategy has already laid out gradients")
 
@@ -414,7 +439,7 @@ class PreparedScheduler:
                 opt.schedulers.append(self)
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        if self._engine._consume_step():
+        if self._engine._consume_step(self.scheduler.optimizer):
             self.scheduler.step(*args, **kwargs)
 
     def get_last_lr(self) -> list[float]:

@@ -137,6 +137,10 @@ def launch(cfg: PhalanxConfig, script: str, script_args: Sequence[str] = (), mod
     except ChildFailedError as e:
         # The first failure in time is the cause; ranks that torchrun then stopped fail with a signal.
         rank, first = e.get_first_failure()
+        own_errors = {r: f for r, f in e.failures.items() if f.exitcode > 0}
+        if first.exitcode < 0 and own_errors:  # killed by a signal: torchrun stopping it, not its own error
+            rank = min(own_errors, key=lambda r: (own_errors[r].timestamp, r))
+            first = own_errors[rank]
         stopped = sorted(r for r in e.failures if r != rank)
         sys.stderr.write(
             f"phalanx launch: rank {rank} failed (exit code {first.exitcode}); its traceback is above. "
@@ -192,7 +196,7 @@ def spawn(
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1; got {nprocs}")
     module = sys.modules.get(getattr(fn, "__module__", ""), None)
-    if getattr(fn, "__module__", None) == "__main__" and not hasattr(module, "__file__") or fn.__name__ == "<lambda>":
+    if getattr(fn, "__module__", None) == "__main__" and not hasattr(module, "__file__") or getattr(fn, "__name__", "") == "<lambda>":
         raise ValueError(
             f"phalanx.spawn needs a function that new processes can import; {fn!r} lives in an interactive "
             "session or is a lambda. Put it in a .py file next to the notebook and import it from there"

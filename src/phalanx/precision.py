@@ -30,6 +30,7 @@ class Precision:
         # GradScaler supplies the loss-scaling logic (growth, backoff, inf checks); we decide when it runs.
         self.scaler = torch.amp.GradScaler(device.type) if name == "fp16-mixed" else None
         self._unscaled: set[int] = set()
+        self._stepped: set[int] = set()
 
     def autocast(self) -> ContextManager[Any]:
         if self.compute_dtype is None:
@@ -51,17 +52,34 @@ class Precision:
             self._unscaled.add(id(optimizer))
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Step the optimizer unless fp16 gradients overflowed. Returns True when the step was skipped."""
+        """Step the optimizer unless fp16 gradients overflowed. Returns True when the step was skipped.
+
+        The loss scale is updated once per round of optimizer steps (see :meth:`update`), not once per
+        optimizer: with two optimizers, updating in between would unscale the second one's gradients twice.
+        """
         if self.scaler is None:
             optimizer.step()
             return False
+        if id(optimizer) in self._stepped:
+            self.update()  # this optimizer steps again: the previous round is over
         self.unscale_(optimizer)
-        # The scale only falls when an inf/nan was found, which is exactly when GradScaler skips the step.
-        scale_before = self.scaler.get_scale()
+        # One host sync per step: GradScaler records whether this optimizer's gradients held an inf/nan.
+        found_inf = sum(v.item() for v in self.scaler._found_inf_per_device(optimizer).values())
         self.scaler.step(optimizer)
-        self.scaler.update()
-        self._unscaled.discard(id(optimizer))
-        return self.scaler.get_scale() < scale_before
+        self._stepped.add(id(optimizer))
+        return found_inf > 0
+
+    def end_round_if_complete(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Update the scale once every optimizer has stepped in this round."""
+        if all(id(o) in self._stepped for o in optimizers):
+            self.update()
+
+    def update(self) -> None:
+        """Grow or back off the loss scale after a round of optimizer steps."""
+        if self.scaler is not None and self._stepped:
+            self.scaler.update()
+            self._stepped.clear()
+            self._unscaled.clear()
 
     @property
     def loss_scale(self) -> float | None:

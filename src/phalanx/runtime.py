@@ -59,6 +59,11 @@ def first_slurm_host(nodelist: str) -> str:
 
 def detect_world(env: Mapping[str, str] | None = None) -> WorldInfo:
     env = os.environ if env is None else env
+    if dist.is_initialized():
+        # The script started its own process group (e.g. mp.spawn + init_process_group): it is the world.
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local_rank = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else rank
+        return WorldInfo(rank, world, local_rank, world, "existing", "existing")
     if "RANK" in env and "WORLD_SIZE" in env:
         rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
         local_rank = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else rank
@@ -111,6 +116,7 @@ def pick_device(kind: str, local_rank: int) -> torch.device:
 
 
 _FAILED = False
+_TEARDOWN_BARRIER_S = 30
 
 
 def _mark_failure(exc_type, exc, tb):  # type: ignore[no-untyped-def]
@@ -125,7 +131,7 @@ _previous_excepthook = sys.excepthook
 def init_distributed(world: WorldInfo, device: torch.device, timeout_s: float) -> None:
     """Create the default process group (NCCL on CUDA, gloo otherwise) unless one exists already."""
     if world.init_method is None or dist.is_initialized():
-        return
+        return  # one process, or the script made its own group (and tears it down itself)
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {}
     if device.type == "cuda":
@@ -156,7 +162,11 @@ def teardown() -> None:
     if not dist.is_initialized():
         return
     try:
-        if not _FAILED:
-            dist.barrier()
+        if not _FAILED and dist.get_backend() == "gloo":
+            # Bounded: a rank that left early (sys.exit, a return) while its peers sit in another
+            # collective must not keep this process for the whole collective timeout.
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=_TEARDOWN_BARRIER_S))
+    except RuntimeError as e:
+        get_logger().warning(f"ranks did not all reach the end of the script together: {e}")
     finally:
         dist.destroy_process_group()

@@ -58,6 +58,9 @@ class Strategy(ABC):
     def set_grad_scale(self, scale: float | torch.Tensor) -> None:
         """The factor that the next gradient reduction multiplies by (1/dp for mean losses, 1/items for sums)."""
 
+    def after_optimizer_step(self) -> None:
+        """The optimizer stepped: the next backward starts a new step."""
+
     @abstractmethod
     def finish_gradient_sync(self) -> None:
         """Wait for every gradient reduction in flight. Idempotent."""

@@ -75,6 +75,7 @@ class GradReducer:
                 self._bucket_of[p] = (b, i)
         self.require_sync = True
         self.grad_scale: float | torch.Tensor = 1.0 / world_size
+        self._reduced = False  # this step's gradients were already reduced
         self._next_bucket = 0
         self._callback_queued = False
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
@@ -105,8 +106,16 @@ class GradReducer:
             # zero_grad(set_to_none=True) dropped the view, so autograd put a fresh tensor here; move it back in.
             view.copy_(param.grad)
             param.grad = view
+            self._reduced = False  # gradients were dropped: this is a new step
         if not self.require_sync:
             return
+        if self._reduced:
+            raise RuntimeError(
+                "a second backward reached gradients that were already all-reduced in this step (parameter "
+                f"{self.names.get(param, '?')!r}). Step or zero the optimizer between backwards, put the earlier "
+                "backwards under engine.no_sync(), and use activation checkpointing with use_reentrant=False "
+                "(reentrant checkpointing runs a nested backward that would reduce some gradients twice)"
+            )
         if not self._callback_queued:
             self._callback_queued = True
             Variable._execution_engine.queue_callback(self._finalize_backward)
@@ -133,25 +142,34 @@ class GradReducer:
     def _finalize_backward(self) -> None:
         self._callback_queued = False
         missing = [(b, i) for b in self.buckets if b.pending for i, r in enumerate(b.ready) if not r]
+        for b, i in missing:
+            p = b.params[i]
+            if p.grad is not b.views[i]:  # no gradient since the last set_to_none: it is zero
+                b.views[i].zero_()
+                p.grad = b.views[i]
+            b.ready[i] = True
+            b.pending = 0
         if missing:
-            if not self.find_unused_parameters:
-                names = ", ".join(self.names.get(b.params[i], "?") for b, i in missing)
-                self._reset()
-                raise RuntimeError(
-                    f"these trainable parameters received no gradient in this backward pass: {names}. "
-                    "phalanx ddp reduces every parameter with requires_grad=True on every step. Make sure the "
-                    "forward uses them and the loss depends on them, freeze them with requires_grad_(False), or "
-                    "set find_unused_parameters=True to reduce them as zeros"
-                )
-            for b, i in missing:
-                p = b.params[i]
-                if p.grad is not b.views[i]:  # no gradient since the last set_to_none: it is zero
-                    b.views[i].zero_()
-                    p.grad = b.views[i]
-                b.ready[i] = True
-                b.pending = 0
+            # Launch and wait even when we are about to raise: peers that did see these gradients are
+            # waiting in the same collectives, and must not hang on us.
             self._launch_ready()
         self.wait()
+        self._reduced = True
+        self.grad_scale = 1.0 / self.world_size
+        if missing and not self.find_unused_parameters:
+            frozen = [self.names.get(b.params[i], "?") for b, i in missing if not b.params[i].requires_grad]
+            if frozen:
+                raise RuntimeError(
+                    f"parameters frozen after engine.prepare: {', '.join(frozen)}. ddp lays out gradient buckets "
+                    "at prepare time; set requires_grad_(False) before engine.prepare"
+                )
+            names = ", ".join(self.names.get(b.params[i], "?") for b, i in missing)
+            raise RuntimeError(
+                f"these trainable parameters received no gradient in this backward pass: {names}. "
+                "phalanx ddp reduces every parameter with requires_grad=True on every step. Make sure the "
+                "forward uses them and the loss depends on them, freeze them with requires_grad_(False) before "
+                "engine.prepare, or set find_unused_parameters=True to reduce them as zeros"
+            )
 
     def wait(self) -> None:
         for b in self.buckets:
@@ -167,6 +185,7 @@ class GradReducer:
 
     def zero_grad(self, params: set[torch.Tensor] | None = None, set_to_none: bool = True) -> None:
         """Drop the gradients (the next hook copies autograd's fresh tensor into the bucket), or zero them."""
+        self._reduced = False
         for b in self.buckets:
             whole = params is None or all(p in params for p in b.params)
             if whole and not set_to_none:
@@ -245,6 +264,10 @@ class DDPStrategy(Strategy):
     def set_grad_scale(self, scale: float | torch.Tensor) -> None:
         for r in self.reducers:
             r.grad_scale = scale
+
+    def after_optimizer_step(self) -> None:
+        for r in self.reducers:
+            r._reduced = False
 
     def finish_gradient_sync(self) -> None:
         for r in self.reducers:
