@@ -1,0 +1,430 @@
+"""Data-parallel benchmark: phalanx ddp against one process, torch DDP and Accelerate, on CPU over gloo.
+
+    .venv/bin/python benchmarks/bench_ddp.py                      # both workloads, 5 rounds
+    .venv/bin/python benchmarks/bench_ddp.py --workload mlp --rounds 3 --steps 10
+    .venv/bin/python benchmarks/bench_ddp.py --workload mlp --bucket-mb 4,8,50   # extra phalanx bucket sizes
+
+Each configuration runs in fresh processes started by phalanx.spawn (2 ranks with 1 thread each, or 1 process
+with 1 or 2 threads). Runs are interleaved: every round runs every configuration once, in a rotated order, so
+background load hits all of them alike. See benchmarks/README.md for what the columns mean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))  # so that spawned processes (which inherit sys.path) import ddp_workers
+
+import torch  # noqa: E402
+
+import ddp_workers  # noqa: E402
+import phalanx  # noqa: E402
+
+WORKLOADS: dict[str, dict[str, Any]] = {
+    # 8 x Linear(1024, 1024): 8.4M parameters, 33.6 MB of fp32 gradients per step.
+    "mlp": {"global_batch": 64, "lr": 1e-3, "warmup": 5, "steps": 30},
+    # phalanx.demo.TinyGPT(GPTConfig()): 0.84M parameters, 128-token byte sequences.
+    "gpt": {"global_batch": 16, "lr": 1e-3, "warmup": 3, "steps": 15},
+}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cpu_times() -> tuple[int, int, int]:
+    """(busy, total, steal) jiffies of all cores since boot, from /proc/stat."""
+    with open("/proc/stat") as f:
+        vals = [int(v) for v in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    vals += [0] * (8 - len(vals))
+    total = sum(vals)  # guest time is already inside user, so the guest columns are left out
+    steal = vals[7]
+    return total - vals[3] - vals[4] - steal, total, steal
+
+
+def cpu_busy(interval: float = 0.5) -> float | None:
+    """Fraction of all cores busy over ``interval`` (this benchmark is idle meanwhile); None off Linux."""
+    try:
+        b0, t0, _ = _cpu_times()
+        time.sleep(interval)
+        b1, t1, _ = _cpu_times()
+    except (OSError, ValueError, IndexError):
+        return None
+    return (b1 - b0) / max(1, t1 - t0)
+
+
+class ForeignLoad:
+    """CPU time that processes other than this benchmark used during a run, as an average number of busy cores.
+
+    Also the hypervisor's steal time over the run (cores' worth of time the VM wanted but did not get).
+    """
+
+    def __init__(self) -> None:
+        try:
+            self.busy0, _, self.steal0 = _cpu_times()
+        except (OSError, ValueError, IndexError):
+            self.busy0 = None
+        self.ours0 = self._ours()
+        self.t0 = time.monotonic()
+        self.steal_cores: float | None = None
+
+    @staticmethod
+    def _ours() -> float:
+        c, me = resource.getrusage(resource.RUSAGE_CHILDREN), resource.getrusage(resource.RUSAGE_SELF)
+        return c.ru_utime + c.ru_stime + me.ru_utime + me.ru_stime
+
+    def stop(self) -> float | None:
+        if self.busy0 is None:
+            return None
+        busy1, _, steal1 = _cpu_times()
+        wall = max(time.monotonic() - self.t0, 1e-9)
+        hz = os.sysconf("SC_CLK_TCK")
+        self.steal_cores = (steal1 - self.steal0) / hz / wall
+        return max(0.0, ((busy1 - self.busy0) / hz - (self._ours() - self.ours0)) / wall)
+
+
+def git_state() -> str:
+    """The commit of the checkout phalanx is imported from, with '+dirty' when src/ has uncommitted changes."""
+    import subprocess
+
+    root = Path(phalanx.__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=root, capture_output=True, text=True,
+                               timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head or "unknown") + ("+dirty" if dirty else "")
+
+
+def wait_quiet(max_wait: float, threshold: float) -> float | None:
+    """Wait (up to ``max_wait`` s) until other processes leave the CPU mostly idle; returns the last busy fraction."""
+    deadline = time.monotonic() + max_wait
+    busy = cpu_busy()
+    while busy is not None and busy > threshold and time.monotonic() < deadline:
+        busy = cpu_busy(1.0)
+    return busy
+
+
+def accelerate_status() -> tuple[bool, str]:
+    try:
+        import accelerate
+
+        return True, f"accelerate {accelerate.__version__}"
+    except Exception as e:  # noqa: BLE001
+        return False, f"accelerate is not importable ({type(e).__name__}: {e}); install it with a constraints file pinning torch"
+
+
+def configurations(args: argparse.Namespace, gb: int, nranks: int) -> list[dict[str, Any]]:
+    per_rank = gb // nranks
+    configs = [
+        {"name": "1 proc, 1 thread", "kind": "single", "nprocs": 1, "threads": 1, "local_batch": gb},
+        {"name": "1 proc, 2 threads", "kind": "single", "nprocs": 1, "threads": 2, "local_batch": gb},
+        {"name": "1 proc, 1 thread, per-rank batch", "kind": "single", "nprocs": 1, "threads": 1, "local_batch": per_rank,
+         "trains_subset": True},
+        {"name": "torch DDP", "kind": "torch_ddp", "nprocs": nranks, "threads": 1, "local_batch": per_rank},
+        {"name": "phalanx ddp", "kind": "phalanx_ddp", "nprocs": nranks, "threads": 1, "local_batch": per_rank},
+    ]
+    if args.torch_bucket_view:
+        configs.append({"name": "torch DDP gradient_as_bucket_view", "kind": "torch_ddp", "nprocs": nranks, "threads": 1,
+                        "local_batch": per_rank, "ddp_kwargs": {"gradient_as_bucket_view": True}})
+    for mb in args.bucket_mb:
+        configs.append({"name": f"phalanx ddp bucket_mb={mb:g}", "kind": "phalanx_ddp", "nprocs": nranks, "threads": 1,
+                        "local_batch": per_rank, "bucket_mb": mb})
+    if not args.no_accelerate:
+        ok, why = accelerate_status()
+        if ok:
+            configs.append({"name": "accelerate", "kind": "accelerate", "nprocs": nranks, "threads": 1, "local_batch": per_rank})
+        else:
+            print(f"[skip] accelerate: {why}")
+    else:
+        print("[skip] accelerate: --no-accelerate")
+    if args.only:
+        keep = [s.strip() for s in args.only.split(",")]
+        configs = [c for c in configs if c["kind"] in keep or c["name"] in keep]
+    return configs
+
+
+def run_config(
+    workload: str, base: dict[str, Any], cfg: dict[str, Any], timeout: float, profile_dir: str | None = None
+) -> list[dict[str, Any]]:
+    spec = dict(base, local_batch=cfg["local_batch"])
+    if "bucket_mb" in cfg:
+        spec["bucket_mb"] = cfg["bucket_mb"]
+    if "ddp_kwargs" in cfg:
+        spec["ddp_kwargs"] = cfg["ddp_kwargs"]
+    if cfg["kind"] == "accelerate":
+        spec["master_port"] = free_port()
+    if profile_dir:
+        slug = "".join(ch if ch.isalnum() else "_" for ch in cfg["name"]).strip("_")
+        spec["profile"] = str(Path(profile_dir) / f"{workload}-{slug}")
+    return phalanx.spawn(ddp_workers.run, nprocs=cfg["nprocs"], args=(cfg["kind"], workload, spec),
+                         threads_per_proc=cfg["threads"], timeout=timeout)
+
+
+def summarize_round(results: list[dict[str, Any]]) -> dict[str, Any]:
+    # A step is as slow as its slowest rank; the collectives keep the ranks in lock-step anyway.
+    per_step = [max(r["times"][i] for r in results) for i in range(len(results[0]["times"]))]
+    nsteps = len(results[0]["losses"])
+    losses = [statistics.fmean(r["losses"][i] for r in results) for i in range(nsteps)]  # equal local batches
+    return {
+        "median_ms": 1e3 * statistics.median(per_step),
+        "step_ms": [1e3 * t for t in per_step],
+        "peak_rss_mib": [r["peak_rss_mib"] for r in results],
+        "cpu_ms_per_step": [1e3 * r["cpu_per_step"] for r in results],
+        "minor_faults_per_step": [r["minor_faults_per_step"] for r in results],
+        "losses": losses,
+        "param_checksum": results[0]["param_checksum"],
+        "threads": results[0]["threads"],
+        **({"describe": results[0]["describe"]} if "describe" in results[0] else {}),
+        **({"distributed_type": results[0]["distributed_type"]} if "distributed_type" in results[0] else {}),
+    }
+
+
+def bench_workload(workload: str, args: argparse.Namespace) -> dict[str, Any]:
+    w = WORKLOADS[workload]
+    gb = args.global_batch or w["global_batch"]
+    nranks = 2
+    base = {
+        "seed": args.seed, "global_batch": gb, "lr": w["lr"],
+        "warmup": args.warmup if args.warmup is not None else w["warmup"],
+        "steps": args.steps if args.steps is not None else w["steps"],
+        "gpt_data": args.gpt_data,
+        "adamw": args.adamw,
+    }
+    if gb % nranks:
+        raise SystemExit(f"--global-batch {gb} must be divisible by {nranks}")
+    configs = configurations(args, gb, nranks)
+    print(f"\n=== workload {workload}: global batch {gb}, {nranks} ranks on gloo, {base['warmup']} warm-up + "
+          f"{base['steps']} timed steps, {args.rounds} rounds, {len(configs)} configurations, AdamW {args.adamw} ===",
+          flush=True)
+    rounds: dict[str, list[dict[str, Any]]] = {c["name"]: [] for c in configs}
+    commit_start = git_state()
+    print(f"phalanx checkout: {commit_start}", flush=True)
+    t_start = time.perf_counter()
+    for rnd in range(args.rounds):
+        order = configs[rnd % len(configs):] + configs[: rnd % len(configs)]  # rotate the order every round
+        for cfg in order:
+            for attempt in range(args.retries + 1):
+                busy = wait_quiet(args.quiet_wait, args.quiet_threshold) if args.quiet_wait > 0 else None
+                probe = ForeignLoad()
+                t0 = time.perf_counter()
+                res = run_config(workload, base, cfg, args.timeout, args.profile)
+                foreign = probe.stop()
+                if foreign is None or foreign <= args.max_foreign or attempt == args.retries:
+                    break
+                print(f"  round {rnd + 1}/{args.rounds}  {cfg['name']:<34} discarded: other processes used "
+                      f"{foreign:.2f} cores meanwhile (> --max-foreign {args.max_foreign}); running it again", flush=True)
+            s = summarize_round(res)
+            s["cpu_busy_before"] = busy
+            s["foreign_load_cores"] = foreign
+            s["steal_cores"] = probe.steal_cores
+            s["attempts"] = attempt + 1
+            rounds[cfg["name"]].append(s)
+            load = f", busy before {100 * busy:3.0f}%" if busy is not None else ""
+            load += f", foreign load {foreign:.2f} cores" if foreign is not None else ""
+            load += f", steal {probe.steal_cores:.2f}" if probe.steal_cores else ""
+            print(f"  round {rnd + 1}/{args.rounds}  {cfg['name']:<34} {s['median_ms']:8.1f} ms/step  "
+                  f"(wall {time.perf_counter() - t0:5.1f} s{load})", flush=True)
+    wall = time.perf_counter() - t_start
+    commit_end = git_state()
+    if commit_end != commit_start:
+        print(f"WARNING: the phalanx checkout changed during the run ({commit_start} -> {commit_end}); "
+              "the phalanx rows mix two versions of the code. Run it again.")
+
+    # -------- aggregate: the median over rounds of each round's median step
+    rows = []
+    for cfg in configs:
+        rs = rounds[cfg["name"]]
+        meds = [r["median_ms"] for r in rs]
+        nproc = cfg["nprocs"]
+        rss = [statistics.median(r["peak_rss_mib"][k] for r in rs) for k in range(nproc)]
+        cpu = [statistics.median(r["cpu_ms_per_step"][k] for r in rs) for k in range(nproc)]
+        faults = [statistics.median(r["minor_faults_per_step"][k] for r in rs) for k in range(nproc)]
+        rows.append({
+            **{k: v for k, v in cfg.items()},
+            "median_ms": statistics.median(meds),
+            "min_ms": min(meds),
+            "round_medians_ms": meds,
+            "peak_rss_mib_per_rank": rss,
+            "cpu_ms_per_step_per_rank": cpu,
+            "minor_faults_per_step_per_rank": faults,
+            "foreign_load_cores": [r["foreign_load_cores"] for r in rs],
+            "steal_cores": [r["steal_cores"] for r in rs],
+            "final_loss": rs[0]["losses"][-1],
+            "first_loss": rs[0]["losses"][0],
+            "losses": rs[0]["losses"],
+            "param_checksum": rs[0]["param_checksum"],
+            "threads_seen": rs[0]["threads"],
+            **({"describe": rs[0]["describe"]} if "describe" in rs[0] else {}),
+            **({"distributed_type": rs[0]["distributed_type"]} if "distributed_type" in rs[0] else {}),
+        })
+    by = {r["name"]: r for r in rows}
+    ddp_ms = by["torch DDP"]["median_ms"] if "torch DDP" in by else None
+    for r in rows:
+        r["x_torch_ddp"] = r["median_ms"] / ddp_ms if ddp_ms else None
+
+    # -------- setup check: every full-batch configuration trains the same model on the same data
+    ref = by.get("1 proc, 1 thread")
+    checks = []
+    if ref is not None:
+        for r in rows:
+            if r is ref or r.get("trains_subset"):
+                continue
+            d_first = abs(r["first_loss"] - ref["first_loss"]) / abs(ref["first_loss"])
+            d_last = abs(r["final_loss"] - ref["final_loss"]) / abs(ref["final_loss"])
+            d_sum = abs(r["param_checksum"] - ref["param_checksum"]) / max(1e-12, abs(ref["param_checksum"]))
+            ok = d_first < 1e-5 and d_last < 1e-3
+            checks.append({"name": r["name"], "first_loss_rel_diff": d_first, "final_loss_rel_diff": d_last,
+                           "param_checksum_rel_diff": d_sum, "ok": ok})
+
+    # -------- scaling efficiency: 1-process step at the per-rank batch (1 thread) / 2-rank step
+    t1_local = by.get("1 proc, 1 thread, per-rank batch", {}).get("median_ms")
+    for r in rows:
+        r["scaling_efficiency"] = (t1_local / r["median_ms"]) if (t1_local and r["nprocs"] > 1) else None
+
+    # -------- print
+    print(f"\nworkload {workload}: median over {args.rounds} rounds of the median step time "
+          f"(after {base['warmup']} warm-up steps, {base['steps']} timed steps per round); wall {wall:.0f} s")
+    hdr = f"{'configuration':<34} {'procs x thr':>11} {'batch/proc':>10} {'median ms':>10} {'rounds min-max':>15} " \
+          f"{'x torch DDP':>11} {'scaling eff':>11} {'peak RSS MiB/rank':>18} {'CPU ms/step/rank':>17} {'faults/step/rank':>17} {'final loss':>11}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        spread = f"{min(r['round_medians_ms']):.1f}-{max(r['round_medians_ms']):.1f}"
+        xd = f"{r['x_torch_ddp']:.3f}" if r["x_torch_ddp"] is not None else "-"
+        se = f"{r['scaling_efficiency']:.3f}" if r["scaling_efficiency"] is not None else "-"
+        rss = "/".join(f"{v:.0f}" for v in r["peak_rss_mib_per_rank"])
+        cpu = "/".join(f"{v:.0f}" for v in r["cpu_ms_per_step_per_rank"])
+        flt = "/".join(f"{v:.0f}" for v in r["minor_faults_per_step_per_rank"])
+        print(f"{r['name']:<34} {str(r['nprocs']) + ' x ' + str(r['threads']):>11} {r['local_batch']:>10} "
+              f"{r['median_ms']:>10.1f} {spread:>15} {xd:>11} {se:>11} {rss:>18} {cpu:>17} {flt:>17} {r['final_loss']:>11.5f}")
+    headline: dict[str, Any] = {}
+    if "phalanx ddp" in by and ddp_ms:
+        headline["phalanx_ddp_over_torch_ddp"] = by["phalanx ddp"]["median_ms"] / ddp_ms
+        # The same ratio per round (the two runs were close in time), then the median: less sensitive to drift.
+        paired = [a["median_ms"] / b["median_ms"] for a, b in zip(rounds["phalanx ddp"], rounds["torch DDP"])]
+        headline["phalanx_ddp_over_torch_ddp_paired"] = statistics.median(paired)
+        headline["phalanx_ddp_over_torch_ddp_per_round"] = paired
+        headline["phalanx_ddp_scaling_efficiency"] = by["phalanx ddp"]["scaling_efficiency"]
+        headline["torch_ddp_scaling_efficiency"] = by["torch DDP"]["scaling_efficiency"]
+        verdict = "meets" if headline["phalanx_ddp_over_torch_ddp"] <= 1.0 else "MISSES"
+        print(f"\nheadline  phalanx ddp / torch DDP = {headline['phalanx_ddp_over_torch_ddp']:.3f}  "
+              f"(target <= 1.00: {verdict}); per round: {', '.join(f'{x:.3f}' for x in paired)} "
+              f"(median {headline['phalanx_ddp_over_torch_ddp_paired']:.3f})")
+    if t1_local:
+        effs = ", ".join(f"{r['name']} {r['scaling_efficiency']:.3f}" for r in rows if r["scaling_efficiency"] is not None)
+        print(f"scaling efficiency = T(1 proc, 1 thread, per-rank batch {gb // nranks}) / T(2 ranks, batch {gb // nranks} "
+              f"each): {effs}  (1.0 = perfect: 2 ranks do twice the work in the same time)")
+    if checks:
+        bad = [c for c in checks if not c["ok"]]
+        print("setup check vs '1 proc, 1 thread' (same init, same global batches): "
+              + ("OK" if not bad else "FAILED for " + ", ".join(c["name"] for c in bad)))
+        for c in checks:
+            print(f"  {c['name']:<34} first loss rel diff {c['first_loss_rel_diff']:.1e}, final loss rel diff "
+                  f"{c['final_loss_rel_diff']:.1e}, param checksum rel diff {c['param_checksum_rel_diff']:.1e}")
+
+    return {
+        "workload": workload,
+        "base_spec": base,
+        "nranks": nranks,
+        "rounds": args.rounds,
+        "wall_s": wall,
+        "definitions": {
+            "median_ms": "median over rounds of (median over timed steps of the step time, the slowest rank per step); "
+                         "a step is forward + backward + optimizer.step() + zero_grad()",
+            "x_torch_ddp": "median_ms / median_ms of torch DDP (lower is better)",
+            "scaling_efficiency": "median_ms of '1 proc, 1 thread, per-rank batch' / median_ms of the 2-rank configuration "
+                                  "(same per-rank batch; 1.0 is perfect scaling)",
+            "peak_rss_mib_per_rank": "resource.getrusage(RUSAGE_SELF).ru_maxrss of each rank, median over rounds",
+            "cpu_ms_per_step_per_rank": "time.process_time() of each rank (all its threads, gloo's included) per timed "
+                                        "step, median over rounds; CPU time above the step time means the rank ran "
+                                        "more than one thread at once",
+            "minor_faults_per_step_per_rank": "minor page faults per timed step of each rank (ru_minflt), median over "
+                                              "rounds: memory the allocator took fresh from the kernel",
+            "foreign_load_cores": "per round: CPU time used by processes other than this benchmark during the run / wall "
+                                  "time (0 = the machine was ours; 1 = another process kept a whole core busy)",
+        },
+        "headline": headline,
+        "phalanx_commit": commit_start if commit_start == commit_end else f"{commit_start} -> {commit_end} (changed)",
+        "setup_checks": checks,
+        "configs": rows,
+        "raw_rounds": rounds,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", choices=["mlp", "gpt", "all"], default="all")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (every configuration once per round)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per run (default: per workload)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps per run (default: per workload)")
+    p.add_argument("--global-batch", type=int, default=None, help="global batch (default: mlp 64, gpt 16)")
+    p.add_argument("--bucket-mb", type=lambda s: [float(x) for x in s.split(",") if x], default=[],
+                   help="extra phalanx ddp configurations with these bucket sizes, e.g. 4,8,50")
+    p.add_argument("--torch-bucket-view", action="store_true",
+                   help="add a torch DDP row with gradient_as_bucket_view=True (no gradient copies, like phalanx)")
+    p.add_argument("--gpt-data", choices=["stdlib", "random"], default="stdlib",
+                   help="gpt tokens: windows of the stdlib source (phalanx.demo.load_stdlib_bytes) or random bytes")
+    p.add_argument("--adamw", choices=["default", "foreach", "fused"], default="default",
+                   help="AdamW implementation for every configuration (default: torch's per-tensor loop on CPU)")
+    p.add_argument("--only", default="", help="comma-separated kinds or names to run (single, torch_ddp, phalanx_ddp, ...)")
+    p.add_argument("--no-accelerate", action="store_true")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="record the timed steps with torch.profiler: DIR/<workload>-<config>.rank<r>.{txt,json} "
+                        "(slows the steps down; use with --rounds 1 and --no-json)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one spawned run may take")
+    p.add_argument("--out", default=str(HERE / "results"), help="directory for ddp-<workload>.json")
+    p.add_argument("--no-json", action="store_true", help="do not write the JSON results")
+    p.add_argument("--tag", default="", help="write ddp-<workload>-<tag>.json instead of ddp-<workload>.json")
+    p.add_argument("--quiet-wait", type=float, default=30.0,
+                   help="before each run, wait up to this many seconds for the machine to be quiet (0: never wait)")
+    p.add_argument("--max-foreign", type=float, default=0.25,
+                   help="a run during which other processes used more than this many cores is run again (see --retries)")
+    p.add_argument("--retries", type=int, default=1, help="how often a run disturbed by other processes is run again")
+    p.add_argument("--quiet-threshold", type=float, default=0.15,
+                   help="'quiet' means at most this fraction of all cores busy (from /proc/stat)")
+    args = p.parse_args(argv)
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+
+    env = {
+        "torch": torch.__version__, "phalanx": phalanx.__version__, "python": platform.python_version(),
+        "cpu_count": os.cpu_count(), "machine": platform.machine(), "platform": platform.platform(),
+        "accelerate": accelerate_status()[1],
+        "phalanx_checkout": git_state(),
+    }
+    print("environment:", ", ".join(f"{k}={v}" for k, v in env.items()))
+    workloads = ["mlp", "gpt"] if args.workload == "all" else [args.workload]
+    for wl in workloads:
+        result = bench_workload(wl, args)
+        result["environment"] = env
+        result["argv"] = sys.argv[1:] if argv is None else argv
+        result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        if not args.no_json:
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            path = out / (f"ddp-{wl}-{args.tag}.json" if args.tag else f"ddp-{wl}.json")
+            path.write_text(json.dumps(result, indent=1))
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
