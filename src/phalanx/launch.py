@@ -247,6 +247,7 @@ def _collect(procs: list[Any], readers: list[Connection], timeout: float | None)
                 continue
             del open_readers[rank]
             try:
+                # Our own child's return value over an anonymous pipe we created: no file, no peer, no checkpoint.
                 ok, payload = pickle.loads(reader.recv_bytes())
             except EOFError:
                 continue  # closed without a word: the exit code below tells what happened
