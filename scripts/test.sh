@@ -3,6 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+.venv/bin/python -m mypy src/phalanx
 set +e
 .venv/bin/python -m pytest -q "$@"
 code=$?

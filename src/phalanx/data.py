@@ -171,7 +171,7 @@ class PreparedDataLoader(DataLoader):
                 )
             batch_size, drop_last, sampler = inner.batch_size, inner.drop_last, inner.sampler
         shuffle = isinstance(sampler, RandomSampler)
-        base = None if isinstance(sampler, (RandomSampler, SequentialSampler)) else sampler
+        base: Any = None if isinstance(sampler, (RandomSampler, SequentialSampler)) else sampler
         if base is not None:
             warn_once(
                 f"using the order of the custom sampler {type(sampler).__name__} as the global order; it must give "
@@ -211,7 +211,7 @@ class PreparedDataLoader(DataLoader):
     def __len__(self) -> int:
         return len(self.global_sampler)
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         sampler = self.global_sampler
         reals = [real for _, real in sampler.chunks(sampler.epoch)]
         self._batches_done = sampler.start_batch

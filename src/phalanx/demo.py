@@ -320,6 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sample = ""
     if engine.is_main_process and args.sample_bytes:
         net = engine.unwrap_model(model)
+        assert isinstance(net, TinyGPT)
         net.eval()
         prompt_bytes = args.prompt.encode("utf-8") or b"\n"
         prompt = torch.tensor([list(prompt_bytes)], dtype=torch.long, device=engine.device)

@@ -224,7 +224,7 @@ class Engine:
         form ``engine.clip_grad_norm_(parameters, max_norm)`` clips the given ones. Inside an accumulation
         window, before its last micro-batch, gradients are partial: nothing is clipped and None is returned.
         """
-        if len(args) == 1 and isinstance(args[0], Number):
+        if len(args) == 1 and isinstance(args[0], (int, float)):
             max_norm, params = float(args[0]), [p for m in self._models for p in m.parameters()]
         elif len(args) == 2:
             params, max_norm = list(args[0]), float(args[1])
@@ -442,7 +442,7 @@ class PreparedScheduler:
         if self._engine._consume_step(self.scheduler.optimizer):
             self.scheduler.step(*args, **kwargs)
 
-    def get_last_lr(self) -> list[float]:
+    def get_last_lr(self) -> list[Any]:
         return self.scheduler.get_last_lr()
 
     def state_dict(self) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -133,7 +133,7 @@ def init_distributed(world: WorldInfo, device: torch.device, timeout_s: float) -
     if world.init_method is None or dist.is_initialized():
         return  # one process, or the script made its own group (and tears it down itself)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if device.type == "cuda":
         kwargs["device_id"] = device  # binds NCCL to our GPU at start-up rather than guessing later
     dist.init_process_group(

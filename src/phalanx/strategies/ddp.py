@@ -58,7 +58,7 @@ class GradReducer:
     ) -> None:
         self.group, self.world_size, self.stats = group, world_size, stats
         self.find_unused_parameters = find_unused_parameters
-        self.names = {p: n for n, p in module.named_parameters()}
+        self.names: dict[torch.Tensor, str] = {p: n for n, p in module.named_parameters()}
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
             raise ValueError(
@@ -102,9 +102,11 @@ class GradReducer:
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         bucket, i = self._bucket_of[param]  # type: ignore[index]
         view = bucket.views[i]
-        if param.grad is not view:
+        grad = param.grad
+        assert grad is not None, "a post-accumulate-grad hook always sees a gradient"
+        if grad is not view:
             # zero_grad(set_to_none=True) dropped the view, so autograd put a fresh tensor here; move it back in.
-            view.copy_(param.grad)
+            view.copy_(grad)
             param.grad = view
             self._reduced = False  # gradients were dropped: this is a new step
         if not self.require_sync:
