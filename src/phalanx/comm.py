@@ -28,10 +28,6 @@ class CommStats:
         self.bytes.clear()
         self.calls.clear()
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.bytes.values())
-
 
 def world_size(group: Any = None) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1

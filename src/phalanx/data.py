@@ -15,14 +15,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from phalanx.logging import warn_once
 
-__all__ = ["ActiveLoaders", "GlobalBatchSampler", "PreparedDataLoader", "LoaderState", "move_to_device"]
+__all__ = ["ActiveLoaders", "GlobalBatchSampler", "PreparedDataLoader", "LoaderState", "map_tensors", "move_to_device"]
 
 
 @dataclass
@@ -108,6 +108,10 @@ class GlobalBatchSampler(Sampler[list[int]]):
         g = self.global_batch_size
         return self.num_samples // g if self.drop_last else math.ceil(self.num_samples / g)
 
+    def real_size(self, batch: int) -> int:
+        """Real (unpadded) samples in global batch ``batch``."""
+        return min(self.global_batch_size, self.num_samples - batch * self.global_batch_size)
+
     def padded_size(self, real: int) -> int:
         """Samples in a global batch holding ``real`` real ones, once padded to split evenly over ranks."""
         g = self.global_batch_size
@@ -119,7 +123,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         g = self.global_batch_size
         for b in range(self.start_batch, len(self)):
             chunk = order[b * g : (b + 1) * g]
-            real = len(chunk)
+            real = self.real_size(b)
             per_rank = self.padded_size(real) // self.world_size
             need = per_rank * self.world_size - real
             chunk = chunk + [order[i % len(order)] for i in range(need)]
@@ -130,19 +134,24 @@ class GlobalBatchSampler(Sampler[list[int]]):
             yield indices
 
 
-def move_to_device(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
-    """Move every tensor in a (nested) batch to ``device``."""
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """Apply ``fn`` to every tensor in a nested structure of dicts, lists, tuples and namedtuples."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=non_blocking)
+        return fn(obj)
     if isinstance(obj, Mapping):
-        return type(obj)({k: move_to_device(v, device, non_blocking) for k, v in obj.items()})  # type: ignore[call-arg]
+        return type(obj)({k: map_tensors(v, fn) for k, v in obj.items()})  # type: ignore[call-arg]
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(move_to_device(v, device, non_blocking) for v in obj))
+        return type(obj)(*(map_tensors(v, fn) for v in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(move_to_device(v, device, non_blocking) for v in obj)
-    if hasattr(obj, "to") and callable(obj.to) and not isinstance(obj, type):
-        return obj.to(device)
+        return type(obj)(map_tensors(v, fn) for v in obj)
     return obj
+
+
+def move_to_device(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    """Move every tensor in a (nested) batch to ``device``; objects with their own ``.to`` (e.g. BatchEncoding) too."""
+    if not isinstance(obj, (torch.Tensor, Mapping, list, tuple)) and callable(getattr(obj, "to", None)):
+        return obj.to(device)
+    return map_tensors(obj, lambda t: t.to(device, non_blocking=non_blocking))
 
 
 class PreparedDataLoader(DataLoader):
@@ -213,7 +222,6 @@ class PreparedDataLoader(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         sampler = self.global_sampler
-        reals = [real for _, real in sampler.chunks(sampler.epoch)]
         self._batches_done = sampler.start_batch
         total = len(sampler)
         state = self._state
@@ -221,8 +229,8 @@ class PreparedDataLoader(DataLoader):
         try:
             for i, batch in enumerate(super().__iter__()):
                 index = sampler.start_batch + i
-                state.real_size = reals[i]
-                state.padded_size = sampler.padded_size(reals[i])
+                state.real_size = sampler.real_size(index)
+                state.padded_size = sampler.padded_size(state.real_size)
                 state.end_of_dataloader = index == total - 1
                 self._batches_done = index + 1
                 yield move_to_device(batch, self.device, self._non_blocking)

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 
 from phalanx.comm import REDUCE_OPS, all_gather_varlen, all_reduce
 from phalanx.config import EngineConfig, resolve_config
-from phalanx.data import ActiveLoaders, PreparedDataLoader
+from phalanx.data import ActiveLoaders, PreparedDataLoader, map_tensors
 from phalanx.logging import configure_logging, get_logger
 from phalanx.precision import Precision
 from phalanx.runtime import WorldInfo, detect_world, init_distributed, pick_device
@@ -470,18 +470,6 @@ def _kind_of(obj: Any) -> str:
     )
 
 
-def _to_fp32(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor) and obj.dtype in (torch.float16, torch.bfloat16):
-        return obj.float()
-    if isinstance(obj, Mapping):
-        return type(obj)({k: _to_fp32(v) for k, v in obj.items()})  # type: ignore[call-arg]
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_to_fp32(v) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_fp32(v) for v in obj)
-    return obj
-
-
 def _autocast_forward(module: nn.Module, precision: Precision) -> None:
     """Run ``module.forward`` under autocast and hand back fp32 outputs, so losses are computed in fp32."""
     forward = module.forward
@@ -490,7 +478,7 @@ def _autocast_forward(module: nn.Module, precision: Precision) -> None:
     def autocast_forward(*args: Any, **kwargs: Any) -> Any:
         with precision.autocast():
             out = forward(*args, **kwargs)
-        return _to_fp32(out)
+        return map_tensors(out, lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t)
 
     module.forward = autocast_forward  # type: ignore[method-assign]
 

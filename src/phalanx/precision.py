@@ -8,7 +8,7 @@ gradients do not underflow, and skips a step whose gradients overflowed, lowerin
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Iterator
+from typing import Any, ContextManager
 
 import torch
 
@@ -36,11 +36,6 @@ class Precision:
         if self.compute_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
-
-    @contextlib.contextmanager
-    def forward_context(self) -> Iterator[None]:
-        with self.autocast():
-            yield
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss) if self.scaler is not None else loss

@@ -51,7 +51,3 @@ class Topology:
 
         mesh = init_device_mesh(device_type, (self.pp_size, self.dp_size), mesh_dim_names=("pp", "dp"))
         self.dp_group, self.pp_group = mesh.get_group("dp"), mesh.get_group("pp")
-
-    @property
-    def is_distributed(self) -> bool:
-        return self.world_size > 1
