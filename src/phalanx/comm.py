@@ -13,20 +13,35 @@ __all__ = ["CommStats", "REDUCE_OPS", "all_reduce", "broadcast_coalesced", "all_
 REDUCE_OPS = ("sum", "mean", "max", "min")
 
 
+# Bytes each rank sends in the bandwidth-optimal (ring) algorithm, per byte of the full-size buffer:
+# an all-reduce is a reduce-scatter followed by an all-gather.
+_RING_FACTOR = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0}
+
+
 class CommStats:
-    """Bytes handed to each kind of collective by this rank (payload sizes, not wire bytes)."""
+    """What this rank handed to each kind of collective.
+
+    ``bytes`` are payload sizes (for reduce-scatter the full input, for all-gather the full output);
+    ``wire_bytes`` are what each rank sends in a ring algorithm over N ranks (all-reduce 2S(N-1)/N,
+    reduce-scatter and all-gather S(N-1)/N), the unit the ZeRO paper counts traffic in.
+    """
 
     def __init__(self) -> None:
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
+        self.wire_bytes: dict[str, float] = defaultdict(float)
 
-    def record(self, op: str, tensor: torch.Tensor) -> None:
-        self.bytes[op] += tensor.numel() * tensor.element_size()
+    def record(self, op: str, tensor: torch.Tensor, world_size: int | None = None) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        self.bytes[op] += nbytes
         self.calls[op] += 1
+        if world_size is not None and op in _RING_FACTOR:
+            self.wire_bytes[op] += _RING_FACTOR[op] * nbytes * (world_size - 1) / world_size
 
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
+        self.wire_bytes.clear()
 
 
 def world_size(group: Any = None) -> int:
@@ -43,7 +58,7 @@ def all_reduce(
     if n == 1:
         return None
     if stats is not None:
-        stats.record("all_reduce", tensor)
+        stats.record("all_reduce", tensor, n)
     c10d_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
     work = dist.all_reduce(tensor, op=c10d_op, group=group, async_op=async_op)
     if op == "mean":

@@ -64,6 +64,25 @@ class EngineConfig:
     """Timeout of collectives and of process-group start-up, in seconds."""
     log_all_ranks: bool = False
     """Log from every rank, not only rank 0."""
+    offload: str = "none"
+    """zero strategies: where optimizer state (and zero3's parameter shards) live: ``none`` (the device),
+    ``cpu`` (host memory, pinned on CUDA) or ``disk`` (memory-mapped files under ``offload_dir``)."""
+    offload_dir: str | None = None
+    """Directory for ``offload: disk`` (like DeepSpeed's ``nvme_path``); it must be writable."""
+    offload_chunk_mb: float = 64.0
+    """``offload: disk`` steps the optimizer this many MiB of parameters at a time, so one chunk of state is resident."""
+    comm_dtype: str | None = None
+    """zero strategies: dtype parameters and gradients travel in (``bf16``, ``fp16`` or ``fp32``); default: theirs."""
+    zero_collectives: str = "auto"
+    """``native`` (reduce-scatter / all-gather), ``allreduce`` (both emulated with all-reduce, faster on gloo),
+    or ``auto``: allreduce on gloo, native otherwise."""
+    zero3_unit_classes: str | None = None
+    """zero3: comma-separated module class names gathered as one unit (like Accelerate's
+    ``fsdp_transformer_layer_cls_to_wrap``); default: each child module with parameters."""
+    zero3_prefetch: bool = True
+    """zero3: all-gather the next unit while the current one computes (forward and backward)."""
+    zero_allow_untested_optimizer: bool = False
+    """zero strategies accept an optimizer outside torch.optim's elementwise ones (as DeepSpeed's option of that name)."""
 
     def __post_init__(self) -> None:
         names = strategy_names()
@@ -84,6 +103,23 @@ class EngineConfig:
         _require(
             self.device in ("auto", "cpu", "cuda"), "device", self.device, "use one of: auto, cpu, cuda"
         )
+        _require(self.offload in ("none", "cpu", "disk"), "offload", self.offload, "use one of: none, cpu, disk")
+        _require(self.offload_chunk_mb > 0, "offload_chunk_mb", self.offload_chunk_mb, "use a positive size such as 64")
+        _require(
+            self.comm_dtype in (None, "bf16", "fp16", "fp32"), "comm_dtype", self.comm_dtype, "use bf16, fp16 or fp32"
+        )
+        _require(
+            self.zero_collectives in ("auto", "native", "allreduce"),
+            "zero_collectives",
+            self.zero_collectives,
+            "use one of: auto, native, allreduce",
+        )
+        if self.offload != "none" and not self.strategy.startswith("zero"):
+            raise ConfigError(
+                f"offload={self.offload!r} needs a zero strategy (zero1, zero2 or zero3); got strategy={self.strategy!r}"
+            )
+        if self.offload == "disk" and not self.offload_dir:
+            raise ConfigError("offload='disk' needs offload_dir: a writable directory for the memory-mapped files")
 
 
 @dataclass

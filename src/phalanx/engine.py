@@ -65,6 +65,8 @@ class Engine:
         self.topology.build_groups(self.device.type)
         self.precision = Precision(self.config.precision, self.device)
         self.strategy = get_strategy_class(self.config.strategy)(self.config, self.topology, self.device, self.precision)
+        if self.strategy.shards_gradients and self.topology.dp_size > 1:
+            self.precision.sync_found_inf, self.precision.found_inf_group = True, self.topology.dp_group
         _seed_everything(self.config.seed)
 
         self._models: list[nn.Module] = []
@@ -235,7 +237,7 @@ class Engine:
         self.strategy.finish_gradient_sync()
         for opt in self._optimizers:
             self.precision.unscale_(opt.optimizer)  # clip the true gradients, not the loss-scaled ones
-        return self.strategy.clip_grad_norm_([p for p in params if p.grad is not None], max_norm, norm_type)
+        return self.strategy.clip_grad_norm_(params, max_norm, norm_type)
 
     def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.strategy.finish_gradient_sync()
@@ -243,7 +245,7 @@ class Engine:
         if not self.step_was_skipped:
             self._stepped.add(id(optimizer))
         self.precision.end_round_if_complete([o.optimizer for o in self._optimizers])
-        self.strategy.after_optimizer_step()
+        self.strategy.after_optimizer_step(optimizer)
 
     def _consume_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """True once for each real step of ``optimizer``: its scheduler counts that step."""
@@ -340,6 +342,16 @@ class Engine:
                 self.wait()
 
     # --------------------------------------------------------------- reports
+    def memory_report(self) -> dict[str, Any]:
+        """Bytes this rank holds, by kind, next to what the ZeRO paper's model predicts for the strategy.
+
+        ``held`` has ``params``, ``grads``, ``optimizer_state`` (fp32 master copies included),
+        ``comm_buffers`` (the largest transient buffers of a step: gathered zero3 units, zero2 buckets)
+        and ``offloaded_to_disk``. ``predicted`` applies the formulas (ddp (p+g+K)Ψ, zero1 (p+g)Ψ + KΨ/N,
+        zero2 pΨ + (g+K)Ψ/N, zero3 (p+g+K)Ψ/N) to this model; they agree up to padding to multiples of N.
+        """
+        return self.strategy.memory_report([o.optimizer for o in self._optimizers])
+
     def precision_report(self) -> dict[str, str]:
         """The dtypes actually in use: parameters, gradients, optimizer state, compute and communication."""
 
@@ -356,7 +368,13 @@ class Engine:
         return {
             "precision": self.precision.name,
             "params": dtypes(params),
-            "grads": dtypes(p.grad for p in params if p.grad is not None),
+            "grads": dtypes(
+                p.grad
+                for o in self._optimizers
+                for g in o.param_groups
+                for p in g["params"]
+                if p.grad is not None
+            ),
             "optimizer_state": dtypes(state),
             "compute": str(self.precision.compute_dtype or dtypes(params)).replace("torch.", ""),
             "communication": str(comm).replace("torch.", "") if comm is not None else "none (one replica)",

@@ -31,6 +31,9 @@ class Precision:
         self.scaler = torch.amp.GradScaler(device.type) if name == "fp16-mixed" else None
         self._unscaled: set[int] = set()
         self._stepped: set[int] = set()
+        self.found_inf_group: Any = None
+        """Set when gradients are sharded: an overflow on any rank's shard must skip the step on every rank."""
+        self.sync_found_inf = False
 
     def autocast(self) -> ContextManager[Any]:
         if self.compute_dtype is None:
@@ -58,8 +61,14 @@ class Precision:
         if id(optimizer) in self._stepped:
             self.update()  # this optimizer steps again: the previous round is over
         self.unscale_(optimizer)
+        found = self.scaler._found_inf_per_device(optimizer)
+        if self.sync_found_inf:
+            import torch.distributed as dist
+
+            for v in found.values():  # GradScaler.step reads these same tensors
+                dist.all_reduce(v, op=dist.ReduceOp.MAX, group=self.found_inf_group)
         # One host sync per step: GradScaler records whether this optimizer's gradients held an inf/nan.
-        found_inf = sum(v.item() for v in self.scaler._found_inf_per_device(optimizer).values())
+        found_inf = sum(v.item() for v in found.values())
         self.scaler.step(optimizer)
         self._stepped.add(id(optimizer))
         return found_inf > 0

@@ -15,6 +15,9 @@ __all__ = ["strategy_names", "get_strategy_class"]
 
 _REGISTRY: dict[str, str] = {
     "ddp": "phalanx.strategies.ddp:DDPStrategy",
+    "zero1": "phalanx.strategies.zero:Zero1Strategy",
+    "zero2": "phalanx.strategies.zero:Zero2Strategy",
+    "zero3": "phalanx.strategies.zero:Zero3Strategy",
 }
 
 

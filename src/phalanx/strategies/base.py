@@ -26,6 +26,8 @@ __all__ = ["Strategy"]
 class Strategy(ABC):
     name: ClassVar[str]
     supports_pipeline: ClassVar[bool] = False
+    shards_gradients: ClassVar[bool] = False
+    """True when each rank holds only part of the reduced gradients (fp16 overflow checks must then agree)."""
 
     def __init__(self, config: EngineConfig, topology: Topology, device: torch.device, precision: Precision) -> None:
         if topology.pp_size > 1 and not self.supports_pipeline:
@@ -58,8 +60,8 @@ class Strategy(ABC):
     def set_grad_scale(self, scale: float | torch.Tensor) -> None:
         """The factor that the next gradient reduction multiplies by (1/dp for mean losses, 1/items for sums)."""
 
-    def after_optimizer_step(self) -> None:
-        """The optimizer stepped: the next backward starts a new step."""
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """``optimizer`` stepped: the next backward starts a new step (zero strategies gather parameters here)."""
 
     @abstractmethod
     def finish_gradient_sync(self) -> None:
@@ -70,11 +72,16 @@ class Strategy(ABC):
 
     @abstractmethod
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
-        """Clip gradients to the global norm across every rank's share; return that norm."""
+        """Clip the gradients of ``parameters`` to their global norm across every rank's share; return that norm."""
 
     @abstractmethod
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole, unsharded state dict of ``model``, on CPU, on every rank."""
+
+    @abstractmethod
+    def memory_report(self, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+        """Bytes this rank holds in parameters, gradients, optimizer state and communication buffers, and the
+        ZeRO paper's prediction of each (see ``engine.memory_report``)."""
 
     def comm_dtype(self) -> torch.dtype | None:
         """The dtype gradients travel in, or None when nothing is communicated."""

@@ -138,7 +138,7 @@ class GradReducer:
         if not (isinstance(scale, float) and scale == 1.0):
             bucket.flat.mul_(scale)
         if self.world_size > 1:
-            self.stats.record("all_reduce", bucket.flat)
+            self.stats.record("all_reduce", bucket.flat, self.world_size)
             bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
 
     def _finalize_backward(self) -> None:
@@ -267,7 +267,7 @@ class DDPStrategy(Strategy):
         for r in self.reducers:
             r.grad_scale = scale
 
-    def after_optimizer_step(self) -> None:
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         for r in self.reducers:
             r._reduced = False
 
@@ -292,7 +292,25 @@ class DDPStrategy(Strategy):
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
         # After the all-reduce every replica holds the same gradients, so the local norm is the global one.
-        return torch.nn.utils.clip_grad_norm_(list(parameters), max_norm, norm_type=norm_type)
+        return torch.nn.utils.clip_grad_norm_([p for p in parameters if p.grad is not None], max_norm, norm_type=norm_type)
+
+    def memory_report(self, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+        from phalanx.strategies.zero import _nbytes, _report, _state_bytes_per_element, _state_tensors
+
+        params = [p for r in self.reducers for b in r.buckets for p in b.params]
+        psi = sum(p.numel() for p in params)
+        p_bytes = params[0].element_size() if params else 4
+        state = _state_tensors(optimizers)
+        k = _state_bytes_per_element(optimizers, state, psi)
+        held = {
+            "params": _nbytes(params),
+            "grads": sum(b.flat.numel() * b.flat.element_size() for r in self.reducers for b in r.buckets),
+            "optimizer_state": _nbytes(state),
+            "comm_buffers": 0,  # buckets are the gradients themselves
+            "offloaded_to_disk": 0,
+        }
+        predicted = {"params": p_bytes * psi, "grads": p_bytes * psi, "optimizer_state": k * psi}
+        return _report(self.name, psi, self.topology.dp_size, p_bytes, k, held, predicted, "none")
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
