@@ -109,8 +109,9 @@ class _Segment:
         self.trainable = [p.requires_grad for p in params]
         self.full = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
         with torch.no_grad():
-            for p, o in zip(params, self.offsets):
-                self.full[o : o + p.numel()].copy_(p.detach().reshape(-1))
+            for i, p in enumerate(params):
+                self.view_of(i, self.full).copy_(p.detach())
+                p.data = self.view_of(i, self.full)  # the original storage is released as we go
         self.attach_views()
         # Set by the strategy:
         self.master: torch.Tensor | None = None  # fp32 slice the optimizer steps (None: nothing trainable)
