@@ -284,13 +284,14 @@ class _ZeroStrategy(Strategy):
         return done
 
     # -------------------------------------------------------------------- model
-    def _prepare_common(self, model: nn.Module) -> list[nn.Parameter]:
+    def _prepare_common(self, model: nn.Module, sharded: set[nn.Parameter]) -> list[nn.Parameter]:
+        """Checks, and rank 0's buffers and unsharded parameters; sharded ones are broadcast flat, in place."""
         if id(model) in self._models:
             raise ValueError(f"{type(model).__name__} was already passed to engine.prepare; prepare each model once")
         if self.world > 1:
             _check_same_model(model, self.group, self.device)
             broadcast_coalesced(
-                [t.data for t in model.parameters()] + list(model.buffers()),
+                [t.data for t in model.parameters() if t not in sharded] + list(model.buffers()),
                 src=_group_rank0(self.group),
                 group=self.group,
                 stats=self.stats,
@@ -312,14 +313,19 @@ class _ZeroStrategy(Strategy):
             with torch.no_grad():
                 broadcast_coalesced(list(module.buffers()), src=_group_rank0(self.group), group=self.group, stats=self.stats)
 
-    def _register(self, model: nn.Module, params: list[nn.Parameter], segments: list[_Segment]) -> None:
+    def _add_segments(self, segments: list[_Segment]) -> None:
         for s in segments:
+            if self.world > 1:  # every replica starts from rank 0's values: one in-place broadcast per flat buffer
+                self.stats.record("broadcast", s.full)
+                dist.broadcast(s.full, src=_group_rank0(self.group), group=self.group)
             s.index = len(self.segments)
             self.segments.append(s)
             for i, p in enumerate(s.params):
                 self._loc[p] = (s, i)
             if s.has_trainable:
                 self._make_master(s)
+
+    def _register(self, model: nn.Module, params: list[nn.Parameter], segments: list[_Segment]) -> None:
         self._models[id(model)] = (model, params, segments)
         model.register_forward_pre_hook(self._check_model_unchanged)
 
@@ -555,7 +561,7 @@ class _ZeroStrategy(Strategy):
 
     # -------------------------------------------------------------------- memory
     def memory_report(self, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
-        trainable = sum(s.params[i].numel() for s in self.segments for i in range(len(s.params)) if s.trainable[i])
+        trainable = sum(s.shapes[i].numel() for s in self.segments for i in range(len(s.params)) if s.trainable[i])
         state = _state_tensors(optimizers)
         in_ram = [t for t in state if not self.store.owns(t)]
         masters = [s.master for s in self.segments if s.master is not None and not s.master_is_full_slice]
@@ -612,11 +618,12 @@ class _BucketedZero(_ZeroStrategy):
     """zero1 and zero2: the parameters stay whole; gradients are reduced bucket by bucket in backward."""
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        params = self._prepare_common(model)
-        trainable = [p for p in params if p.requires_grad]
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        params = self._prepare_common(model, set(trainable))
         segments = []
         for bucket in _buckets(trainable[::-1], int(self.config.bucket_mb * 2**20)):
             segments.append(_Segment(0, bucket, self.world, self.rank))
+            self._add_segments(segments[-1:])
         self._register(model, params, segments)
         for s in segments:
             s.ready = [False] * len(s.params)
@@ -725,7 +732,7 @@ class Zero3Strategy(_ZeroStrategy):
         self._empty: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        params = self._prepare_common(model)
+        params = self._prepare_common(model, set(model.parameters()))
         unit_modules = _unit_modules(model, self.config.zero3_unit_classes)
         owners: dict[nn.Parameter, set[int]] = {}
         for ui, (_, m) in enumerate(unit_modules):
@@ -738,23 +745,25 @@ class Zero3Strategy(_ZeroStrategy):
             (members[next(iter(where))] if len(where) == 1 else root_params).append(p)
         units: list[_Unit] = []
         all_segments: list[_Segment] = []
+        # One unit at a time: lay out, take rank 0's values, keep this rank's slice, free the rest. Only one
+        # unit is ever whole here, beside the not yet sharded parameters the user built.
         for (name, module), ps in [(("<root>", model), root_params)] + list(zip(unit_modules, members)):
             segs = [_Segment(0, group, self.world, self.rank) for group in _by_dtype(ps)]
+            self._add_segments(segs)
+            for seg in segs:
+                master = seg.master
+                keeps_slice = master is not None and master.dtype == seg.dtype and master.device == seg.device
+                seg.shard_param = None if keeps_slice else seg.full[seg.lo : seg.hi].clone()
             all_segments += segs
             unit = _Unit(len(self.units) + len(units), module, name, segs, is_root=module is model)
+            self._free(unit)
             if segs or unit.is_root:
                 units.append(unit)
         self._register(model, params, all_segments)
-        for s in all_segments:
-            src = s.master if s.master is not None and s.master.dtype == s.dtype and s.master.device == s.device else None
-            s.shard_param = None if src is not None else s.full[s.lo : s.hi].clone()
-            if s.master is None:  # frozen only: the at-rest slice is all there is
-                s.shard_param = s.full[s.lo : s.hi].clone()
         root = units[0]
         self._root_of[id(model)] = root
         for u in units:
             self.units.append(u)
-            self._free(u)
             if not u.is_root:
                 u.module.register_forward_pre_hook(self._make_pre_forward(u), with_kwargs=True, prepend=True)
                 u.module.register_forward_hook(self._make_post_forward(u))
