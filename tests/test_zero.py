@@ -317,3 +317,155 @@ def test_memory_report_follows_the_formulas_and_peaks_fall(run_ranks, world_size
         assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4, dict(zip(strategies, peaks))
         # ddp holds about 16Ψ bytes at its peak; zero3 on n ranks far less.
         assert peaks[0] >= 16 * psi and peaks[3] < 0.75 * peaks[0]
+
+
+# ------------------------------------------------------------------------------------------------ offload
+def _offload_run(stage: str, offload: str, directory: str | None) -> dict:
+    import resource
+
+    engine = phalanx.Engine(strategy=stage, offload=offload, offload_dir=directory, offload_chunk_mb=1.0, bucket_mb=2)
+    torch.manual_seed(0)
+    model = _MLP(width=512, depth=12)  # 3.2M parameters: 12.6 MB of Adam state per rank on 2 ranks
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = engine.prepare(model, optimizer)
+    g = torch.Generator().manual_seed(engine.rank)
+    for _ in range(3):
+        engine.backward(model(torch.randn(4, 512, generator=g)).square().mean())
+        optimizer.step()
+        optimizer.zero_grad()
+    return {
+        "state": engine.get_state_dict(model),
+        "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        "report": engine.memory_report(),
+    }
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_disk_offload_same_result_lower_peak_rss(run_ranks, tmp_path, monkeypatch, stage):
+    # A fixed mmap threshold makes glibc hand large freed blocks straight back, so RSS follows live memory.
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    plain = run_ranks(_offload_run, 2, stage, "none", None)
+    disk = run_ranks(_offload_run, 2, stage, "disk", str(tmp_path))
+    assert list(tmp_path.iterdir()) == []  # the files were unlinked as soon as they were mapped
+    for a, b in zip(plain, disk):
+        for k in a["state"]:
+            torch.testing.assert_close(b["state"][k], a["state"][k], rtol=0, atol=0, msg=k)
+        state_bytes = a["report"]["held"]["optimizer_state"]
+        assert state_bytes >= 12 * 2**20
+        assert b["report"]["held"]["offloaded_to_disk"] >= state_bytes
+        # Resident memory falls by most of the optimizer state (one 1 MiB chunk of parameters stays resident).
+        saved = (a["peak_rss_kib"] - b["peak_rss_kib"]) * 1024
+        assert saved > 0.6 * state_bytes, (saved, state_bytes)
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+def _bad_inputs(tmp: str) -> dict:
+    import warnings
+
+    out = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = phalanx.Engine(strategy="zero2")
+    out["world1_warning"] = [str(w.message) for w in caught if "shards nothing" in str(w.message)]
+    model = TiedNet()
+    lbfgs = torch.optim.LBFGS(model.parameters())
+    try:
+        engine.prepare(model, lbfgs)
+    except ValueError as e:
+        out["lbfgs"] = str(e)
+
+    class MyOpt(torch.optim.SGD):
+        pass
+
+    engine = phalanx.Engine(strategy="zero1")
+    try:
+        engine.prepare(TiedNet(), MyOpt(TiedNet().parameters(), lr=0.1))
+    except ValueError as e:
+        out["custom"] = str(e)
+    engine = phalanx.Engine(strategy="zero1", zero_allow_untested_optimizer=True)
+    m = TiedNet()
+    engine.prepare(m, MyOpt(m.parameters(), lr=0.1))
+    out["custom_allowed"] = True
+
+    for stage in STAGES:
+        engine = phalanx.Engine(strategy=stage)
+        model = TiedNet()
+        model, _ = engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        model.extra = torch.nn.Linear(2, 2)  # changed after prepare
+        try:
+            model(make_tokens(2)[0])
+        except RuntimeError as e:
+            out[f"changed_{stage}"] = str(e)
+    engine = phalanx.Engine(strategy="zero1")
+    model = TiedNet()
+    model, _ = engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model.fc1.weight.data = torch.zeros(13, 7)
+    try:
+        model(make_tokens(2)[0])
+    except RuntimeError as e:
+        out["new_storage"] = str(e)
+    try:
+        phalanx.Engine(strategy="zero3", offload="disk", offload_dir=f"{tmp}/a_file/sub")
+    except ValueError as e:
+        out["disk_dir"] = str(e)
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:strategy .* shards nothing")
+def test_bad_input_gets_clear_errors(tmp_path, monkeypatch):
+    monkeypatch.setenv("PHALANX_DEVICE", "cpu")
+    (tmp_path / "a_file").write_text("not a directory")
+    out = _bad_inputs(str(tmp_path))
+    assert out["world1_warning"] and "strategy='ddp'" in out["world1_warning"][0]
+    assert "LBFGS" in out["lbfgs"] and "line search" in out["lbfgs"] and "strategy='ddp'" in out["lbfgs"]
+    assert "MyOpt" in out["custom"] and "zero_allow_untested_optimizer=True" in out["custom"]
+    assert out["custom_allowed"]
+    for stage in STAGES:
+        assert "changed after engine.prepare" in out[f"changed_{stage}"] and "extra.weight" in out[f"changed_{stage}"]
+    assert "fc1.weight" in out["new_storage"] and "copy_" in out["new_storage"]
+    assert "a_file/sub" in out["disk_dir"] and "not a writable directory" in out["disk_dir"]
+
+
+def test_offload_config_errors():
+    from phalanx.config import ConfigError
+
+    with pytest.raises(ConfigError, match="offload='cpu' needs a zero strategy"):
+        phalanx.Engine(strategy="ddp", offload="cpu")
+    with pytest.raises(ConfigError, match="needs offload_dir"):
+        phalanx.Engine(strategy="zero2", offload="disk")
+    with pytest.raises(ConfigError, match="comm_dtype"):
+        phalanx.Engine(strategy="zero2", comm_dtype="int8")
+
+
+# ---------------------------------------------------------------------------------------------- precision
+def _precision_runs() -> dict:
+    out = {}
+    for stage in STAGES:
+        for precision, comm in (("bf16-mixed", None), ("fp32", "bf16"), ("fp16-mixed", None)):
+            res = _train(stage, "adamw", steps=6, precision=precision, comm_dtype=comm)
+            out[(stage, precision, comm)] = res["losses"]
+    # fp16: an overflow on one rank's shard only must skip the step on every rank.
+    engine = phalanx.Engine(strategy="zero2", precision="fp16-mixed")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = engine.prepare(model, optimizer)
+    before = engine.get_state_dict(model)
+    poison = float("inf") if engine.rank == 1 else 1.0
+    engine.backward(model(torch.full((3, 4), 0.1)).mean() * poison)
+    optimizer.step()
+    after = engine.get_state_dict(model)
+    out["skipped"] = engine.step_was_skipped
+    out["unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
+    out["report"] = engine.precision_report()
+    return out
+
+
+def test_mixed_precision_and_bf16_communication(run_ranks):
+    ref, _ = tied_reference_run(6, GLOBAL_BATCH, "adamw")
+    for res in run_ranks(_precision_runs, 2):
+        for key, losses in res.items():
+            if isinstance(key, tuple):  # close to fp32 training, as low precision allows
+                torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=2e-2, atol=2e-2, msg=str(key))
+        assert res["skipped"] and res["unchanged"]
+        assert res["report"]["grads"] == "float32" and res["report"]["optimizer_state"] == "none yet"
