@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -20,7 +20,34 @@ if TYPE_CHECKING:
     from phalanx.precision import Precision
     from phalanx.topology import Topology
 
-__all__ = ["Strategy"]
+__all__ = ["Strategy", "ShardEntry", "StateReader"]
+
+
+class ShardEntry(NamedTuple):
+    """One rank's slice of one tensor of the training state, in a layout that does not depend on the strategy.
+
+    ``key`` is ``model/<parameter or buffer name>`` or ``optim/<parameter name>/<state name>`` (e.g.
+    ``exp_avg``, ``step``); ``data`` holds elements ``[start, stop)`` of the flattened tensor, whose whole
+    shape is ``shape``. Together, the entries of every rank cover each tensor exactly once.
+    """
+
+    key: str
+    shape: tuple[int, ...]
+    start: int
+    stop: int
+    data: torch.Tensor
+
+
+class StateReader(Protocol):
+    """Where ``load_sharded_state`` reads from: a checkpoint on disk, or entries held in memory."""
+
+    def keys(self) -> Iterable[str]: ...
+
+    def shape(self, key: str) -> tuple[int, ...]: ...
+
+    def read(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Elements ``[start, stop)`` of the flattened tensor ``key``."""
+        ...
 
 
 class Strategy(ABC):
@@ -82,6 +109,16 @@ class Strategy(ABC):
     def memory_report(self, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
         """Bytes this rank holds in parameters, gradients, optimizer state and communication buffers, and the
         ZeRO paper's prediction of each (see ``engine.memory_report``)."""
+
+    @abstractmethod
+    def sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[ShardEntry]:
+        """This rank's share of the model (and optimizer) state, as flat slices keyed by parameter name."""
+
+    @abstractmethod
+    def load_sharded_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, reader: StateReader
+    ) -> None:
+        """Load the slices this rank holds from ``reader`` (any saving world size or strategy)."""
 
     def comm_dtype(self) -> torch.dtype | None:
         """The dtype gradients travel in, or None when nothing is communicated."""

@@ -9,6 +9,7 @@ runs while backward computes the rest. One callback at the end of backward waits
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -17,7 +18,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from phalanx.comm import CommStats, broadcast_coalesced
-from phalanx.strategies.base import Strategy
+from phalanx.strategies.base import ShardEntry, StateReader, Strategy
 
 __all__ = ["DDPStrategy", "GradReducer"]
 
@@ -294,6 +295,29 @@ class DDPStrategy(Strategy):
         # After the all-reduce every replica holds the same gradients, so the local norm is the global one.
         return torch.nn.utils.clip_grad_norm_([p for p in parameters if p.grad is not None], max_norm, norm_type=norm_type)
 
+    def sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[ShardEntry]:
+        # Every replica holds everything: the first rank of each data-parallel group gives it, whole.
+        if self.topology.dp_rank != 0:
+            return []
+        entries = [_whole(f"model/{k}", v) for k, v in _named_tensors(model)]
+        if optimizer is not None:
+            names: dict[Any, str] = {p: n for n, p in model.named_parameters()}
+            for p, state in optimizer.state.items():
+                if p in names:
+                    entries += [_whole(f"optim/{names[p]}/{k}", v) for k, v in state.items() if isinstance(v, torch.Tensor)]
+        return entries
+
+    def load_sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, reader: StateReader) -> None:
+        _load_whole_tensors(model, reader)
+        if optimizer is not None:
+            keys = _keys_by_param(reader)
+            for name, p in model.named_parameters():
+                if p.requires_grad and name in keys:
+                    optimizer.state[p] = {
+                        k: _read_whole(reader, f"optim/{name}/{k}").to(p.device if reader.shape(f"optim/{name}/{k}") else "cpu")
+                        for k in keys[name]
+                    }
+
     def memory_report(self, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
         from phalanx.strategies.zero import _nbytes, _report, _state_bytes_per_element, _state_tensors
 
@@ -327,6 +351,48 @@ class DDPStrategy(Strategy):
             "buckets": len(buckets),
             "bucket_bytes": [b.flat.numel() * b.flat.element_size() for b in buckets],
         }
+
+
+def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Parameters (each tied one once, under its first name) and buffers."""
+    return list(model.named_parameters()) + list(model.named_buffers())
+
+
+def _whole(key: str, t: torch.Tensor) -> ShardEntry:
+    return ShardEntry(key, tuple(t.shape), 0, t.numel(), t.detach().reshape(-1).to("cpu", copy=True))
+
+
+def _read_whole(reader: StateReader, key: str) -> torch.Tensor:
+    shape = reader.shape(key)
+    return reader.read(key, 0, math.prod(shape)).reshape(shape)
+
+
+def _keys_by_param(reader: StateReader) -> dict[str, list[str]]:
+    """``optim/<name>/<state>`` keys grouped as {name: [state, ...]}."""
+    out: dict[str, list[str]] = {}
+    for key in reader.keys():
+        if key.startswith("optim/"):
+            name, _, state = key[len("optim/") :].rpartition("/")
+            out.setdefault(name, []).append(state)
+    return out
+
+
+def _load_whole_tensors(model: nn.Module, reader: StateReader, skip: set[Any] | None = None) -> None:
+    """Copy whole parameters and buffers from ``reader``; the error lists what is missing or mis-shaped."""
+    problems = []
+    wanted = [(n, t) for n, t in _named_tensors(model) if skip is None or t not in skip]
+    available = set(reader.keys())
+    for name, t in wanted:
+        key = f"model/{name}"
+        if key not in available:
+            problems.append(f"{name}: not in the checkpoint")
+        elif tuple(reader.shape(key)) != tuple(t.shape):
+            problems.append(f"{name}: shape {tuple(reader.shape(key))} in the checkpoint, {tuple(t.shape)} in the model")
+    if problems:
+        raise ValueError("the checkpoint does not match the model: " + "; ".join(problems[:5]))
+    with torch.no_grad():
+        for name, t in wanted:
+            t.copy_(_read_whole(reader, f"model/{name}"))
 
 
 def _group_rank0(group: Any) -> int:

@@ -42,8 +42,16 @@ from torch.autograd import Variable
 from torch.utils import _pytree as pytree
 
 from phalanx.comm import CommStats, broadcast_coalesced
-from phalanx.strategies.base import Strategy
-from phalanx.strategies.ddp import _check_same_model, _group_rank0
+from phalanx.strategies.base import ShardEntry, StateReader, Strategy
+from phalanx.strategies.ddp import (
+    _check_same_model,
+    _group_rank0,
+    _keys_by_param,
+    _load_whole_tensors,
+    _named_tensors,
+    _read_whole,
+    _whole,
+)
 from phalanx.strategies.offload import StateStore
 
 __all__ = ["Zero1Strategy", "Zero2Strategy", "Zero3Strategy", "check_optimizer"]
@@ -137,6 +145,13 @@ class _Segment:
         for i, p in enumerate(self.params):
             p.data = self.view_of(i, self.full)
         self.pointers = [p.data_ptr() for p in self.params]
+
+    def param_runs(self, a: int, b: int) -> Iterator[tuple[int, int, int, int, int]]:
+        """For shard range ``[a, b)``: (param index, start, stop in the flattened param, start, stop in the shard)."""
+        for i, o in enumerate(self.offsets):
+            ga, gb = max(o, self.lo + a), min(o + self.shapes[i].numel(), self.lo + b)
+            if ga < gb:
+                yield i, ga - o, gb - o, ga - self.lo, gb - self.lo
 
     def local_runs(self, params: set[nn.Parameter] | None = None) -> list[tuple[int, int, int]]:
         """(param index, start, stop) in shard coordinates for each trainable parameter's part of this slice."""
@@ -538,6 +553,99 @@ class _ZeroStrategy(Strategy):
         for k, v in model.state_dict(keep_vars=True).items():
             out[k] = gathered[v] if v in gathered else v.detach().to("cpu", copy=True)
         return out
+
+    def sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[ShardEntry]:
+        """Each rank gives its own slice of every parameter and optimizer state tensor; rank 0 the replicated rest."""
+        self.finish_gradient_sync()
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # the Engine's PreparedOptimizer wraps ours
+        _, _, segments = self._models[id(model)]
+        entries = []
+        for s in segments:
+            at_rest = self._at_rest(s)
+            for i, pa, pb, xa, xb in s.param_runs(0, s.shard_numel):
+                name, shape = self._names[s.params[i]], tuple(s.shapes[i])
+                entries.append(ShardEntry(f"model/{name}", shape, pa, pb, at_rest[xa:xb].to("cpu", copy=True)))
+                if s.master is not None and s.master.dtype != s.dtype and s.trainable[i]:
+                    entries.append(ShardEntry(f"optim/{name}/master", shape, pa, pb, s.master[xa:xb].to("cpu", copy=True)))
+        if self.rank == 0:
+            ours = {p for s in segments for p in s.params}
+            entries += [_whole(f"model/{k}", v) for k, v in _named_tensors(model) if v not in ours]
+        for opt, layout in self._optimizers:
+            if optimizer is not None and opt is not optimizer:
+                continue
+            for group, pieces in zip(opt.param_groups, layout):
+                for piece, (seg, a, b) in zip(group["params"], pieces):
+                    state = opt.state.get(piece, {})
+                    for i, pa, pb, xa, xb in seg.param_runs(a, b):
+                        name, shape = self._names[seg.params[i]], tuple(seg.shapes[i])
+                        for k, v in state.items():
+                            if not isinstance(v, torch.Tensor):
+                                continue
+                            if v.shape == piece.shape:
+                                entries.append(ShardEntry(f"optim/{name}/{k}", shape, pa, pb, v[xa - a : xb - a].to("cpu", copy=True)))
+                            elif v.dim() == 0 and pa == 0:  # per-tensor scalars (step): from the rank holding element 0
+                                entries.append(_whole(f"optim/{name}/{k}", v))
+        return entries
+
+    def _at_rest(self, s: _Segment) -> torch.Tensor:
+        """This rank's slice of the segment's parameter values, in their dtype."""
+        if self.stage < 3:
+            return s.full[s.lo : s.hi]
+        return s.shard_param if s.shard_param is not None else s.master  # type: ignore[return-value]
+
+    def load_sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, reader: StateReader) -> None:
+        """Read exactly this rank's slices: no rank ever holds more than its shard plus one slice in transit."""
+        self.finish_gradient_sync()
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        _, _, segments = self._models[id(model)]
+        available = set(reader.keys())
+        problems = []
+        for s in segments:
+            for i, shape in enumerate(s.shapes):
+                key = f"model/{self._names[s.params[i]]}"
+                if key not in available:
+                    problems.append(f"{key[6:]}: not in the checkpoint")
+                elif tuple(reader.shape(key)) != tuple(shape):
+                    problems.append(f"{key[6:]}: shape {tuple(reader.shape(key))} in the checkpoint, {tuple(shape)} in the model")
+        if problems:
+            raise ValueError("the checkpoint does not match the model: " + "; ".join(problems[:5]))
+        with torch.no_grad():
+            for s in segments:
+                at_rest = self._at_rest(s)
+                for i, pa, pb, xa, xb in s.param_runs(0, s.shard_numel):
+                    name = self._names[s.params[i]]
+                    values = reader.read(f"model/{name}", pa, pb)
+                    at_rest[xa:xb].copy_(values)
+                    if s.master is not None and s.master.data_ptr() != at_rest.data_ptr():
+                        master_key = f"optim/{name}/master"
+                        s.master[xa:xb].copy_(reader.read(master_key, pa, pb) if master_key in available else values)
+            ours = {p for s in segments for p in s.params}
+            _load_whole_tensors(model, reader, skip=ours)
+        if self.stage < 3:
+            for w in [self._gather_params(s, async_op=True) for s in segments]:
+                w.wait()
+        keys = _keys_by_param(reader)
+        for opt, layout in self._optimizers:
+            if optimizer is not None and opt is not optimizer:
+                continue
+            for group, pieces in zip(opt.param_groups, layout):
+                for piece, (seg, a, b) in zip(group["params"], pieces):
+                    runs = list(seg.param_runs(a, b))
+                    first = self._names[seg.params[runs[0][0]]]
+                    state: dict[str, Any] = {}
+                    for k in keys.get(first, []):
+                        if k == "master":
+                            continue
+                        if reader.shape(f"optim/{first}/{k}") == ():
+                            state[k] = _read_whole(reader, f"optim/{first}/{k}")
+                            continue
+                        buf = piece.new_empty(piece.shape)
+                        for i, pa, pb, xa, xb in runs:
+                            buf[xa - a : xb - a].copy_(reader.read(f"optim/{self._names[seg.params[i]]}/{k}", pa, pb))
+                        state[k] = buf
+                    if state:
+                        opt.state[piece] = state
+        self.store.release()
 
     def _gathered_cpu_params(self, model: nn.Module) -> dict[torch.Tensor, torch.Tensor]:
         _, _, segments = self._models[id(model)]
