@@ -216,6 +216,12 @@ class _ZeroStrategy(Strategy):
             mode = "allreduce" if (dist.is_initialized() and dist.get_backend(self.group) == "gloo") else "native"
         self.collectives = mode
         self.comm_dtype_ = _DTYPES[cfg.comm_dtype] if cfg.comm_dtype else None
+        if cfg.offload != "none" and self.device.type == "cuda" and self.precision.scaler is not None:
+            raise ValueError(
+                f"offload={cfg.offload!r} with precision='fp16-mixed' on CUDA is not supported: the loss scaler checks "
+                "gradients on the GPU, and offloaded gradient shards live on the host. Use precision='bf16-mixed' "
+                "(no loss scaling needed) with offload, or offload='none' with fp16"
+            )
         self.store = StateStore(cfg.offload, self.device, cfg.offload_dir, rank=topo.rank)
         self.segments: list[_Segment] = []
         self.units: list[_Unit] = []
