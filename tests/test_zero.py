@@ -334,9 +334,13 @@ def test_memory_report_follows_the_formulas_and_peaks_fall(run_ranks, world_size
 
 
 # ------------------------------------------------------------------------------------------------ offload
-def _offload_run(stage: str, offload: str, directory: str | None) -> dict:
-    import resource
+def _own_peak_rss_kib() -> int:
+    """This process's own peak RSS (VmHWM). ru_maxrss would carry over the parent's at spawn time."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
 
+
+def _offload_run(stage: str, offload: str, directory: str | None) -> dict:
     engine = phalanx.Engine(strategy=stage, offload=offload, offload_dir=directory, offload_chunk_mb=1.0, bucket_mb=2)
     torch.manual_seed(0)
     model = _MLP(width=512, depth=12)  # 3.2M parameters: 12.6 MB of Adam state per rank on 2 ranks
@@ -349,7 +353,7 @@ def _offload_run(stage: str, offload: str, directory: str | None) -> dict:
         optimizer.zero_grad()
     return {
         "state": engine.get_state_dict(model),
-        "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        "peak_rss_kib": _own_peak_rss_kib(),
         "report": engine.memory_report(),
     }
 
