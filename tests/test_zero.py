@@ -476,6 +476,26 @@ def _precision_runs() -> dict:
     out["skipped"] = engine.step_was_skipped
     out["unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
     out["report"] = engine.precision_report()
+    # A model stored in bf16: the optimizer steps fp32 master slices, the model keeps bf16 parameters.
+    for stage in ("zero2", "zero3"):
+        engine = phalanx.Engine(strategy=stage, precision="bf16-mixed", offload="cpu")
+        torch.manual_seed(100)
+        model = TiedNet().to(torch.bfloat16)
+        optimizer = grouped_optimizer("adamw", model)
+        model, optimizer = engine.prepare(model, optimizer)
+        x, y = make_tokens(6 * GLOBAL_BATCH)
+        from _common import global_order
+
+        order = global_order(len(x), 0, 0)
+        per = GLOBAL_BATCH // engine.world_size
+        losses = []
+        for step in range(6):
+            idx = order[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH][engine.rank * per : (engine.rank + 1) * per]
+            loss = engine.train_step((x[idx], y[idx]), lambda m, b: F.cross_entropy(m(b[0]).float(), b[1]))
+            losses.append(engine.reduce(loss, "mean").item())
+        out[("bf16 model", stage)] = losses
+        out[f"bf16_report_{stage}"] = engine.precision_report()
+        out[f"bf16_memory_{stage}"] = engine.memory_report()
     return out
 
 
@@ -487,6 +507,12 @@ def test_mixed_precision_and_bf16_communication(run_ranks):
                 torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=2e-2, atol=2e-2, msg=str(key))
         assert res["skipped"] and res["unchanged"]
         assert res["report"]["grads"] == "float32" and res["report"]["optimizer_state"] == "none yet"
+        for stage in ("zero2", "zero3"):
+            report = res[f"bf16_report_{stage}"]
+            assert report["params"] == "bfloat16" and report["optimizer_state"] == "float32" and report["grads"] == "float32"
+            memory = res[f"bf16_memory_{stage}"]
+            # p = 2 bytes; K = 4 (fp32 master) + 8 (Adam's two moments): the mixed-precision rows of the table.
+            assert memory["param_bytes_per_element"] == 2 and memory["state_bytes_per_element"] == 12
 
 
 # ------------------------------------------------------------------------------------- state-dict hooks

@@ -690,11 +690,15 @@ class _ZeroStrategy(Strategy):
         k = _state_bytes_per_element(optimizers, state, sum(s.shard_numel for s in self.segments if s.has_trainable))
         k += 4 if p < 4 else 0  # fp32 master copies of low-precision parameters
         n = self.world
+        # Reduced gradient slices are kept in fp32 (g = 4) even for bf16/fp16 parameters, so that accumulation
+        # over micro-batches does not round; the paper counts them at the parameters' width (2Ψ/N).
+        g = max(p, 4)
         per_stage = {
-            1: {"params": p * trainable, "grads": p * trainable, "optimizer_state": k * trainable / n},
-            2: {"params": p * trainable, "grads": (p + (4 if p < 4 else 0)) * trainable / n, "optimizer_state": k * trainable / n},
-            3: {"params": p * trainable / n, "grads": (p + (4 if p < 4 else 0)) * trainable / n, "optimizer_state": k * trainable / n},
+            1: {"params": p * trainable, "grads": p * trainable + (g * trainable / n if p < 4 else 0)},
+            2: {"params": p * trainable, "grads": g * trainable / n},
+            3: {"params": p * trainable / n, "grads": g * trainable / n},
         }[self.stage]
+        per_stage["optimizer_state"] = k * trainable / n
         return _report(self.name, trainable, n, p, k, held, per_stage, self.store.mode)
 
     def _param_bytes(self) -> int:
