@@ -607,3 +607,185 @@ def test_state_hooks_round_trip_and_load_under_other_strategies(run_ranks, saver
         assert res[saver] == res["straight"]  # and training continues bit for bit
         for strategy in loaders[1:]:
             torch.testing.assert_close(torch.tensor(res[strategy]), torch.tensor(res["straight"]), **TOL, msg=strategy)
+
+
+# ------------------------------------------------------------- training loops other than the plain one
+class _Gen(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(3, 9), torch.nn.Tanh(), torch.nn.Linear(9, 5))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.body(z)
+
+
+class _Disc(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+class _Checkpointed(torch.nn.Module):
+    """Blocks run under non-reentrant activation checkpointing: backward recomputes their forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(13, 13) for _ in range(5)])
+        self.out = torch.nn.Linear(13, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for block in self.blocks:
+            x = checkpoint(lambda t, b=block: torch.tanh(b(t)), x, use_reentrant=False)
+        return self.out(x)
+
+
+def _loops(strategy: str) -> dict:
+    """Loops that broke zero in review: model.zero_grad, retained graphs, a GAN, two optimizers, checkpointing."""
+    from _common import make_data
+
+    out: dict = {}
+    # 1. model.zero_grad() instead of optimizer.zero_grad(); then a second backward over a retained graph.
+    engine = phalanx.Engine(strategy=strategy)
+    rank = engine.rank
+    x, y = make_data(8, seed=rank)
+    torch.manual_seed(100)
+    model = TiedNet()
+    optimizer = grouped_optimizer("sgd", model)
+    model, optimizer = engine.prepare(model, optimizer)
+    tokens, targets = make_tokens(8, seed=rank)
+    for _ in range(3):
+        model.zero_grad()
+        logits = model(tokens)
+        with engine.no_sync():
+            engine.backward(F.cross_entropy(logits, targets), retain_graph=True)
+        engine.backward(logits.square().mean() * 0.1)
+        optimizer.step()
+    out["tied"] = engine.get_state_dict(model)
+
+    # 2. A GAN step: D on real and detached fake, then G through D; two models, two optimizers.
+    engine = phalanx.Engine(strategy=strategy, find_unused_parameters=True)
+    torch.manual_seed(5)
+    g, d = _Gen(), _Disc()
+    opt_g, opt_d = torch.optim.SGD(g.parameters(), lr=0.1), torch.optim.SGD(d.parameters(), lr=0.1, momentum=0.9)
+    g, d, opt_g, opt_d = engine.prepare(g, d, opt_g, opt_d)
+    z = torch.randn(8, 3, generator=torch.Generator().manual_seed(rank))
+    for _ in range(3):
+        opt_d.zero_grad()
+        engine.backward(d(x[:, :5]).mean() - d(g(z).detach()).mean())
+        opt_d.step()
+        opt_g.zero_grad()
+        engine.backward(d(g(z)).mean())
+        opt_g.step()
+    out["gan"] = {**engine.get_state_dict(g), **{f"d.{k}": v for k, v in engine.get_state_dict(d).items()}}
+
+    # 3. One model, two optimizers whose parameters share buckets, each stepped and zeroed in turn.
+    engine = phalanx.Engine(strategy=strategy)
+    torch.manual_seed(100)
+    model = TiedNet()
+    o1 = torch.optim.SGD([*model.fc1.parameters(), *model.blocks.parameters()], lr=0.1, momentum=0.9)
+    o2 = torch.optim.AdamW([p for n, p in model.named_parameters() if not n.startswith(("fc1", "blocks"))], lr=1e-2)
+    model, o1, o2 = engine.prepare(model, o1, o2)
+    for _ in range(3):
+        engine.backward(F.cross_entropy(model(tokens), targets))
+        for o in (o1, o2):
+            o.step()
+            o.zero_grad()
+    out["two_optimizers"] = engine.get_state_dict(model)
+
+    # 4. Activation checkpointing (zero3 must not leave recomputed units gathered).
+    engine = phalanx.Engine(strategy=strategy)
+    torch.manual_seed(3)
+    model = _Checkpointed()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = engine.prepare(model, optimizer)
+    gathered = []
+    if strategy == "zero3":
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(
+                lambda _: gathered.append(sum(u.state != 0 for u in engine.strategy.units if not u.is_root))
+            )
+    for _ in range(3):
+        engine.backward(F.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+    out["checkpointed"] = engine.get_state_dict(model)
+    out["most_gathered"] = max(gathered, default=0)
+    return out
+
+
+def _all_loops() -> dict:
+    return {s: _loops(s) for s in ("ddp", *STAGES)}
+
+
+def test_other_training_loops_match_ddp(run_ranks):
+    for res in run_ranks(_all_loops, 2):
+        for stage in STAGES:
+            for case in ("tied", "gan", "two_optimizers", "checkpointed"):
+                want, got = res["ddp"][case], res[stage][case]
+                assert set(got) == set(want)
+                for k in want:
+                    torch.testing.assert_close(got[k], want[k], **TOL, msg=f"{stage} {case} {k}")
+        assert res["zero3"]["most_gathered"] <= 2  # the unit computing and the one prefetched
+
+
+def _fp16_optimizer_with_nothing_here() -> list[float]:
+    """A one-element parameter in its own optimizer: on 2 ranks, one rank holds none of it."""
+    engine = phalanx.Engine(strategy="zero2", precision="fp16-mixed")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    gain = torch.nn.Parameter(torch.ones(1))
+    holder = torch.nn.Module()
+    holder.gain = gain
+    o1, o2 = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD([gain], lr=0.1)
+    model, holder, o1, o2 = engine.prepare(model, holder, o1, o2)
+    for _ in range(3):
+        engine.backward((model(torch.ones(3, 4)) * holder.gain).mean())
+        o1.step()
+        o2.step()
+        o1.zero_grad()
+        o2.zero_grad()
+    return [gain.item(), engine.precision.loss_scale]
+
+
+def test_fp16_with_an_optimizer_that_owns_nothing_on_a_rank(run_ranks):
+    a, b = run_ranks(_fp16_optimizer_with_nothing_here, 2, timeout=60)
+    assert a == b and a[0] != 1.0
+
+
+def _outside_use() -> str:
+    class Outside(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(11, 4)
+            self.mid = torch.nn.Linear(4, 4)
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            return F.linear(self.mid(self.emb(t)), self.emb.weight)  # emb.weight outside emb's forward
+
+    engine = phalanx.Engine(strategy="zero3")
+    model = Outside()
+    model, _ = engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        model(torch.tensor([[1, 2]]))
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_zero3_explains_a_parameter_used_outside_its_unit(run_ranks):
+    for message in run_ranks(_outside_use, 2):
+        assert "F.linear(h, self.wte.weight)" in message and "zero3_unit_classes" in message
+
+
+def test_zero_options_refused_with_other_strategies():
+    from phalanx.config import ConfigError
+
+    with pytest.raises(ConfigError, match="comm_dtype='bf16' applies to the zero strategies only"):
+        phalanx.Engine(strategy="ddp", comm_dtype="bf16")
+    with pytest.raises(ConfigError, match="zero3_unit_classes='Block' applies to strategy='zero3' only"):
+        phalanx.Engine(strategy="zero2", zero3_unit_classes="Block")

@@ -114,6 +114,21 @@ class EngineConfig:
             self.zero_collectives,
             "use one of: auto, native, allreduce",
         )
+        zero_only = {
+            "comm_dtype": self.comm_dtype is not None,
+            "zero_collectives": self.zero_collectives != "auto",
+            "zero_allow_untested_optimizer": self.zero_allow_untested_optimizer,
+        }
+        for key, set_ in zero_only.items():
+            if set_ and not self.strategy.startswith("zero"):
+                raise ConfigError(
+                    f"{key}={getattr(self, key)!r} applies to the zero strategies only; got strategy={self.strategy!r} "
+                    "(use zero1, zero2 or zero3, or leave it unset)"
+                )
+        if self.zero3_unit_classes is not None and self.strategy != "zero3":
+            raise ConfigError(
+                f"zero3_unit_classes={self.zero3_unit_classes!r} applies to strategy='zero3' only; got strategy={self.strategy!r}"
+            )
         if self.offload != "none" and not self.strategy.startswith("zero"):
             raise ConfigError(
                 f"offload={self.offload!r} needs a zero strategy (zero1, zero2 or zero3); got strategy={self.strategy!r}"

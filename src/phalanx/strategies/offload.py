@@ -61,8 +61,7 @@ class StateStore:
     def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A zero-filled flat tensor in this store's tier."""
         if self.mode != "disk" or numel == 0:
-            t = torch.zeros(numel, dtype=dtype, device=self.device)
-            return t.pin_memory() if self.pinned else t
+            return torch.zeros(numel, dtype=dtype, device=self.device, pin_memory=self.pinned)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         assert self.directory is not None
         path = self.directory / f"phalanx-offload-{os.getpid()}-r{self.rank}-{self._count}.bin"

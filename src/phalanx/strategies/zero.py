@@ -31,6 +31,7 @@ all-reduce of a zeroed buffer holding the rank's slice), and uses the native one
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 from typing import Any, Callable, ClassVar, Iterable, Iterator
@@ -129,7 +130,7 @@ class _Segment:
         self.shard_param: torch.Tensor | None = None  # zero3: the at-rest slice in the parameters' dtype
         self.pending = 0
         self.ready: list[bool] = []
-        self.fresh = True  # master_grad holds nothing from this step yet
+        self.owner: _ModelState | None = None
         self.work: Any = None
         self.work_out: torch.Tensor | None = None
 
@@ -188,12 +189,25 @@ class _Unit:
         self.index, self.module, self.name, self.segments, self.is_root = index, module, name, segments, is_root
         self.state = _Unit.FREE
         self.works: list[Any] = []
-        self.ran_forward = False  # with grad enabled, since the last backward: its gradients are due
-        self.reduced = False
+        self.touched = False  # backward reached it in the running backward pass
+        self.owner: _ModelState | None = None
 
     @property
     def full_bytes(self) -> int:
         return sum(s.padded * s.full.element_size() for s in self.segments)
+
+
+class _ModelState:
+    """One prepared model: its segments (and zero3 units), and where its running backward stands."""
+
+    def __init__(self, model: nn.Module, params: list[nn.Parameter], segments: list[_Segment]) -> None:
+        self.model, self.params, self.segments = model, params, segments
+        self.units: list[_Unit] = []
+        self.next_segment = 0  # zero1/2: the next bucket to launch, in order
+        self.touched = False  # got gradients in the running backward
+        self.reduced = False  # reduced at a window's end, and not yet consumed by a step or zero_grad
+        self.order: list[_Unit] = []  # zero3: units in the order the first forward ran them (for prefetch)
+        self.order_fixed = False
 
 
 # ---------------------------------------------------------------------------------------------- strategy
@@ -227,15 +241,14 @@ class _ZeroStrategy(Strategy):
         self.units: list[_Unit] = []
         self._loc: dict[nn.Parameter, tuple[_Segment, int]] = {}
         self._names: dict[nn.Parameter, str] = {}
-        self._models: dict[int, tuple[nn.Module, list[nn.Parameter], list[_Segment]]] = {}
-        self._optimizers: list[tuple[torch.optim.Optimizer, list[list[tuple[_Segment, int, int]]]]] = []
+        self._models: dict[int, _ModelState] = {}
+        self._optimizers: list[tuple[torch.optim.Optimizer, list[list[tuple[_Segment, int, int]]], set[nn.Parameter]]] = []
         self.require_sync = True
         self.grad_scale: float | torch.Tensor = 1.0 / self.world
-        self._reduced = False
         self._callback_queued = False
-        self._next_segment = 0
         self._inflight: list[_Segment] = []
         self._missing: list[str] = []
+        self._clean: set[int] = set()  # optimizers whose gradient ranges are zero since their last step
 
     # -------------------------------------------------------------------- collectives
     def _reduce_scatter(self, seg: _Segment, flat: torch.Tensor) -> None:
@@ -261,13 +274,12 @@ class _ZeroStrategy(Strategy):
         out, seg.work, seg.work_out = seg.work_out, None, None
         assert out is not None and seg.master_grad is not None
         if out.data_ptr() != seg.master_grad.data_ptr():
-            target = seg.master_grad
-            if seg.fresh or self.stage == 1:  # zero1's full buffer already holds the whole window
-                target.copy_(out)
-            else:
-                target.add_(out.to(target.dtype))
-        seg.fresh = False
-        seg.grad_full = None if self.stage >= 2 else seg.grad_full
+            if self.stage == 1:  # zero1's full buffer already held the whole window
+                seg.master_grad.copy_(out)
+            else:  # zero2/3 add each backward's share (offloaded slices live on the host)
+                seg.master_grad.add_(out.to(device=seg.master_grad.device, dtype=seg.master_grad.dtype))
+        if self.stage >= 2:
+            seg.grad_full = None
 
     def _wait_inflight(self, keep: int = 0) -> None:
         while len(self._inflight) > keep:
@@ -346,9 +358,22 @@ class _ZeroStrategy(Strategy):
             if s.has_trainable:
                 self._make_master(s)
 
-    def _register(self, model: nn.Module, params: list[nn.Parameter], segments: list[_Segment]) -> None:
-        self._models[id(model)] = (model, params, segments)
+    def _register(self, model: nn.Module, params: list[nn.Parameter], segments: list[_Segment]) -> _ModelState:
+        state = _ModelState(model, params, segments)
+        for s in segments:
+            s.owner = state
+        self._models[id(model)] = state
         model.register_forward_pre_hook(self._check_model_unchanged)
+        # model.zero_grad() must also clear the reduced slices, which are not any parameter's .grad.
+        original = model.zero_grad
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            original(set_to_none)
+            self._zero_ranges([(seg, 0, seg.shard_numel) for seg in segments], None, state.params)
+            state.reduced = False
+
+        model.zero_grad = zero_grad  # type: ignore[method-assign]
+        return state
 
     def _make_master(self, seg: _Segment) -> None:
         master_dtype = torch.promote_types(seg.dtype, torch.float32)
@@ -369,7 +394,7 @@ class _ZeroStrategy(Strategy):
                 seg.grad_full = torch.zeros(seg.padded, dtype=seg.dtype, device=seg.device)
 
     def _check_model_unchanged(self, module: nn.Module, args: Any) -> None:
-        _, params, _ = self._models[id(module)]
+        params = self._models[id(module)].params
         now = list(module.parameters())
         if len(now) != len(params) or any(a is not b for a, b in zip(now, params)):
             known = set(params)
@@ -380,7 +405,7 @@ class _ZeroStrategy(Strategy):
                 "time: build the whole model, then call engine.prepare"
             )
         if self.stage < 3:
-            for s in self._models[id(module)][2]:
+            for s in self._models[id(module)].segments:
                 for p, ptr in zip(s.params, s.pointers):
                     if p.data_ptr() != ptr:
                         raise RuntimeError(
@@ -422,8 +447,14 @@ class _ZeroStrategy(Strategy):
                     pieces.extend((seg, x, min(x + step, b)) for x in range(a, b, step))
             layout.append(pieces)
             group["params"] = [self._piece(seg, a, b) for seg, a, b in pieces]
+        if not any(layout):
+            # This rank's slices hold none of this optimizer's elements. A zero-size piece keeps the rank in
+            # step with the others (fp16 overflow checks are all-reduced per optimizer).
+            placeholder = nn.Parameter(torch.zeros(0, device=self.store.device))
+            placeholder.grad = torch.zeros(0, device=self.store.device)
+            optimizer.param_groups[0]["params"] = [placeholder]
         optimizer.state.clear()
-        self._optimizers.append((optimizer, layout))
+        self._optimizers.append((optimizer, layout, seen))
         if self.store.mode == "disk":
             _chunk_steps(optimizer, self.store, self.config.offload_chunk_mb)
         return optimizer
@@ -435,32 +466,66 @@ class _ZeroStrategy(Strategy):
         piece.grad = seg.master_grad[a:b]
         return piece
 
-    def _optimizer_segments(self, optimizer: torch.optim.Optimizer) -> list[_Segment]:
-        for opt, layout in self._optimizers:
+    def _entry(self, optimizer: torch.optim.Optimizer) -> tuple[list[tuple[_Segment, int, int]], set[nn.Parameter]]:
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        for opt, layout, params in self._optimizers:
             if opt is optimizer:
-                segs = {id(seg): seg for pieces in layout for seg, _, _ in pieces}
-                return sorted(segs.values(), key=lambda s: s.index)
-        return []
+                return [piece for pieces in layout for piece in pieces], params
+        return [], set()
 
     def _attach_piece_grads(self) -> None:
-        for opt, layout in self._optimizers:
+        for opt, layout, _ in self._optimizers:
             for group, pieces in zip(opt.param_groups, layout):
                 for piece, (seg, a, b) in zip(group["params"], pieces):
                     if piece.grad is None:
                         assert seg.master_grad is not None
                         piece.grad = seg.master_grad[a:b]
 
+    def _zero_ranges(
+        self, ranges: list[tuple[_Segment, int, int]], optimizer: torch.optim.Optimizer | None, params: Iterable[nn.Parameter]
+    ) -> None:
+        """Zero the reduced slices in ``ranges`` and, for zero1, the whole gradients of ``params``."""
+        for seg, a, b in ranges:
+            if seg.master_grad is not None:
+                seg.master_grad[a:b].zero_()
+        if self.stage == 1:
+            for p in params:
+                if p in self._loc:
+                    seg, i = self._loc[p]
+                    assert seg.grad_full is not None
+                    seg.view_of(i, seg.grad_full).zero_()
+        # Decided from the parameters, not from this rank's slices, so that every rank agrees.
+        for p in params:
+            if p in self._loc and self._loc[p][0].owner is not None:
+                self._loc[p][0].owner.reduced = False  # type: ignore[union-attr]
+        if optimizer is not None:
+            self._clean.add(id(optimizer))
+
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
-        self._reduced = False
-        segments = self._optimizer_segments(optimizer) if optimizer is not None else []
+        """Gather the updated parameters, and consume the gradients this optimizer stepped with.
+
+        Consuming (zeroing) them here means a backward after ``optimizer.step()`` starts afresh, whether or
+        not ``zero_grad`` is called, and a bucket shared by two optimizers keeps the other one's gradients.
+        """
+        if optimizer is None:
+            return
+        ranges, params = self._entry(optimizer)
+        self._zero_ranges(ranges, optimizer, params)
+        # From the parameters, not from this rank's pieces: a rank that holds none of a segment must still
+        # take part in gathering it.
+        segments = sorted({id(seg): seg for seg, _ in (self._loc[p] for p in params if p in self._loc)}.values(), key=lambda seg: seg.index)
         if self.stage < 3:
-            works = [self._gather_params(s, async_op=True) for s in segments]
-            for w in works:
-                w.wait()
+            if self.comm_dtype_ is None:
+                works = [self._gather_params(seg, async_op=True) for seg in segments]
+                for w in works:
+                    w.wait()
+            else:  # one full-size conversion buffer at a time
+                for seg in segments:
+                    self._gather_params(seg)
         else:
-            for s in segments:
-                if s.shard_param is not None and s.master is not None:
-                    s.shard_param.copy_(s.master)
+            for seg in segments:
+                if seg.shard_param is not None and seg.master is not None:
+                    seg.shard_param.copy_(seg.master)
         self.store.release()
 
     # -------------------------------------------------------------------- gradients
@@ -476,29 +541,38 @@ class _ZeroStrategy(Strategy):
     def set_grad_scale(self, scale: float | torch.Tensor) -> None:
         self.grad_scale = scale
 
-    def _queue_final_callback(self) -> None:
-        if self._reduced:
+    def _queue_final_callback(self, ms: _ModelState) -> None:
+        if ms.reduced:
             raise RuntimeError(
                 f"a second backward reached gradients that {self.name} already reduced in this step. Step or zero the "
                 "optimizer between backwards, put the earlier backwards under engine.no_sync() (or "
                 "engine.accumulate()), and use activation checkpointing with use_reentrant=False"
             )
+        ms.touched = True
+        self._clean.clear()
         if not self._callback_queued:
             self._callback_queued = True
             Variable._execution_engine.queue_callback(self._finalize_backward)
 
     def _finalize_backward(self) -> None:
         self._callback_queued = False
-        self._finish_backward_reductions()
+        touched = [ms for ms in self._models.values() if ms.touched]
+        for ms in touched:
+            self._finish_backward_reductions(ms)
         self._wait_inflight()
         if self.require_sync:
             scale = self.grad_scale
-            if not (isinstance(scale, float) and scale == 1.0):
-                for s in self.segments:
-                    if s.master_grad is not None and not s.fresh:
-                        s.master_grad.mul_(scale.to(s.master_grad.device) if isinstance(scale, torch.Tensor) else scale)
+            if self.stage >= 2 and not (isinstance(scale, float) and scale == 1.0):
+                # zero2/3 added up each backward's reduced share unscaled; the window's factor applies once here.
+                for ms in touched:
+                    for seg in ms.segments:
+                        if seg.master_grad is not None:
+                            seg.master_grad.mul_(scale.to(seg.master_grad.device) if isinstance(scale, torch.Tensor) else scale)
             self.grad_scale = 1.0 / self.world
-            self._reduced = True
+            for ms in touched:
+                ms.reduced = True
+        for ms in touched:
+            ms.touched = False
         missing, self._missing = self._missing, []
         if missing and not self.config.find_unused_parameters:
             raise RuntimeError(
@@ -507,7 +581,7 @@ class _ZeroStrategy(Strategy):
                 "freeze them with requires_grad_(False) before engine.prepare, or set find_unused_parameters=True"
             )
 
-    def _finish_backward_reductions(self) -> None:
+    def _finish_backward_reductions(self, ms: _ModelState) -> None:
         raise NotImplementedError
 
     def finish_gradient_sync(self) -> None:
@@ -515,14 +589,10 @@ class _ZeroStrategy(Strategy):
         self._attach_piece_grads()
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
-        self._reduced = False
-        segments = self._optimizer_segments(optimizer)
-        for s in segments:
-            s.fresh = True
-            if s.grad_full is not None:
-                s.grad_full.zero_()
-            if s.master_grad is not None:
-                s.master_grad.zero_()
+        if id(getattr(optimizer, "optimizer", optimizer)) in self._clean:
+            return  # already zeroed when it stepped, and no backward since
+        ranges, params = self._entry(optimizer)
+        self._zero_ranges(ranges, getattr(optimizer, "optimizer", optimizer), params)
         self._attach_piece_grads()
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
@@ -564,7 +634,7 @@ class _ZeroStrategy(Strategy):
         """Each rank gives its own slice of every parameter and optimizer state tensor; rank 0 the replicated rest."""
         self.finish_gradient_sync()
         optimizer = getattr(optimizer, "optimizer", optimizer)  # the Engine's PreparedOptimizer wraps ours
-        _, _, segments = self._models[id(model)]
+        segments = self._models[id(model)].segments
         entries = []
         for s in segments:
             at_rest = self._at_rest(s)
@@ -576,7 +646,7 @@ class _ZeroStrategy(Strategy):
         if self.rank == 0:
             ours = {p for s in segments for p in s.params}
             entries += [_whole(f"model/{k}", v) for k, v in _named_tensors(model) if v not in ours]
-        for opt, layout in self._optimizers:
+        for opt, layout, _ in self._optimizers:
             if optimizer is not None and opt is not optimizer:
                 continue
             for group, pieces in zip(opt.param_groups, layout):
@@ -603,7 +673,7 @@ class _ZeroStrategy(Strategy):
         """Read exactly this rank's slices: no rank ever holds more than its shard plus one slice in transit."""
         self.finish_gradient_sync()
         optimizer = getattr(optimizer, "optimizer", optimizer)
-        _, _, segments = self._models[id(model)]
+        segments = self._models[id(model)].segments
         available = set(reader.keys())
         problems = []
         for s in segments:
@@ -631,7 +701,7 @@ class _ZeroStrategy(Strategy):
             for w in [self._gather_params(s, async_op=True) for s in segments]:
                 w.wait()
         keys = _keys_by_param(reader)
-        for opt, layout in self._optimizers:
+        for opt, layout, _ in self._optimizers:
             if optimizer is not None and opt is not optimizer:
                 continue
             for group, pieces in zip(opt.param_groups, layout):
@@ -645,7 +715,7 @@ class _ZeroStrategy(Strategy):
                         if reader.shape(f"optim/{first}/{k}") == ():
                             state[k] = _read_whole(reader, f"optim/{first}/{k}")
                             continue
-                        buf = piece.new_empty(piece.shape)
+                        buf = self.store.zeros(piece.numel(), piece.dtype)  # on disk with offload=disk
                         for i, pa, pb, xa, xb in runs:
                             buf[xa - a : xb - a].copy_(reader.read(f"optim/{self._names[seg.params[i]]}/{k}", pa, pb))
                         state[k] = buf
@@ -654,7 +724,7 @@ class _ZeroStrategy(Strategy):
         self.store.release()
 
     def _gathered_cpu_params(self, model: nn.Module) -> dict[torch.Tensor, torch.Tensor]:
-        _, _, segments = self._models[id(model)]
+        segments = self._models[id(model)].segments
         return {p: p.detach().to("cpu", copy=True) for s in segments for p in s.params}
 
     def comm_dtype(self) -> torch.dtype | None:
@@ -758,6 +828,8 @@ class _BucketedZero(_ZeroStrategy):
         seg, i = self._loc[param]  # type: ignore[index]
         grad = param.grad
         assert grad is not None
+        ms = seg.owner
+        assert ms is not None
         if self.stage == 1:
             assert seg.grad_full is not None
             view = seg.view_of(i, seg.grad_full)
@@ -765,31 +837,38 @@ class _BucketedZero(_ZeroStrategy):
                 view.copy_(grad)
                 param.grad = view
             if not self.require_sync:
+                self._clean.clear()
                 return
         else:
             if seg.grad_full is None:
                 seg.grad_full = torch.zeros(seg.padded, dtype=seg.dtype, device=seg.device)
             seg.view_of(i, seg.grad_full).copy_(grad)
             param.grad = None  # only this rank's slice of the reduced gradient is kept
-        self._queue_final_callback()
+        self._queue_final_callback(ms)
         if not seg.ready[i]:
             seg.ready[i] = True
             seg.pending -= 1
             if seg.pending == 0:
-                self._launch_ready()
+                self._launch_ready(ms)
 
-    def _launch_ready(self) -> None:
+    def _launch_ready(self, ms: _ModelState) -> None:
         # Strictly in segment order, so that every rank issues the same collectives in the same order.
-        while self._next_segment < len(self.segments) and self.segments[self._next_segment].pending == 0:
-            seg = self.segments[self._next_segment]
+        while ms.next_segment < len(ms.segments) and ms.segments[ms.next_segment].pending == 0:
+            seg = ms.segments[ms.next_segment]
             assert seg.grad_full is not None
+            if self.stage == 1:
+                # The window is complete and its factor known: scale before the reduction, as ddp does, so that
+                # an all-reduced buffer holds the mean.
+                scale = self.grad_scale
+                if not (isinstance(scale, float) and scale == 1.0):
+                    seg.grad_full.mul_(scale)
             self._reduce_scatter(seg, seg.grad_full)
-            self._next_segment += 1
+            ms.next_segment += 1
             if self.stage >= 2:
                 self._wait_inflight(keep=1)  # bound the full-size gradient buffers alive at once
 
-    def _finish_backward_reductions(self) -> None:
-        for s in self.segments:
+    def _finish_backward_reductions(self, ms: _ModelState) -> None:
+        for s in ms.segments:
             if not s.pending:
                 continue
             for i, p in enumerate(s.params):
@@ -809,11 +888,11 @@ class _BucketedZero(_ZeroStrategy):
                     s.grad_full = torch.zeros(s.padded, dtype=s.dtype, device=s.device)
             s.pending = 0
         # Launch and wait even when about to raise: peers that did see these gradients wait in the same collectives.
-        self._launch_ready()
-        for s in self.segments:
+        self._launch_ready(ms)
+        for s in ms.segments:
             s.ready = [False] * len(s.params)
             s.pending = len(s.params)
-        self._next_segment = 0
+        ms.next_segment = 0
 
     def _comm_buffer_bytes(self) -> int:
         if self.stage == 1 or not self.segments:
@@ -844,8 +923,6 @@ class Zero3Strategy(_ZeroStrategy):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._fwd_order: list[_Unit] = []
-        self._order_fixed = False
         self._root_of: dict[int, _Unit] = {}
         self._empty: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
@@ -869,24 +946,42 @@ class Zero3Strategy(_ZeroStrategy):
             segs = [_Segment(0, group, self.world, self.rank) for group in _by_dtype(ps)]
             self._add_segments(segs)
             for seg in segs:
-                master = seg.master
-                keeps_slice = master is not None and master.dtype == seg.dtype and master.device == seg.device
-                seg.shard_param = None if keeps_slice else seg.full[seg.lo : seg.hi].clone()
+                # The at-rest slice is the fp32 master itself when the dtypes agree (on the host with offload);
+                # otherwise a copy in the parameters' dtype, in the offload tier when there is one.
+                keeps_slice = seg.master is not None and seg.master.dtype == seg.dtype
+                seg.shard_param = None if keeps_slice else self.store.copy_of(seg.full[seg.lo : seg.hi])
             all_segments += segs
             unit = _Unit(len(self.units) + len(units), module, name, segs, is_root=module is model)
             self._free(unit)
             if segs or unit.is_root:
                 units.append(unit)
-        self._register(model, params, all_segments)
+        state = self._register(model, params, all_segments)
+        state.units = units
         root = units[0]
         self._root_of[id(model)] = root
         for u in units:
+            u.owner = state
             self.units.append(u)
             if not u.is_root:
                 u.module.register_forward_pre_hook(self._make_pre_forward(u), with_kwargs=True, prepend=True)
                 u.module.register_forward_hook(self._make_post_forward(u))
         model.register_forward_pre_hook(self._make_root_pre_forward(root), prepend=True)
         model.register_forward_hook(self._make_root_post_forward(root))
+        forward = model.forward
+
+        @functools.wraps(forward)
+        def explained_forward(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return forward(*args, **kwargs)
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"{e}\n(zero3: outside its own module's forward, a parameter of a zero3 unit is an empty tensor. "
+                    "If this forward uses another module's parameter directly, e.g. F.linear(h, self.wte.weight), "
+                    "make it a parameter of the module that uses it (self.head.weight = self.wte.weight), or choose "
+                    "units with zero3_unit_classes so that both modules sit in one unit)"
+                ) from e
+
+        model.forward = explained_forward  # type: ignore[method-assign]
         return model
 
     # ---- gather / free
@@ -920,24 +1015,24 @@ class Zero3Strategy(_ZeroStrategy):
         unit.state = _Unit.FREE
 
     def _prefetch(self, unit: _Unit, step: int) -> None:
-        if not (self._order_fixed and self.config.zero3_prefetch):
+        ms = unit.owner
+        if ms is None or not (ms.order_fixed and self.config.zero3_prefetch):
             return
         try:
-            pos = self._fwd_order.index(unit)
+            pos = ms.order.index(unit)
         except ValueError:
             return
         nxt = pos + step
-        if 0 <= nxt < len(self._fwd_order):
-            self._gather(self._fwd_order[nxt])
+        if 0 <= nxt < len(ms.order):
+            self._gather(ms.order[nxt])
 
     # ---- hooks
     def _make_root_pre_forward(self, root: _Unit) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
-            if self._fwd_order and not self._order_fixed:
-                self._order_fixed = True
+            ms = root.owner
+            if ms is not None and ms.order and not ms.order_fixed:
+                ms.order_fixed = True  # the second forward on: the first one recorded the order
             self._wait_gathered(root)
-            if torch.is_grad_enabled():
-                root.ran_forward = True
 
         return hook
 
@@ -952,13 +1047,16 @@ class Zero3Strategy(_ZeroStrategy):
 
     def _make_pre_forward(self, unit: _Unit) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
-            if not self._order_fixed and unit not in self._fwd_order:
-                self._fwd_order.append(unit)
+            if _in_backward():  # activation checkpointing recomputes this forward: gather, nothing else
+                self._wait_gathered(unit)
+                return None
+            ms = unit.owner
+            if ms is not None and not ms.order_fixed and unit not in ms.order:
+                ms.order.append(unit)
             self._wait_gathered(unit)
             self._prefetch(unit, +1)
             if not torch.is_grad_enabled():
                 return None
-            unit.ran_forward = True
             flat, spec = pytree.tree_flatten((args, kwargs))
             idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
             if not idx:
@@ -972,6 +1070,8 @@ class Zero3Strategy(_ZeroStrategy):
 
     def _make_post_forward(self, unit: _Unit) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            if _in_backward():  # a recomputation: the unit's own backward is about to use it
+                return output
             self._free(unit)
             if not torch.is_grad_enabled():
                 return output
@@ -986,43 +1086,44 @@ class Zero3Strategy(_ZeroStrategy):
         return output
 
     def _pre_backward(self, unit: _Unit) -> None:
-        self._queue_final_callback()
+        assert unit.owner is not None
+        self._queue_final_callback(unit.owner)
+        unit.touched = True
         if unit.state != _Unit.GATHERED:
             self._wait_gathered(unit)
         self._prefetch(unit, -1)
 
     def _post_backward(self, unit: _Unit) -> None:
-        """Backward is done with ``unit``: reduce-scatter its gradients and free its parameters."""
-        if unit.state == _Unit.FREE and not unit.ran_forward:
-            return
-        for s in unit.segments:
-            if not s.has_trainable:
-                continue
-            flat = torch.zeros(s.padded, dtype=s.dtype, device=s.device)
-            for i, p in enumerate(s.params):
-                if p.grad is not None:
-                    s.view_of(i, flat).copy_(p.grad)
-                    p.grad = None
-                elif s.trainable[i] and unit.ran_forward and not unit.reduced:
-                    self._missing.append(self._names.get(p, "?"))
-            self._reduce_scatter(s, flat)
-            self._wait_inflight(keep=1)
-        unit.reduced = True
+        """Backward is done with ``unit``: reduce-scatter the gradients it got, and free its parameters.
+
+        It may run more than once in a backward (a module called twice, a retained graph): each share of
+        the gradient is reduced when it is complete, and the shares add up in the reduced slices.
+        """
+        grads = [p.grad for s in unit.segments for p in s.params]
+        if any(g is not None for g in grads):
+            for s in unit.segments:
+                if not s.has_trainable:
+                    continue
+                flat = torch.zeros(s.padded, dtype=s.dtype, device=s.device)
+                for i, p in enumerate(s.params):
+                    if p.grad is not None:
+                        s.view_of(i, flat).copy_(p.grad)
+                        p.grad = None
+                    elif s.trainable[i]:
+                        self._missing.append(self._names.get(p, "?"))
+                self._reduce_scatter(s, flat)
+                self._wait_inflight(keep=1)
         if not unit.is_root:
             self._free(unit)
 
-    def _finish_backward_reductions(self) -> None:
-        # Units whose post-backward did not fire (their inputs needed no gradient), then the root, in a fixed order.
-        pending = [u for u in self.units if not u.is_root and u.ran_forward and not u.reduced]
-        for u in sorted(pending, key=lambda u: -u.index):
-            self._post_backward(u)
-        for u in self.units:
-            if u.is_root and u.ran_forward:
+    def _finish_backward_reductions(self, ms: _ModelState) -> None:
+        # Units whose post-backward did not fire (their inputs needed no gradient), then the root, in a fixed
+        # order; a unit with no gradients communicates nothing, on every rank alike.
+        for u in sorted(ms.units, key=lambda u: -u.index):
+            if u.is_root or u.touched or any(p.grad is not None for s in u.segments for p in s.params):
                 self._post_backward(u)
-                self._free(u)
-        for u in self.units:
-            u.ran_forward = False
-            u.reduced = False
+        for u in ms.units:
+            u.touched = False
             if u.state != _Unit.FREE:
                 self._free(u)
 
@@ -1030,7 +1131,7 @@ class Zero3Strategy(_ZeroStrategy):
     def _gathered_cpu_params(self, model: nn.Module) -> dict[torch.Tensor, torch.Tensor]:
         out: dict[torch.Tensor, torch.Tensor] = {}
         for u in self.units:
-            mine = {id(p) for p in self._models[id(model)][1]}
+            mine = {id(p) for p in self._models[id(model)].params}
             if not any(id(p) in mine for s in u.segments for p in s.params):
                 continue
             was_free = u.state == _Unit.FREE
@@ -1067,6 +1168,11 @@ class Zero3Strategy(_ZeroStrategy):
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def _in_backward() -> bool:
+    """True while the autograd engine runs a backward pass (e.g. when checkpointing recomputes a forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(out, inp, group=group, async_op=True)
