@@ -45,3 +45,34 @@ def test_nccl_ddp_averages_gradients(run_ranks):
     g0, g1 = run_ranks(_nccl_ddp, 2)
     assert g0 == g1
     assert g0 == pytest.approx([6.0] * 8 + [6.0] * 8)  # mean over ranks of 4 rows of 1s and of 2s
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.filterwarnings("ignore:strategy .* shards nothing")
+@pytest.mark.parametrize("strategy,offload", [("zero2", "cpu"), ("zero3", "cpu"), ("zero3", "none")])
+def test_zero_on_one_gpu_with_offload_and_accumulation_matches_torch(strategy, offload):
+    """Device placement, pinned host slices and cross-device accumulation (no peers needed: world size 1)."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2)).cuda()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    model.load_state_dict(ref.state_dict())
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    engine = phalanx.Engine(strategy=strategy, offload=offload, grad_accum_steps=2, device="cuda")
+    model, optimizer = engine.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    if offload == "cpu":
+        assert all(p.device.type == "cpu" and p.is_pinned() for g in optimizer.param_groups for p in g["params"])
+    data = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)).cuda()
+    for step in range(4):
+        for half in (data[:4], data[4:]):
+            with engine.accumulate():
+                engine.backward(model(half).square().mean())
+                optimizer.step()
+                optimizer.zero_grad()
+        ref(data[:4]).square().mean().div(2).backward()
+        ref(data[4:]).square().mean().div(2).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    got = engine.get_state_dict(model)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v.cpu(), rtol=1e-5, atol=1e-5, msg=k)
