@@ -302,7 +302,8 @@ class _ZeroStrategy(Strategy):
                 full[: seg.lo].zero_()
                 full[seg.hi :].zero_()
             else:
-                full.zero_()
+                full[: seg.lo].zero_()
+                full[seg.hi :].zero_()
                 full[seg.lo : seg.hi].copy_(local)
             self.stats.record("all_reduce", full, self.world)
             work = dist.all_reduce(full, group=self.group, async_op=True)
@@ -489,11 +490,11 @@ class _ZeroStrategy(Strategy):
             if seg.master_grad is not None:
                 seg.master_grad[a:b].zero_()
         if self.stage == 1:
+            # Drop rather than zero: the next backward's hook copies autograd's fresh gradient into the bucket
+            # view (as ddp does after zero_grad(set_to_none=True)), which saves a pass over the whole buffer.
             for p in params:
                 if p in self._loc:
-                    seg, i = self._loc[p]
-                    assert seg.grad_full is not None
-                    seg.view_of(i, seg.grad_full).zero_()
+                    p.grad = None
         # Decided from the parameters, not from this rank's slices, so that every rank agrees.
         for p in params:
             if p in self._loc and self._loc[p][0].owner is not None:
@@ -841,7 +842,7 @@ class _BucketedZero(_ZeroStrategy):
                 return
         else:
             if seg.grad_full is None:
-                seg.grad_full = torch.zeros(seg.padded, dtype=seg.dtype, device=seg.device)
+                seg.grad_full = _padded_empty(seg)
             seg.view_of(i, seg.grad_full).copy_(grad)
             param.grad = None  # only this rank's slice of the reduced gradient is kept
         self._queue_final_callback(ms)
@@ -884,8 +885,10 @@ class _BucketedZero(_ZeroStrategy):
                     if p.grad is not view:
                         view.zero_()
                         p.grad = view
-                elif s.grad_full is None:
-                    s.grad_full = torch.zeros(s.padded, dtype=s.dtype, device=s.device)
+                else:
+                    if s.grad_full is None:
+                        s.grad_full = _padded_empty(s)
+                    s.view_of(i, s.grad_full).zero_()
             s.pending = 0
         # Launch and wait even when about to raise: peers that did see these gradients wait in the same collectives.
         self._launch_ready(ms)
@@ -1104,13 +1107,15 @@ class Zero3Strategy(_ZeroStrategy):
             for s in unit.segments:
                 if not s.has_trainable:
                     continue
-                flat = torch.zeros(s.padded, dtype=s.dtype, device=s.device)
+                flat = _padded_empty(s)
                 for i, p in enumerate(s.params):
                     if p.grad is not None:
                         s.view_of(i, flat).copy_(p.grad)
                         p.grad = None
-                    elif s.trainable[i]:
-                        self._missing.append(self._names.get(p, "?"))
+                    else:
+                        s.view_of(i, flat).zero_()
+                        if s.trainable[i]:
+                            self._missing.append(self._names.get(p, "?"))
                 self._reduce_scatter(s, flat)
                 self._wait_inflight(keep=1)
         if not unit.is_root:
@@ -1168,6 +1173,13 @@ class Zero3Strategy(_ZeroStrategy):
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def _padded_empty(seg: _Segment) -> torch.Tensor:
+    """A full-size gradient buffer whose padding is zero; every parameter's view is written before use."""
+    flat = torch.empty(seg.padded, dtype=seg.dtype, device=seg.device)
+    flat[seg.numel :].zero_()
+    return flat
+
+
 def _in_backward() -> bool:
     """True while the autograd engine runs a backward pass (e.g. when checkpointing recomputes a forward)."""
     return torch._C._current_graph_task_id() != -1
