@@ -127,6 +127,7 @@ class _Segment:
         self.master_is_full_slice = False  # master is a view of full[lo:hi] (zero1/2, fp32, no offload)
         self.master_grad: torch.Tensor | None = None
         self.grad_full: torch.Tensor | None = None
+        self.grad_views: list[torch.Tensor] = []  # zero1: each parameter's .grad, a view into grad_full
         self.shard_param: torch.Tensor | None = None  # zero3: the at-rest slice in the parameters' dtype
         self.pending = 0
         self.ready: list[bool] = []
@@ -249,6 +250,7 @@ class _ZeroStrategy(Strategy):
         self._inflight: list[_Segment] = []
         self._missing: list[str] = []
         self._clean: set[int] = set()  # optimizers whose gradient ranges are zero since their last step
+        self._early_gathers: dict[int, _Done] = {}  # segment index -> gather started by a pipelined step
 
     # -------------------------------------------------------------------- collectives
     def _reduce_scatter(self, seg: _Segment, flat: torch.Tensor) -> None:
@@ -393,6 +395,8 @@ class _ZeroStrategy(Strategy):
             seg.master_grad = torch.zeros(seg.shard_numel, dtype=master_dtype, device=seg.master.device)
             if self.stage == 1:
                 seg.grad_full = torch.zeros(seg.padded, dtype=seg.dtype, device=seg.device)
+        if seg.grad_full is not None:
+            seg.grad_views = [seg.view_of(i, seg.grad_full) for i in range(len(seg.params))]
 
     def _check_model_unchanged(self, module: nn.Module, args: Any) -> None:
         params = self._models[id(module)].params
@@ -516,9 +520,10 @@ class _ZeroStrategy(Strategy):
         # take part in gathering it.
         segments = sorted({id(seg): seg for seg, _ in (self._loc[p] for p in params if p in self._loc)}.values(), key=lambda seg: seg.index)
         if self.stage < 3:
+            early, self._early_gathers = self._early_gathers, {}
             if self.comm_dtype_ is None:
-                works = [self._gather_params(seg, async_op=True) for seg in segments]
-                for w in works:
+                works = [early.pop(seg.index, None) or self._gather_params(seg, async_op=True) for seg in segments]
+                for w in works + list(early.values()):
                     w.wait()
             else:  # one full-size conversion buffer at a time
                 for seg in segments:
@@ -806,6 +811,41 @@ class _Done:
 class _BucketedZero(_ZeroStrategy):
     """zero1 and zero2: the parameters stay whole; gradients are reduced bucket by bucket in backward."""
 
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        optimizer = super().wrap_optimizer(optimizer)
+        if self.world > 1 and self.store.mode != "disk" and self.comm_dtype_ is None:
+            self._pipeline_steps(optimizer)
+        return optimizer
+
+    def _pipeline_steps(self, optimizer: torch.optim.Optimizer) -> None:
+        """Step one bucket at a time, first layers first, and start each bucket's all-gather as soon as its
+        slice is updated, so that the gathers overlap the rest of the step."""
+        step = optimizer.step
+        layout, params = self._optimizers[-1][1], self._optimizers[-1][2]
+        segments = sorted({seg.index: seg for seg, _ in (self._loc[p] for p in params if p in self._loc)}.values(),
+                          key=lambda seg: -seg.index)  # buckets are in reverse order: the last one holds the first layers
+
+        def pipelined_step(*args: Any, **kwargs: Any) -> Any:
+            groups = [g["params"] for g in optimizer.param_groups]
+            mine = [
+                [[piece for piece, (seg, _, _) in zip(ps, pieces) if seg is target] for ps, pieces in zip(groups, layout)]
+                for target in segments
+            ]
+            result = None
+            try:
+                for seg, per_group in zip(segments, mine):
+                    if any(per_group):
+                        for g, ps in zip(optimizer.param_groups, per_group):
+                            g["params"] = ps
+                        result = step(*args, **kwargs)
+                    self._early_gathers[seg.index] = self._gather_params(seg, async_op=True)
+            finally:
+                for g, ps in zip(optimizer.param_groups, groups):
+                    g["params"] = ps
+            return result
+
+        optimizer.step = pipelined_step  # type: ignore[method-assign]
+
     def wrap_model(self, model: nn.Module) -> nn.Module:
         trainable = [p for p in model.parameters() if p.requires_grad]
         params = self._prepare_common(model, set(trainable))
@@ -818,9 +858,8 @@ class _BucketedZero(_ZeroStrategy):
             s.ready = [False] * len(s.params)
             s.pending = len(s.params)
             if self.stage == 1:
-                assert s.grad_full is not None
                 for i, p in enumerate(s.params):
-                    p.grad = s.view_of(i, s.grad_full)
+                    p.grad = s.grad_views[i]
         for p in trainable:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         return model
@@ -832,9 +871,8 @@ class _BucketedZero(_ZeroStrategy):
         ms = seg.owner
         assert ms is not None
         if self.stage == 1:
-            assert seg.grad_full is not None
-            view = seg.view_of(i, seg.grad_full)
-            if grad is not view:  # the user dropped gradients with set_to_none: move autograd's tensor back in
+            view = seg.grad_views[i]
+            if grad is not view:  # gradients were dropped (after a step, or set_to_none): move autograd's tensor in
                 view.copy_(grad)
                 param.grad = view
             if not self.require_sync:
@@ -880,8 +918,7 @@ class _BucketedZero(_ZeroStrategy):
                 else:
                     self._missing.append(f"{self._names.get(p, '?')} (frozen after engine.prepare: freeze before it)")
                 if self.stage == 1:
-                    assert s.grad_full is not None
-                    view = s.view_of(i, s.grad_full)
+                    view = s.grad_views[i]
                     if p.grad is not view:
                         view.zero_()
                         p.grad = view
