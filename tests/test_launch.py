@@ -191,12 +191,14 @@ def test_single_node_launch_listens_on_loopback_only(tmp_path):
         assert int(found.group(1)) >= 1 and found.group(2) == "[]", found.group(0)
 
 
-def test_demo_runs_end_to_end_on_two_ranks(tmp_path):
-    proc = _run(["demo", "-n", "2", "--", "--steps", "4", "--layers", "1", "--eval-batches", "1", "--sample-bytes", "16",
-                 "--max-bytes", "200000"], tmp_path, timeout=300)
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_demo_runs_end_to_end_on_two_ranks(tmp_path, strategy):
+    # Under zero3 every forward is a collective: the rank-0 sample must not run the prepared model alone.
+    proc = _run(["demo", "-n", "2", "--strategy", strategy, "--", "--steps", "4", "--layers", "1", "--eval-batches", "1",
+                 "--sample-bytes", "16", "--max-bytes", "200000"], tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert "phalanx demo summary" in out and "world size          2" in out
+    assert "phalanx demo summary" in out and "world size          2" in out and f"strategy            {strategy}" in out
     assert "rank 0: peak RSS" in out and "rank 1: peak RSS" in out
     loss = float(out.split("final train loss")[1].split()[0])
     assert 0 < loss < 6.0  # bytes: a uniform guess is ln(256) = 5.55; a few steps already beat 6

@@ -316,18 +316,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     memory = gather_peak_memory(engine.device)  # collective: every rank
 
-    # ---- a sample from rank 0 only; the other ranks wait for it below
+    # ---- a sample from rank 0 only, from a plain copy of the trained weights. Under zero3 a forward of the
+    # prepared model is a collective, so rank 0 cannot run it alone; get_state_dict works under every strategy
+    # (every rank takes part), and the other ranks wait for the sample below.
     sample = ""
-    if engine.is_main_process and args.sample_bytes:
-        net = engine.unwrap_model(model)
-        assert isinstance(net, TinyGPT)
-        net.eval()
-        prompt_bytes = args.prompt.encode("utf-8") or b"\n"
-        prompt = torch.tensor([list(prompt_bytes)], dtype=torch.long, device=engine.device)
-        torch.manual_seed(cfg.seed)
-        out = net.generate(prompt, args.sample_bytes)
-        sample = bytes(out[0].tolist()).decode("utf-8", errors="replace")
-        net.train()
+    if args.sample_bytes:
+        weights = engine.get_state_dict(model)
+        if engine.is_main_process:
+            net = TinyGPT(gpt_cfg).to(engine.device)
+            net.load_state_dict(weights)
+            net.eval()
+            prompt_bytes = args.prompt.encode("utf-8") or b"\n"
+            prompt = torch.tensor([list(prompt_bytes)], dtype=torch.long, device=engine.device)
+            torch.manual_seed(cfg.seed)
+            with engine.autocast():
+                out = net.generate(prompt, args.sample_bytes)
+            sample = bytes(out[0].tolist()).decode("utf-8", errors="replace")
+        del weights
 
     # ---- summary
     global_tps = meter.total_tokens / train_time if train_time > 0 else 0.0
