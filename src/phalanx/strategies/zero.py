@@ -963,7 +963,6 @@ class Zero3Strategy(_ZeroStrategy):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._root_of: dict[int, _Unit] = {}
         self._empty: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
@@ -998,7 +997,6 @@ class Zero3Strategy(_ZeroStrategy):
         state = self._register(model, params, all_segments)
         state.units = units
         root = units[0]
-        self._root_of[id(model)] = root
         for u in units:
             u.owner = state
             self.units.append(u)
@@ -1172,10 +1170,7 @@ class Zero3Strategy(_ZeroStrategy):
     # ---- state
     def _gathered_cpu_params(self, model: nn.Module) -> dict[torch.Tensor, torch.Tensor]:
         out: dict[torch.Tensor, torch.Tensor] = {}
-        for u in self.units:
-            mine = {id(p) for p in self._models[id(model)].params}
-            if not any(id(p) in mine for s in u.segments for p in s.params):
-                continue
+        for u in self._models[id(model)].units:  # one unit whole at a time
             was_free = u.state == _Unit.FREE
             self._wait_gathered(u)
             for s in u.segments:
