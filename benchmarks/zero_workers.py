@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 import ddp_workers
-from ddp_workers import loss_of, make_batch
+from ddp_workers import _world, loss_of, make_batch
 
 # ------------------------------------------------------------------------------------------ workloads
 
@@ -139,10 +139,6 @@ def _train(
     }
 
 
-def _world() -> tuple[int, int]:
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def _init_gloo() -> tuple[int, int]:
     rank, world = _world()
     dist.init_process_group("gloo", init_method=os.environ["PHALANX_INIT_METHOD"], rank=rank, world_size=world)
@@ -158,35 +154,29 @@ def _sum_params(named: list[tuple[str, torch.Tensor]]) -> float:
 
 def run_torch_ddp(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
     """torch DistributedDataParallel with its defaults (the reference for every ratio)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    rank, world = _init_gloo()
-    model = build_model(workload, spec["seed"])
-    ddp = DDP(model)
-    opt = make_optimizer(ddp.parameters(), spec)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = loss_of(workload, ddp, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    out = _train(workload, spec, rank, world, step, lambda: _sum_params(list(model.named_parameters())))
-    dist.barrier()
-    return out
+    return _run_under_torch_ddp(workload, spec, lambda params: make_optimizer(params, spec))
 
 
 def run_torch_zero_redundancy(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
     """torch DDP + torch.distributed.optim.ZeroRedundancyOptimizer(AdamW): optimizer state sharded (ZeRO-1)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return _run_under_torch_ddp(
+        workload,
+        spec,
+        lambda params: ZeroRedundancyOptimizer(
+            params, optimizer_class=torch.optim.AdamW, lr=spec["lr"], weight_decay=0.01, **_adamw_kwargs(spec)
+        ),
+    )
+
+
+def _run_under_torch_ddp(workload: str, spec: dict[str, Any], make_opt: Any) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     rank, world = _init_gloo()
     model = build_model(workload, spec["seed"])
     ddp = DDP(model)
-    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=spec["lr"],
-                                  weight_decay=0.01, **_adamw_kwargs(spec))
+    opt = make_opt(ddp.parameters())
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = loss_of(workload, ddp, x, y)

@@ -827,22 +827,15 @@ class _BucketedZero(_ZeroStrategy):
 
         def pipelined_step(*args: Any, **kwargs: Any) -> Any:
             groups = [g["params"] for g in optimizer.param_groups]
-            mine = [
-                [[piece for piece, (seg, _, _) in zip(ps, pieces) if seg is target] for ps, pieces in zip(groups, layout)]
+            parts = [
+                (target, [[piece for piece, (seg, _, _) in zip(ps, pieces) if seg is target] for ps, pieces in zip(groups, layout)])
                 for target in segments
             ]
-            result = None
-            try:
-                for seg, per_group in zip(segments, mine):
-                    if any(per_group):
-                        for g, ps in zip(optimizer.param_groups, per_group):
-                            g["params"] = ps
-                        result = step(*args, **kwargs)
-                    self._early_gathers[seg.index] = self._gather_params(seg, async_op=True)
-            finally:
-                for g, ps in zip(optimizer.param_groups, groups):
-                    g["params"] = ps
-            return result
+
+            def gather(seg: _Segment) -> None:
+                self._early_gathers[seg.index] = self._gather_params(seg, async_op=True)
+
+            return _step_in_parts(optimizer, lambda: step(*args, **kwargs), parts, gather)
 
         optimizer.step = pipelined_step  # type: ignore[method-assign]
 
@@ -1320,24 +1313,42 @@ def _chunk_steps(optimizer: torch.optim.Optimizer, store: StateStore, chunk_mb: 
                 size = 0.0
             chunks[-1].append((gi, p))
             size += nbytes
-        result = None
-        try:
-            for chunk in chunks:
-                for gi, g in enumerate(optimizer.param_groups):
-                    g["params"] = [p for cgi, p in chunk if cgi == gi]
-                result = step(*args, **kwargs)
-                for _, p in chunk:
-                    st = optimizer.state.get(p, {})
-                    for k, v in st.items():
-                        if isinstance(v, torch.Tensor) and v.dim() > 0 and not store.owns(v):
-                            st[k] = store.copy_of(v)
-                store.release()
-        finally:
-            for g, ps in zip(optimizer.param_groups, groups):
-                g["params"] = ps
-        return result
+        def to_disk(chunk: list[tuple[int, nn.Parameter]]) -> None:
+            for _, p in chunk:
+                st = optimizer.state.get(p, {})
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0 and not store.owns(v):
+                        st[k] = store.copy_of(v)
+            store.release()
+
+        parts = [(chunk, [[p for cgi, p in chunk if cgi == gi] for gi in range(len(groups))]) for chunk in chunks]
+        return _step_in_parts(optimizer, lambda: step(*args, **kwargs), parts, to_disk)
 
     optimizer.step = chunked_step  # type: ignore[method-assign]
+
+
+def _step_in_parts(
+    optimizer: torch.optim.Optimizer, step: Callable[[], Any], parts: list[tuple[Any, list[list[nn.Parameter]]]],
+    after: Callable[[Any], None],
+) -> Any:
+    """Step the optimizer once per part, its param groups narrowed to that part's pieces, then call ``after``.
+
+    Exact for elementwise optimizers, which see each piece once per step either way. Parts with no piece
+    here skip the step but still get ``after`` (which may be a collective every rank must join).
+    """
+    groups = [g["params"] for g in optimizer.param_groups]
+    result = None
+    try:
+        for part, per_group in parts:
+            if any(per_group):
+                for g, ps in zip(optimizer.param_groups, per_group):
+                    g["params"] = ps
+                result = step()
+            after(part)
+    finally:
+        for g, ps in zip(optimizer.param_groups, groups):
+            g["params"] = ps
+    return result
 
 
 def _state_tensors(optimizers: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
