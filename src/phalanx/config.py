@@ -56,8 +56,18 @@ class EngineConfig:
     """ddp: allow trainable parameters that get no gradient in a backward (they are reduced as zeros)."""
     max_grad_norm: float | None = None
     """``engine.train_step`` clips the global gradient norm to this value when set."""
-    pp_size: int = 1
-    """Pipeline stages; the data-parallel size is world_size / pp_size."""
+    pp_size: int | None = None
+    """Pipeline stages; the data-parallel size is world_size / pp_size. Default: the world size under
+    ``strategy: pipeline`` (one stage per rank), else 1."""
+    pp_schedule: str = "1f1b"
+    """pipeline: ``1f1b`` (warm-up, one forward one backward, cool-down: at most pp_size micro-batches of
+    activations held per stage) or ``gpipe`` (every forward, then every backward: all micro-batches held)."""
+    pp_microbatches: int | None = None
+    """pipeline: micro-batches each batch is split into (the bubble is (pp-1)/(m+pp-1)); default 2 x pp_size."""
+    pp_partition: str = "parameters"
+    """pipeline: how blocks are split into stages: ``parameters`` (balanced parameter counts), ``uniform``
+    (balanced block counts), ``time`` (balanced forward+backward time, measured at the first step), or cut
+    points such as ``"3,6"`` (stage 1 starts at block 3, stage 2 at block 6)."""
     device: str = "auto"
     """``auto`` (CUDA of the local rank when there is one, else CPU), ``cpu`` or ``cuda``."""
     timeout_s: float = 1800.0
@@ -92,7 +102,43 @@ class EngineConfig:
             raise ConfigError(f"unknown precision {self.precision!r}; valid precisions: {', '.join(PRECISIONS)}")
         _require(self.grad_accum_steps >= 1, "grad_accum_steps", self.grad_accum_steps, "use 1 for no accumulation")
         _require(self.bucket_mb > 0, "bucket_mb", self.bucket_mb, "use a positive size such as 25")
-        _require(self.pp_size >= 1, "pp_size", self.pp_size, "use 1 for no pipeline")
+        _require(self.pp_size is None or self.pp_size >= 1, "pp_size", self.pp_size, "use 1 for no pipeline")
+        _require(self.pp_schedule in ("1f1b", "gpipe"), "pp_schedule", self.pp_schedule, "use 1f1b or gpipe")
+        _require(
+            self.pp_microbatches is None or self.pp_microbatches >= 1,
+            "pp_microbatches",
+            self.pp_microbatches,
+            "use 1 or more micro-batches per batch",
+        )
+        if self.strategy == "pipeline":
+            from phalanx.strategies.pipeline import parse_partition
+
+            try:
+                parse_partition(self.pp_partition)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            if self.grad_accum_steps > 1:
+                raise ConfigError(
+                    f"grad_accum_steps={self.grad_accum_steps} does not apply to strategy='pipeline': its micro-batches "
+                    "already accumulate gradients within each engine.train_step (set pp_microbatches instead, e.g. "
+                    f"pp_microbatches={self.grad_accum_steps * (self.pp_microbatches or 1)}, with a batch that many times larger)"
+                )
+        else:
+            if self.pp_size is not None and self.pp_size > 1:
+                raise ConfigError(
+                    f"pp_size={self.pp_size} splits the model into pipeline stages, which needs strategy='pipeline'; "
+                    f"got strategy={self.strategy!r} (use strategy='pipeline', or pp_size=1)"
+                )
+            pipeline_only = {
+                "pp_schedule": self.pp_schedule != "1f1b",
+                "pp_microbatches": self.pp_microbatches is not None,
+                "pp_partition": self.pp_partition != "parameters",
+            }
+            for key, set_ in pipeline_only.items():
+                if set_:
+                    raise ConfigError(
+                        f"{key}={getattr(self, key)!r} applies to strategy='pipeline' only; got strategy={self.strategy!r}"
+                    )
         _require(self.timeout_s > 0, "timeout_s", self.timeout_s, "use a positive number of seconds")
         _require(
             self.max_grad_norm is None or self.max_grad_norm > 0,

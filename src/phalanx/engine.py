@@ -28,6 +28,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
 from phalanx.comm import REDUCE_OPS, all_gather_varlen, all_reduce
+from phalanx.comm import world_size as comm_world_size
 from phalanx.config import EngineConfig, resolve_config
 from phalanx.data import ActiveLoaders, PreparedDataLoader, map_tensors
 from phalanx.logging import configure_logging, get_logger
@@ -61,12 +62,18 @@ class Engine:
         configure_logging(self.world.rank, self.config.log_all_ranks)
         self.device = pick_device(self.config.device, self.world.local_rank)
         init_distributed(self.world, self.device, self.config.timeout_s)
-        self.topology = Topology(self.world.world_size, self.world.rank, self.config.pp_size)
+        strategy_cls = get_strategy_class(self.config.strategy)
+        pp_size = self.config.pp_size
+        if pp_size is None:  # a pipeline strategy puts one stage on each rank unless told otherwise
+            pp_size = self.world.world_size if strategy_cls.supports_pipeline else 1
+        self.topology = Topology(self.world.world_size, self.world.rank, pp_size)
         self.topology.build_groups(self.device.type)
         self.precision = Precision(self.config.precision, self.device)
-        self.strategy = get_strategy_class(self.config.strategy)(self.config, self.topology, self.device, self.precision)
-        if self.strategy.shards_gradients and self.topology.dp_size > 1:
-            self.precision.sync_found_inf, self.precision.found_inf_group = True, self.topology.dp_group
+        self.strategy = strategy_cls(self.config, self.topology, self.device, self.precision)
+        shard_group = self.strategy.grad_shard_group()
+        if self.strategy.shards_gradients and comm_world_size(shard_group) > 1:
+            # An fp16 overflow in any rank's share of the gradients must skip the step on every rank.
+            self.precision.sync_found_inf, self.precision.found_inf_group = True, shard_group
         _seed_everything(self.config.seed)
 
         self._models: list[nn.Module] = []
@@ -115,8 +122,10 @@ class Engine:
                     out[i] = getattr(self, f"prepare_{kind}")(obj)
         return out[0] if len(out) == 1 else tuple(out)
 
-    def prepare_model(self, model: nn.Module) -> nn.Module:
-        model = model.to(self.device)
+    def prepare_model(self, model: nn.Module | list[nn.Module] | tuple[nn.Module, ...]) -> nn.Module:
+        if isinstance(model, (list, tuple)):
+            model = nn.Sequential(*model)  # a list of blocks runs as nn.Sequential runs them
+        model = self.strategy.place_model(model)
         wrapped = self.strategy.wrap_model(model)
         if self.precision.compute_dtype is not None:
             _autocast_forward(self.unwrap_model(wrapped), self.precision)
@@ -153,6 +162,7 @@ class Engine:
         ``zero_grad()``, ``scheduler.step()`` and ``clip_grad_norm_`` do nothing. The window's last
         micro-batch (or the last batch of the DataLoader) reduces the gradients and steps.
         """
+        self._refuse_manual_backward("engine.accumulate()")
         if self._in_accumulate:
             raise RuntimeError("engine.accumulate() is already active; do not nest it")
         self._micro_steps += 1
@@ -188,6 +198,7 @@ class Engine:
         With ``items``, the window's gradients are divided by the item count summed over every micro-batch
         of the window and every rank: exactly the gradient of the mean over all items of the global batch.
         """
+        self._refuse_manual_backward("engine.backward")
         mode = "sum" if items is not None else "mean"
         if self._window_mode not in (None, mode):
             raise ValueError(
@@ -218,6 +229,14 @@ class Engine:
         self.precision.scale_loss(loss).backward(**kwargs)
         if boundary:
             self.strategy.finish_gradient_sync()
+
+    def _refuse_manual_backward(self, what: str) -> None:
+        if self.strategy.drives_backward:
+            raise RuntimeError(
+                f"{what} is not available under strategy={self.strategy.name!r}: the schedule runs forward and backward "
+                "itself, micro-batch by micro-batch on every stage. Train with loss = engine.train_step(batch, loss_fn), "
+                "where loss_fn(model, batch) returns the loss of one micro-batch; it also clips, steps and zeroes"
+            )
 
     def clip_grad_norm_(self, *args: Any, norm_type: float = 2.0) -> torch.Tensor | None:
         """Clip to the global gradient norm; returns that norm (before clipping).
@@ -267,6 +286,15 @@ class Engine:
                 f"model(s) and {len(self._optimizers)} optimizer(s) (write the loop with engine.backward instead)"
             )
         model, optimizer = self._models[0], self._optimizers[0]
+        if self.strategy.drives_backward:
+            loss = self.strategy.train_step(model, batch, loss_fn)
+            if self.config.max_grad_norm is not None:
+                self.clip_grad_norm_(self.config.max_grad_norm)
+            optimizer.step()
+            for sched in optimizer.schedulers:
+                sched.step()
+            optimizer.zero_grad()
+            return loss
         with self.accumulate():
             out = loss_fn(model, batch)
             if isinstance(out, tuple):
@@ -476,6 +504,8 @@ class PreparedScheduler:
 def _kind_of(obj: Any) -> str:
     if isinstance(obj, nn.Module):
         return "model"
+    if isinstance(obj, (list, tuple)) and obj and all(isinstance(b, nn.Module) for b in obj):
+        return "model"  # a list of blocks (pipeline stages are cut between them)
     if isinstance(obj, torch.optim.Optimizer):
         return "optimizer"
     if isinstance(obj, LRScheduler):

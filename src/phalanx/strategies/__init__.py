@@ -18,6 +18,7 @@ _REGISTRY: dict[str, str] = {
     "zero1": "phalanx.strategies.zero:Zero1Strategy",
     "zero2": "phalanx.strategies.zero:Zero2Strategy",
     "zero3": "phalanx.strategies.zero:Zero3Strategy",
+    "pipeline": "phalanx.strategies.pipeline:PipelineStrategy",
 }
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -55,6 +55,8 @@ class Strategy(ABC):
     supports_pipeline: ClassVar[bool] = False
     shards_gradients: ClassVar[bool] = False
     """True when each rank holds only part of the reduced gradients (fp16 overflow checks must then agree)."""
+    drives_backward: ClassVar[bool] = False
+    """True when the strategy runs forward and backward itself (pipeline): only ``train_step`` trains."""
 
     def __init__(self, config: EngineConfig, topology: Topology, device: torch.device, precision: Precision) -> None:
         if topology.pp_size > 1 and not self.supports_pipeline:
@@ -67,6 +69,10 @@ class Strategy(ABC):
         self.device = device
         self.precision = precision
         self.stats = CommStats()
+
+    def place_model(self, model: nn.Module) -> nn.Module:
+        """Move ``model`` to the strategy's device before ``wrap_model`` (pipeline moves only its stage, later)."""
+        return model.to(self.device)
 
     @abstractmethod
     def wrap_model(self, model: nn.Module) -> nn.Module:
@@ -119,6 +125,14 @@ class Strategy(ABC):
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None, reader: StateReader
     ) -> None:
         """Load the slices this rank holds from ``reader`` (any saving world size or strategy)."""
+
+    def grad_shard_group(self) -> Any:
+        """The process group over which reduced gradients are spread when ``shards_gradients`` (None: the world)."""
+        return self.topology.dp_group
+
+    def train_step(self, model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any]) -> torch.Tensor:
+        """Forward and backward of one batch, for strategies that ``drives_backward``; returns the mean loss."""
+        raise NotImplementedError(f"strategy {self.name!r} trains through engine.backward")
 
     def comm_dtype(self) -> torch.dtype | None:
         """The dtype gradients travel in, or None when nothing is communicated."""

@@ -174,6 +174,29 @@ class GradReducer:
                 "engine.prepare, or set find_unused_parameters=True to reduce them as zeros"
             )
 
+    def launch_all(self) -> None:
+        """Reduce every bucket now, whatever the hooks saw: a pipeline stage accumulates all its micro-batches
+        under ``require_sync=False`` and reduces once, after its schedule. ``wait`` (or the next
+        ``finish_gradient_sync``) completes it."""
+        unused = []
+        for b in self.buckets:
+            for i, p in enumerate(b.params):
+                if p.grad is not b.views[i]:  # no gradient since the last set_to_none: it is zero
+                    b.views[i].zero_()
+                    p.grad = b.views[i]
+                    unused.append(self.names.get(p, "?"))
+        for b in self.buckets:
+            self._launch(b)
+        self._reduced = True
+        self.grad_scale = 1.0 / self.world_size
+        if unused and not self.find_unused_parameters:
+            self.wait()  # peers are in these same all-reduces; finish them before raising
+            raise RuntimeError(
+                f"these trainable parameters received no gradient in this step: {', '.join(unused)}. Make sure the "
+                "forward uses them and the loss depends on them, freeze them with requires_grad_(False) before "
+                "engine.prepare, or set find_unused_parameters=True to reduce them as zeros"
+            )
+
     def wait(self) -> None:
         for b in self.buckets:
             if b.work is not None:

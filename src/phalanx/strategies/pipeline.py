@@ -1,0 +1,847 @@
+"""Pipeline parallelism: an ``nn.Sequential`` split into stages, micro-batches pushed through by GPipe or 1F1B.
+
+    engine = phalanx.Engine(strategy="pipeline", pp_size=2, pp_schedule="1f1b", pp_microbatches=8)
+    model, optimizer = engine.prepare(nn.Sequential(*blocks), optimizer)
+    loss = engine.train_step((x, y), lambda model, batch: F.cross_entropy(model(batch[0]), batch[1]))
+
+Run it with ``phalanx launch -n 4 train.py --config pp.yaml`` (pp_size: 2 gives two stages of two
+data-parallel replicas each). The training script is the one ddp runs: ``loss_fn(model, batch)`` is called
+once per micro-batch on every stage. On every stage but the last, ``model(...)`` runs this stage's blocks,
+hands the output to the schedule and ends ``loss_fn`` there; on the last stage it returns the real output
+and ``loss_fn`` computes the loss as usual.
+
+- Partition: contiguous blocks, balanced by parameter count (``pp_partition: parameters``), by block count
+  (``uniform``), by measured forward+backward time (``time``: measured on the first micro-batch of the first
+  step, before the model is split), or at explicit cut points (``"3,6"``: stage 1 starts at block 3, stage 2 at 6).
+- Each rank keeps only its stage's blocks; the other blocks' parameters move to the meta device. A model built
+  under ``torch.device("meta")`` is materialised stage by stage (``reset_parameters`` of each submodule,
+  seeded by block index), so no rank ever allocates the whole model.
+- Communication: ``isend``/``irecv`` between neighbouring stages. Shapes and dtypes cross once per distinct
+  micro-batch signature and are cached. In 1F1B's steady state a send and the matching receive of the
+  opposite direction are posted together (``batch_isend_irecv`` on NCCL), so neither side can block the other.
+- Data parallel: the ranks of one stage reduce its gradients with the ddp ``GradReducer`` once per step,
+  after the schedule; rank layout is pp-major (see ``topology.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import weakref
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from phalanx.logging import get_logger
+from phalanx.comm import broadcast_coalesced
+from phalanx.strategies.ddp import DDPStrategy, _group_rank0
+
+__all__ = ["PipelineStrategy", "PipelineStage", "partition_blocks", "parse_partition"]
+
+SCHEDULES = ("gpipe", "1f1b")
+_DTYPES = [
+    torch.float32, torch.float16, torch.bfloat16, torch.float64,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+]  # fmt: skip
+
+
+class _StageDone(BaseException):
+    """Raised by ``model(...)`` on a stage that is not the last: the rest of ``loss_fn`` is not this stage's work.
+
+    A BaseException, so that a user's ``except Exception`` inside ``loss_fn`` does not swallow it.
+    """
+
+
+# ------------------------------------------------------------------------------------------- partitioning
+def parse_partition(spec: str) -> str | list[int]:
+    """``parameters``, ``uniform`` or ``time``, or explicit cut points ``"3,6"`` (the first block of stages 1..)."""
+    if spec in ("parameters", "uniform", "time"):
+        return spec
+    try:
+        cuts = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(
+            f"pp_partition must be parameters, uniform, time, or comma-separated cut points such as '3,6'; got {spec!r}"
+        ) from None
+    if not cuts or any(b <= a for a, b in zip(cuts, cuts[1:])) or cuts[0] <= 0:
+        raise ValueError(
+            f"pp_partition cut points must be positive and increasing (the first block of stage 1, 2, ...); got {spec!r}"
+        )
+    return cuts
+
+
+def partition_blocks(costs: list[float], stages: int) -> list[int]:
+    """Contiguous split of blocks into ``stages`` that minimises the largest stage cost; returns each stage's first block.
+
+    Ties go to the split whose largest stage has the fewest blocks, so that blocks without parameters
+    (activations) spread out instead of piling up in one stage.
+    """
+    n = len(costs)
+    assert 1 <= stages <= n
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = (math.inf, math.inf)
+    # best[k][i]: the best (max cost, max blocks) for blocks [0, i) in k stages; cut[k][i]: where stage k-1 starts.
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = (0.0, 0)
+    for k in range(1, stages + 1):
+        for i in range(k, n - (stages - k) + 1):
+            for j in range(k - 1, i):
+                if best[k - 1][j] == inf:
+                    continue
+                cand = max(best[k - 1][j], (prefix[i] - prefix[j], i - j))
+                if cand < best[k][i]:
+                    best[k][i], cut[k][i] = cand, j
+    starts, i = [], n
+    for k in range(stages, 0, -1):
+        i = cut[k][i]
+        starts.append(i)
+    return starts[::-1]
+
+
+def _block_costs(kind: str, blocks: list[nn.Module]) -> list[float]:
+    if kind == "uniform":
+        return [1.0] * len(blocks)
+    return [float(sum(p.numel() for p in b.parameters())) for b in blocks]
+
+
+# -------------------------------------------------------------------------------------------- the stage
+class PipelineStage(nn.Module):
+    """This rank's blocks of the pipelined model. Parameter and buffer names are those of the whole model
+    (``"4.fc.weight"``), so state dicts and checkpoints do not depend on the stage split."""
+
+    _runner: PipelineStrategy
+
+    def __init__(self, blocks: list[tuple[str, nn.Module]], runner: PipelineStrategy) -> None:
+        super().__init__()
+        for name, block in blocks:
+            self.add_module(name, block)
+        object.__setattr__(self, "_runner", runner)  # not a submodule: no parameters, not in state_dict
+
+    def run_blocks(self, *args: Any, **kwargs: Any) -> Any:
+        """This stage's blocks in order, as ``nn.Sequential`` runs them (the first may take several arguments)."""
+        x: Any = None
+        for i, block in enumerate(self._modules.values()):
+            assert block is not None
+            x = block(*args, **kwargs) if i == 0 else block(x)
+        return x
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._runner._model_call(self, args, kwargs)
+
+
+class _NoBackward(torch.autograd.Function):
+    """Marks an output of ``model(...)`` called outside ``train_step``: a backward through it would only reach
+    the last stage's parameters, so it raises instead."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        raise RuntimeError(
+            "under strategy='pipeline' a backward through model(...) reaches only the last stage; train with "
+            "engine.train_step(batch, loss_fn), which runs forward and backward micro-batch by micro-batch on every stage"
+        )
+
+
+class _MicroBatch:
+    __slots__ = ("index", "input", "called", "output", "is_tuple", "inputs_flat", "outputs_flat", "loss")
+
+    def __init__(self, index: int, received: Any) -> None:
+        self.index = index
+        self.input = received
+        self.called = False
+        self.output: Any = None
+        self.is_tuple = False
+        self.inputs_flat: list[torch.Tensor] = []
+        self.outputs_flat: list[torch.Tensor] = []
+        self.loss: torch.Tensor | None = None
+
+
+# ----------------------------------------------------------------------------------------- the strategy
+class PipelineStrategy(DDPStrategy):
+    """``strategy="pipeline"``: stages over ``pp_size`` ranks, each stage data-parallel over ``dp_size`` ranks."""
+
+    name = "pipeline"
+    supports_pipeline = True
+    shards_gradients = True  # each stage holds only its own gradients: an fp16 overflow anywhere skips every stage
+    drives_backward = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        topo = self.topology
+        self.pp_size, self.stage_index = topo.pp_size, topo.pp_stage
+        self.is_first, self.is_last = self.stage_index == 0, self.stage_index == self.pp_size - 1
+        self.schedule = self.config.pp_schedule
+        self.microbatches = self.config.pp_microbatches or 2 * self.pp_size
+        self.partition = parse_partition(self.config.pp_partition)
+        # pp-major layout: the same data-parallel column of the previous and next stage.
+        self.prev_rank = topo.rank - topo.dp_size if not self.is_first else None
+        self.next_rank = topo.rank + topo.dp_size if not self.is_last else None
+        self.last_rank = (self.pp_size - 1) * topo.dp_size + topo.dp_rank
+        self.stage: PipelineStage | None = None
+        self.stage_starts: list[int] = []
+        self.block_names: list[str] = []
+        self.block_costs: list[float] = []
+        self.last_step_timing: dict[str, float] = {}
+        """``step_s`` (the schedule's wall time) and ``idle_s`` (time blocked on receives) of the last train_step."""
+        self.peak_in_flight = 0
+        """The most micro-batches whose activations this stage held at once in the last train_step."""
+        self._pending_partition: nn.Sequential | None = None  # pp_partition=time: split at the first step
+        self._remote: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._layout: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = []  # per stage: state_dict entries
+        self._recv_meta: dict[Any, Any] = {}
+        self._sent_meta: dict[Any, Any] = {}
+        self._out_meta: dict[Any, Any] = {}
+        self._sends: list[Any] = []
+        self._send_bufs: list[torch.Tensor] = []
+        self._active: _MicroBatch | None = None
+        self._idle_s = 0.0
+        self._in_flight = 0
+        self._items: float | None = None  # loss_fn returned (loss_sum, items): the step's item count so far
+        self._scale_ready = False
+
+    # ------------------------------------------------------------------------------------- wrapping
+    def place_model(self, model: nn.Module) -> nn.Module:
+        return model  # only this stage's blocks go to the device, once the model is split
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        if self.stage is not None or self._pending_partition is not None:
+            raise ValueError(
+                "strategy='pipeline' splits one model into stages; a second model was passed to engine.prepare "
+                "(prepare only the pipelined model with this Engine)"
+            )
+        if isinstance(model, nn.ModuleList):
+            model = nn.Sequential(*model)
+        if not isinstance(model, nn.Sequential):
+            raise TypeError(
+                f"strategy='pipeline' splits an nn.Sequential (or a list of blocks) into stages; got {type(model).__name__}. "
+                "Write the model as nn.Sequential(block0, block1, ...), where each block takes the previous block's "
+                "output (a tensor or a tuple of tensors)"
+            )
+        blocks = list(model.named_children())
+        if len(blocks) < self.pp_size:
+            raise ValueError(
+                f"cannot split {len(blocks)} blocks into pp_size={self.pp_size} stages: every stage needs at least one "
+                f"block (use pp_size <= {len(blocks)}, or split the model into more blocks)"
+            )
+        self.block_names = [n for n, _ in blocks]
+        if self.partition == "time":
+            if any(p.is_meta for p in model.parameters()):
+                raise ValueError(
+                    "pp_partition='time' runs every block once to time it, so the model cannot be on the meta "
+                    "device (build it for real, or use pp_partition='parameters' or explicit cut points)"
+                )
+            model.to(self.device)
+            self._pending_partition = model
+            stage = PipelineStage(blocks, self)  # every block, until the first step has timed them
+            self.stage = stage
+            return stage
+        if isinstance(self.partition, list):
+            starts = [0, *self.partition]
+            if len(starts) != self.pp_size or starts[-1] >= len(blocks):
+                raise ValueError(
+                    f"pp_partition={self.config.pp_partition!r} gives {len(starts)} stages over {len(blocks)} blocks; "
+                    f"pp_size={self.pp_size} needs {self.pp_size - 1} cut points, each below {len(blocks)}"
+                )
+            self.block_costs = _block_costs("parameters", [b for _, b in blocks])
+        else:
+            self.block_costs = _block_costs(self.partition, [b for _, b in blocks])
+            starts = partition_blocks(self.block_costs, self.pp_size)
+        return self._split(model, starts)
+
+    def _split(self, model: nn.Sequential, starts: list[int]) -> PipelineStage:
+        blocks = list(model.named_children())
+        self.stage_starts = starts
+        bounds = [*starts, len(blocks)]
+        stage_of_block = [s for s in range(self.pp_size) for _ in range(bounds[s], bounds[s + 1])]
+        _check_no_shared_parameters(blocks, stage_of_block)
+        lo, hi = bounds[self.stage_index], bounds[self.stage_index + 1]
+        mine = blocks[lo:hi]
+        # Every stage's state_dict layout (names, shapes, dtypes), kept so that any rank can rebuild the whole.
+        self._layout = [[] for _ in range(self.pp_size)]
+        for (name, block), s in zip(blocks, stage_of_block):
+            for k, v in block.state_dict(keep_vars=True).items():
+                self._layout[s].append((f"{name}.{k}", tuple(v.shape), v.dtype))
+        for i, (name, block) in enumerate(blocks):
+            if lo <= i < hi:
+                _materialise(block, self.device, self.config.seed, i)
+            else:
+                for p in block.parameters():
+                    self._remote[id(p)] = weakref.ref(p)
+                block.to("meta")  # this rank never holds another stage's parameters
+        if self.stage is not None:  # pp_partition=time: drop the blocks of the other stages from the timed stage
+            for name, _ in blocks[:lo] + blocks[hi:]:
+                delattr(self.stage, name)
+            stage = self.stage
+        else:
+            stage = PipelineStage(mine, self)
+        self.stage = stage
+        self._pending_partition = None
+        for opt in self._optimizers:
+            self._drop_remote(opt)
+        if any(p.requires_grad for p in stage.parameters()):
+            super().wrap_model(stage)  # broadcast from the stage's first replica; gradient buckets over its dp group
+        elif self.topology.dp_size > 1:
+            # Nothing to train in this stage: its replicas only need the same weights and buffers.
+            tensors = [t.data for t in stage.parameters()] + list(stage.buffers())
+            broadcast_coalesced(tensors, src=_group_rank0(self.topology.dp_group), group=self.topology.dp_group)
+        get_logger().debug(
+            f"pipeline stage {self.stage_index}/{self.pp_size}: blocks {lo}..{hi - 1}, "
+            f"{sum(p.numel() for p in stage.parameters())} parameters"
+        )
+        return stage
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        self._optimizers.append(optimizer)
+        if self._pending_partition is None:
+            self._drop_remote(optimizer)
+        return optimizer
+
+    def _drop_remote(self, optimizer: torch.optim.Optimizer) -> None:
+        def remote(p: torch.Tensor) -> bool:
+            ref = self._remote.get(id(p))
+            return ref is not None and ref() is p
+
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if not remote(p)]
+        for p in [p for p in optimizer.state if remote(p)]:
+            del optimizer.state[p]
+
+    # ------------------------------------------------------------------------------------ the schedule
+    def train_step(self, model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any]) -> torch.Tensor:
+        """Forward and backward of every micro-batch of ``batch`` by the configured schedule; reduce gradients
+        over the stage's data-parallel ranks. Returns the mean loss of the step on every stage."""
+        if model is not self.stage:
+            raise ValueError("engine.train_step under strategy='pipeline' needs the model that engine.prepare returned")
+        micro = _split_batch(batch, self.microbatches, self.topology.dp_size)
+        if self._pending_partition is not None:
+            self._partition_by_time(micro[0], loss_fn)
+        assert self.stage is not None
+        key = ("train", self.stage.training, _signature(micro[0]))
+        self._idle_s, self.peak_in_flight, self._in_flight, self._items = 0.0, 0, 0, None
+        if self.precision.scaler is not None and not self.is_last and not self._scale_ready:
+            self.precision.scale_loss(torch.zeros((), device=self.device))  # creates the scale that unscale_ reads
+            self._scale_ready = True
+        t0 = time.perf_counter()
+        for r in self.reducers:
+            r.require_sync = False  # micro-batches only accumulate; the reduction runs once, below
+        mbs: list[_MicroBatch] = []
+        try:
+            run = self._run_gpipe if self.schedule == "gpipe" else self._run_1f1b
+            run(micro, mbs, loss_fn, key)
+            self._wait_sends()
+        finally:
+            for r in self.reducers:
+                r.require_sync = True
+            self._active = None
+        # The last stage knows the loss and whether loss_fn returned (loss_sum, items): every stage learns both.
+        summary = torch.zeros(3, dtype=torch.float64, device=self.device)
+        if self.is_last:
+            losses = torch.stack([mb.loss for mb in mbs if mb.loss is not None]).double()
+            sum_mode = self._items is not None
+            # mean mode: each micro-batch loss was divided by m, so their sum is the mean and the count is 1
+            summary[0], summary[1], summary[2] = losses.sum(), float(self._items or 0.0) if sum_mode else 1.0, float(sum_mode)
+        if self.pp_size > 1:
+            dist.broadcast(summary, src=self.last_rank, group=self.topology.pp_group)
+        loss_total, items, sum_mode = summary.tolist()
+        if sum_mode:
+            total = torch.tensor(items, dtype=torch.float64, device=self.device)
+            if self.topology.dp_size > 1:
+                dist.all_reduce(total, group=self.topology.dp_group)
+            self.set_grad_scale((1.0 / total).to(torch.float32))
+        else:
+            self.set_grad_scale(1.0 / self.topology.dp_size)  # each micro-batch's loss was already divided by m
+        for r in self.reducers:
+            r.launch_all()
+        self.last_step_timing = {"step_s": time.perf_counter() - t0, "idle_s": self._idle_s}
+        return torch.tensor(loss_total / items, dtype=torch.float32, device=self.device)
+
+    def _run_gpipe(self, micro: list[Any], mbs: list[_MicroBatch], loss_fn: Callable[..., Any], key: Any) -> None:
+        for i in range(len(micro)):
+            mbs.append(self._forward(i, micro[i], self._recv_forward(key), loss_fn, key))
+            self._send_forward(mbs[i], key)
+        for i in range(len(micro)):
+            self._send_backward(self._backward(mbs[i], self._recv_backward(mbs[i])))
+
+    def _run_1f1b(self, micro: list[Any], mbs: list[_MicroBatch], loss_fn: Callable[..., Any], key: Any) -> None:
+        m = len(micro)
+        warmup = min(self.pp_size - self.stage_index - 1, m)
+        for i in range(warmup):
+            mbs.append(self._forward(i, micro[i], self._recv_forward(key), loss_fn, key))
+            self._send_forward(mbs[i], key)
+        steady = m - warmup
+        received = self._recv_forward(key) if steady > 0 else None
+        for k in range(steady):
+            i = warmup + k
+            mbs.append(self._forward(i, micro[i], received, loss_fn, key))
+            grads = self._send_forward_recv_backward(mbs[i], mbs[k], key)
+            input_grads = self._backward(mbs[k], grads)
+            if k == steady - 1:
+                self._send_backward(input_grads)
+            else:
+                received = self._send_backward_recv_forward(input_grads, key)
+        for k in range(steady, m):
+            self._send_backward(self._backward(mbs[k], self._recv_backward(mbs[k])))
+
+    def _forward(self, index: int, batch: Any, received: Any, loss_fn: Callable[..., Any], key: Any) -> _MicroBatch:
+        assert self.stage is not None
+        mb = _MicroBatch(index, received)
+        mb.inputs_flat = _flat_tensors(received) if received is not None else []
+        self._active = mb
+        try:
+            result = loss_fn(self.stage, batch)
+        except _StageDone:
+            result = None
+        finally:
+            self._active = None
+        if not mb.called:
+            raise RuntimeError(
+                "loss_fn(model, batch) did not call model(...): under strategy='pipeline' it must call the model "
+                "exactly once per micro-batch"
+            )
+        if self.is_last:
+            mb.loss = self._loss_of(result)
+        else:
+            mb.outputs_flat = _boundary_tensors(mb.output, self.stage_index)
+            mb.is_tuple, mb.output = isinstance(mb.output, (tuple, list)), None
+        self._in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self._in_flight)
+        return mb
+
+    def _loss_of(self, result: Any) -> torch.Tensor:
+        """The tensor to backward from for one micro-batch: mean loss / m, or the loss sum (scaled later)."""
+        if isinstance(result, tuple):
+            if len(result) != 2:
+                raise ValueError(f"loss_fn returned a tuple of {len(result)}; return a mean loss, or (loss_sum, items)")
+            loss_sum, items = result
+            n = float(items.item()) if isinstance(items, torch.Tensor) else float(items)
+            self._items = (self._items or 0.0) + n
+            return loss_sum
+        if not isinstance(result, torch.Tensor) or result.numel() != 1:
+            raise ValueError(
+                f"loss_fn must return a scalar loss tensor (or (loss_sum, items)); got {type(result).__name__}"
+                + (f" of shape {tuple(result.shape)}" if isinstance(result, torch.Tensor) else "")
+            )
+        return result.reshape(()) / self.microbatches
+
+    def _backward(self, mb: _MicroBatch, grads: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        if self.is_last:
+            assert mb.loss is not None
+            self.precision.scale_loss(mb.loss).backward()
+            mb.loss = mb.loss.detach()
+        else:
+            assert grads is not None
+            pairs = [(o, g) for o, g in zip(mb.outputs_flat, grads) if o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], grad_tensors=[g for _, g in pairs])
+            mb.outputs_flat = []
+        input_grads = [
+            (t.grad if t.grad is not None else torch.zeros_like(t)) for t in mb.inputs_flat if t.requires_grad
+        ]
+        mb.inputs_flat, mb.input = [], None
+        self._in_flight -= 1
+        return input_grads
+
+    # ------------------------------------------------------------------------- calls of model(...)
+    def _model_call(self, stage: PipelineStage, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        mb = self._active
+        if mb is None:
+            return self._forward_only(stage, args, kwargs)
+        if mb.called:
+            raise RuntimeError("loss_fn called model(...) twice in one micro-batch; under strategy='pipeline' call it once")
+        mb.called = True
+        mb.output = stage.run_blocks(*args, **kwargs) if self.is_first else stage.run_blocks(mb.input)
+        if not self.is_last:
+            raise _StageDone
+        return mb.output
+
+    def _forward_only(self, stage: PipelineStage, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``model(x)`` outside train_step (evaluation, sampling): the whole pipeline on one micro-batch; the
+        output is returned on every stage. Every rank of the pipeline must make the call."""
+        if self._pending_partition is not None:
+            raise RuntimeError("pp_partition='time' splits the model at the first engine.train_step; run one before model(...)")
+        grad = torch.is_grad_enabled()
+        key = ("forward", stage.training, _signature((args, kwargs)))
+        with torch.no_grad():
+            x = stage.run_blocks(*args, **kwargs) if self.is_first else stage.run_blocks(self._recv_forward(key))
+            if not self.is_last:
+                mb = _MicroBatch(0, None)
+                mb.outputs_flat = _boundary_tensors(x, self.stage_index)
+                mb.is_tuple = isinstance(x, (tuple, list))
+                self._send_forward(mb, key)
+                self._wait_sends()
+            out = self._broadcast_output(x if self.is_last else None, key)
+        if grad:
+            return _map_floats(out, lambda t: _NoBackward.apply(t.requires_grad_(True)))
+        return out
+
+    def _broadcast_output(self, out: Any, key: Any) -> Any:
+        if self.pp_size == 1:
+            return out
+        group, src = self.topology.pp_group, self.last_rank
+        if key not in self._out_meta:
+            meta = _encode_meta(_boundary_tensors(out, self.stage_index), isinstance(out, tuple)) if self.is_last else None
+            length = torch.tensor([len(meta) if meta is not None else 0], dtype=torch.int64, device=self.device)
+            dist.broadcast(length, src=src, group=group)
+            vec = meta.to(self.device) if meta is not None else torch.empty(int(length), dtype=torch.int64, device=self.device)
+            dist.broadcast(vec, src=src, group=group)
+            self._out_meta[key] = _decode_meta(vec.cpu())
+        is_tuple, specs = self._out_meta[key]
+        tensors = _boundary_tensors(out, self.stage_index) if self.is_last else [
+            torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in specs
+        ]
+        for t in tensors:
+            dist.broadcast(t.contiguous() if self.is_last else t, src=src, group=group)
+        return tuple(tensors) if is_tuple else tensors[0]
+
+    # ------------------------------------------------------------------------------ point to point
+    def _recv_forward(self, key: Any) -> Any:
+        if self.is_first:
+            return None
+        assert self.prev_rank is not None
+        is_tuple, specs = self._meta_from_prev(key)
+        bufs = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in specs]
+        self._wait([dist.irecv(b, src=self.prev_rank) for b in bufs])
+        for b, (_, needs_grad, _) in zip(bufs, specs):
+            if needs_grad:
+                b.requires_grad_(True)
+        return tuple(bufs) if is_tuple else bufs[0]
+
+    def _meta_from_prev(self, key: Any) -> Any:
+        if key not in self._recv_meta:
+            length = torch.zeros(1, dtype=torch.int64, device=self.device)
+            self._wait([dist.irecv(length, src=self.prev_rank)])
+            vec = torch.empty(int(length.item()), dtype=torch.int64, device=self.device)
+            self._wait([dist.irecv(vec, src=self.prev_rank)])
+            self._recv_meta[key] = _decode_meta(vec.cpu())
+        return self._recv_meta[key]
+
+    def _forward_sends(self, mb: _MicroBatch, key: Any) -> list[tuple[torch.Tensor, int]]:
+        """The tensors that carry ``mb``'s output to the next stage (and, the first time, their description)."""
+        if self.is_last:
+            return []
+        assert self.next_rank is not None
+        meta = _encode_meta(mb.outputs_flat, mb.is_tuple)
+        out = [(t.detach().contiguous(), self.next_rank) for t in mb.outputs_flat]
+        sent = self._sent_meta.get(key)
+        if sent is None:
+            self._sent_meta[key] = meta
+            vec = meta.to(self.device)
+            return [(torch.tensor([len(meta)], dtype=torch.int64, device=self.device), self.next_rank), (vec, self.next_rank), *out]
+        if not torch.equal(sent, meta):
+            raise RuntimeError(
+                f"stage {self.stage_index} produced outputs of {_describe(_decode_meta(meta))} for micro-batches "
+                f"that earlier gave {_describe(_decode_meta(sent))}; the activations crossing a stage boundary must have "
+                "the same shapes and dtypes for the same micro-batch shape"
+            )
+        return out
+
+    def _send_forward(self, mb: _MicroBatch, key: Any) -> None:
+        self._post(self._forward_sends(mb, key), [])
+
+    def _grad_buffers(self, mb: _MicroBatch) -> list[torch.Tensor]:
+        return [torch.empty_like(o) for o in mb.outputs_flat if o.requires_grad]
+
+    def _recv_backward(self, mb: _MicroBatch) -> list[torch.Tensor] | None:
+        if self.is_last:
+            return None
+        bufs = self._grad_buffers(mb)
+        self._post([], [(b, self.next_rank) for b in bufs])  # type: ignore[misc]
+        return self._full_grads(mb, bufs)
+
+    def _send_backward(self, input_grads: list[torch.Tensor]) -> None:
+        if not self.is_first:
+            self._post([(g.contiguous(), self.prev_rank) for g in input_grads], [])  # type: ignore[misc]
+
+    def _send_forward_recv_backward(self, out_mb: _MicroBatch, grad_mb: _MicroBatch, key: Any) -> list[torch.Tensor] | None:
+        if self.is_last:
+            return None
+        bufs = self._grad_buffers(grad_mb)
+        self._post(self._forward_sends(out_mb, key), [(b, self.next_rank) for b in bufs])  # type: ignore[misc]
+        return self._full_grads(grad_mb, bufs)
+
+    def _send_backward_recv_forward(self, input_grads: list[torch.Tensor], key: Any) -> Any:
+        if self.is_first:
+            return None
+        is_tuple, specs = self._meta_from_prev(key)
+        bufs = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in specs]
+        self._post([(g.contiguous(), self.prev_rank) for g in input_grads], [(b, self.prev_rank) for b in bufs])  # type: ignore[misc]
+        for b, (_, needs_grad, _) in zip(bufs, specs):
+            if needs_grad:
+                b.requires_grad_(True)
+        return tuple(bufs) if is_tuple else bufs[0]
+
+    @staticmethod
+    def _full_grads(mb: _MicroBatch, bufs: list[torch.Tensor]) -> list[torch.Tensor]:
+        it = iter(bufs)
+        return [next(it) if o.requires_grad else torch.empty(0) for o in mb.outputs_flat]
+
+    def _post(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
+        """Post sends and receives together; wait for the receives (the sends are waited for at the step's end)."""
+        if not sends and not recvs:
+            return
+        self._send_bufs.extend(t for t, _ in sends)  # alive until the step's end, when every send is waited for
+        if self.device.type == "cuda":
+            # One NCCL group: a send and a receive on the same pair of ranks progress together (NCCL may hand
+            # back a single work for the whole group, so wait for all of it when something is received).
+            ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends] + [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
+            works: list[Any] = list(dist.batch_isend_irecv(ops))
+            if recvs:
+                self._wait(works)
+            else:
+                self._sends.extend(works)
+            return
+        self._sends.extend(dist.isend(t, dst=peer) for t, peer in sends)
+        self._wait([dist.irecv(t, src=peer) for t, peer in recvs])
+
+    def _wait(self, works: list[Any]) -> None:
+        if works:
+            t0 = time.perf_counter()
+            for w in works:
+                w.wait()
+            self._idle_s += time.perf_counter() - t0
+
+    def _wait_sends(self) -> None:
+        self._wait(self._sends)
+        self._sends.clear()
+        self._send_bufs.clear()
+
+    # ------------------------------------------------------------------------ partition by time
+    def _partition_by_time(self, batch: Any, loss_fn: Callable[..., Any]) -> None:
+        """Time each block's forward and backward on one micro-batch (on every rank, averaged), then split."""
+        model = self._pending_partition
+        assert model is not None
+        blocks = [b for _, b in model.named_children()]
+        times = torch.zeros(len(blocks), dtype=torch.float64)
+        captured: list[Any] = []
+
+        class _Capture(BaseException):
+            pass
+
+        def first_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            captured.append((args, kwargs))
+            raise _Capture
+
+        # The micro-batch as loss_fn hands it to the model: run loss_fn until the model is called.
+        class _Probe(nn.Module):
+            def forward(self, *args: Any, **kwargs: Any) -> Any:
+                return first_input(self, args, kwargs)
+
+        try:
+            loss_fn(_Probe(), batch)
+        except _Capture:
+            pass
+        if not captured:
+            raise RuntimeError("pp_partition='time': loss_fn(model, batch) did not call the model")
+        args, kwargs = captured[0]
+        for _ in range(2):  # the first round warms up allocators and kernels
+            x: Any = None
+            for i, block in enumerate(blocks):
+                inp = _detach_requiring_grad(x) if i else None
+                t0 = time.perf_counter()
+                y = block(*args, **kwargs) if i == 0 else block(inp)
+                floats = [t for t in _flat_tensors(y) if t.requires_grad]
+                if floats:
+                    torch.autograd.backward(floats, grad_tensors=[torch.ones_like(t) for t in floats])
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                times[i] = time.perf_counter() - t0
+                x = y
+        for p in model.parameters():
+            p.grad = None
+        if dist.is_initialized() and self.topology.world_size > 1:
+            dist.all_reduce(times)  # every rank must cut at the same blocks: use the mean over ranks
+            times /= self.topology.world_size
+        self.block_costs = times.tolist()
+        self._split(model, partition_blocks(self.block_costs, self.pp_size))
+
+    # --------------------------------------------------------------------------- strategy interface
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
+        params = [p for p in parameters if p.grad is not None]
+        grads = [p.grad for p in params if p.grad is not None]
+        norm_type = float(norm_type)
+        if grads:
+            local = torch.nn.utils.get_total_norm(grads, norm_type).to(torch.float64)
+        else:
+            local = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.pp_size > 1:
+            # Every stage holds different gradients (identical across its dp replicas after the reduction).
+            if math.isinf(norm_type):
+                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.topology.pp_group)
+                total = local
+            else:
+                powered = local**norm_type
+                dist.all_reduce(powered, group=self.topology.pp_group)
+                total = powered ** (1.0 / norm_type)
+        else:
+            total = local
+        total = total.to(grads[0].dtype if grads else torch.float32)
+        if params:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    def grad_shard_group(self) -> Any:
+        return None  # the whole world: stages hold different gradients, replicas reduce theirs
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Every stage's tensors, broadcast along the pipeline, so that each rank returns the whole state dict."""
+        if self.pp_size == 1:
+            return super().full_state_dict(model)
+        assert self.stage is not None and self._pending_partition is None, "the model is split at prepare (or the first step)"
+        out: dict[str, torch.Tensor] = {}
+        local = self.stage.state_dict()
+        for s, layout in enumerate(self._layout):
+            src = s * self.topology.dp_size + self.topology.dp_rank
+            by_dtype: dict[torch.dtype, list[tuple[str, tuple[int, ...]]]] = {}
+            for name, shape, dtype in layout:
+                by_dtype.setdefault(dtype, []).append((name, shape))
+            for dtype, entries in by_dtype.items():
+                if s == self.stage_index:
+                    flat = torch.cat([local[n].detach().reshape(-1).to(self.device) for n, _ in entries])
+                else:
+                    flat = torch.empty(sum(math.prod(sh) for _, sh in entries), dtype=dtype, device=self.device)
+                dist.broadcast(flat, src=src, group=self.topology.pp_group)
+                flat, offset = flat.cpu(), 0
+                for name, shape in entries:
+                    n = math.prod(shape)
+                    out[name] = flat[offset : offset + n].view(shape).clone()
+                    offset += n
+        order = [name for layout in self._layout for name, _, _ in layout]
+        return {k: out[k] for k in order}
+
+    def describe(self) -> dict[str, Any]:
+        bounds = [*self.stage_starts, len(self.block_names)]
+        return {
+            **super().describe(),
+            "strategy": self.name,
+            "pp_size": self.pp_size,
+            "dp_size": self.topology.dp_size,
+            "stage": self.stage_index,
+            "schedule": self.schedule,
+            "microbatches": self.microbatches,
+            "partition": self.config.pp_partition,
+            "stage_blocks": [self.block_names[a:b] for a, b in zip(bounds, bounds[1:])] if self.stage_starts else None,
+            "stage_costs": [sum(self.block_costs[a:b]) for a, b in zip(bounds, bounds[1:])] if self.stage_starts else None,
+        }
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _check_no_shared_parameters(blocks: list[tuple[str, nn.Module]], stage_of_block: list[int]) -> None:
+    owner: dict[int, tuple[str, int]] = {}
+    for (name, block), s in zip(blocks, stage_of_block):
+        for pname, p in block.named_parameters(remove_duplicate=False):
+            first = owner.setdefault(id(p), (f"{name}.{pname}", s))
+            if first[1] != s:
+                raise ValueError(
+                    f"parameter {first[0]} (stage {first[1]}) is also {name}.{pname} (stage {s}); pipeline stages cannot "
+                    "share a parameter, e.g. an embedding tied to the output head. Untie it, or keep both blocks in "
+                    "one stage with explicit cut points (pp_partition='i,j,...')"
+                )
+
+
+def _materialise(block: nn.Module, device: torch.device, seed: int, index: int) -> None:
+    """Move a block to the device; a block built on the meta device is allocated and initialised there."""
+    if not any(t.is_meta for t in [*block.parameters(), *block.buffers()]):
+        block.to(device)
+        return
+    block.to_empty(device=device)
+    # Seeded by block index, so that the weights do not depend on which stage (or how many) holds the block.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed * 1_000_003 + index)
+        for module in block.modules():
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
+
+
+def _split_batch(batch: Any, m: int, dp_size: int) -> list[Any]:
+    """``m`` micro-batches: every tensor split along dim 0; anything else (and 0-d tensors) given to each."""
+    leaves, spec = tree_flatten(batch)
+    sizes = {t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if not sizes:
+        raise ValueError("engine.train_step under strategy='pipeline' needs a batch holding tensors to split into micro-batches")
+    for size in sizes:
+        if size % m:
+            raise ValueError(
+                f"a batch of {size} samples does not split into pp_microbatches={m} equal micro-batches (this is the "
+                f"batch of one data-parallel replica, dp_size={dp_size}); use a batch size divisible by {m}, or change "
+                "pp_microbatches"
+            )
+    parts = [
+        t.split(t.shape[0] // m) if isinstance(t, torch.Tensor) and t.dim() > 0 else [t] * m for t in leaves
+    ]
+    return [tree_unflatten([p[i] for p in parts], spec) for i in range(m)]
+
+
+def _signature(obj: Any) -> Any:
+    leaves, spec = tree_flatten(obj)
+    sig = [
+        (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor)
+        else (repr(x) if isinstance(x, (int, float, str, bool, type(None))) else type(x).__name__)
+        for x in leaves
+    ]  # fmt: skip
+    return (str(spec), tuple(sig))
+
+
+def _flat_tensors(x: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
+
+
+def _boundary_tensors(out: Any, stage: int) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)) and out and all(isinstance(t, torch.Tensor) for t in out):
+        return list(out)
+    raise TypeError(
+        f"the last block of stage {stage} returned {type(out).__name__}"
+        + (f" of {[type(t).__name__ for t in out]}" if isinstance(out, (tuple, list)) else "")
+        + "; a stage boundary carries one tensor or a tuple of tensors (return those, and pass other values as tensors)"
+    )
+
+
+def _encode_meta(tensors: list[torch.Tensor], is_tuple: bool) -> torch.Tensor:
+    vec = [int(is_tuple), len(tensors)]
+    for t in tensors:
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"a stage boundary cannot carry a tensor of dtype {t.dtype}")
+        vec += [_DTYPES.index(t.dtype), int(t.requires_grad), t.dim(), *t.shape]
+    return torch.tensor(vec, dtype=torch.int64)
+
+
+def _decode_meta(vec: torch.Tensor) -> tuple[bool, list[tuple[torch.dtype, bool, tuple[int, ...]]]]:
+    v = vec.tolist()
+    is_tuple, n, pos, specs = bool(v[0]), v[1], 2, []
+    for _ in range(n):
+        dtype, needs_grad, ndim = _DTYPES[v[pos]], bool(v[pos + 1]), v[pos + 2]
+        specs.append((dtype, needs_grad, tuple(v[pos + 3 : pos + 3 + ndim])))
+        pos += 3 + ndim
+    return is_tuple, specs
+
+
+def _describe(meta: tuple[bool, list[tuple[torch.dtype, bool, tuple[int, ...]]]]) -> str:
+    return ", ".join(f"{str(d).replace('torch.', '')}{list(s)}" for d, _, s in meta[1])
+
+
+def _detach_requiring_grad(x: Any) -> Any:
+    def one(t: Any) -> Any:
+        if isinstance(t, torch.Tensor):
+            d = t.detach()
+            return d.requires_grad_(True) if d.is_floating_point() else d
+        return t
+
+    leaves, spec = tree_flatten(x)
+    return tree_unflatten([one(t) for t in leaves], spec)
+
+
+def _map_floats(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    leaves, spec = tree_flatten(x)
+    return tree_unflatten([fn(t) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in leaves], spec)
