@@ -336,8 +336,12 @@ class DDPStrategy(Strategy):
             keys = _keys_by_param(reader)
             for name, p in model.named_parameters():
                 if p.requires_grad and name in keys:
+                    # copy=True: the optimizer must own its state, never alias the reader's tensors (which may be
+                    # a caller's, or shared memory).
                     optimizer.state[p] = {
-                        k: _read_whole(reader, f"optim/{name}/{k}").to(p.device if reader.shape(f"optim/{name}/{k}") else "cpu")
+                        k: _read_whole(reader, f"optim/{name}/{k}").to(
+                            p.device if reader.shape(f"optim/{name}/{k}") else "cpu", copy=True
+                        )
                         for k in keys[name]
                     }
 
