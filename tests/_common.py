@@ -133,3 +133,94 @@ def tied_reference_run(steps: int, global_batch: int, opt: str, init_seed: int =
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# ------------------------------------------------------------------------------------------ pipeline models
+D_IN = 13
+
+
+class Fork(nn.Module):
+    """Returns a tuple: two float tensors and a bool mask, so a stage boundary after it carries three tensors."""
+
+    def __init__(self, d_in: int, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d_in, d)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = self.fc(x)
+        return torch.relu(h), h, h > 0
+
+
+class Carry(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, xs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        a, b, mask = xs
+        return torch.tanh(self.fc(a)), b, mask
+
+
+class Join(nn.Module):
+    def __init__(self, d: int, d_out: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d_out)
+
+    def forward(self, xs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        a, b, mask = xs
+        return self.fc(a * torch.sigmoid(b) + mask.float())
+
+
+class Residual(nn.Module):
+    """A skip connection inside one block."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+def pipe_model() -> nn.Sequential:
+    """8 blocks with odd sizes: a parameter-free block, tuple boundaries (blocks 2 to 4) and residual blocks."""
+    return nn.Sequential(
+        nn.Linear(D_IN, 24), nn.Tanh(), Fork(24, 20), Carry(20), Join(20, 16), Residual(16), Residual(16), nn.Linear(16, N_OUT)
+    )
+
+
+def pipe_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.mse_loss(model(batch[0]), batch[1])
+
+
+def pipe_loss_sum(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A summed loss over the rows whose first target is positive, with their count: micro-batches differ in items."""
+    x, y = batch
+    keep = (y[:, 0] > 0).float()
+    return (((model(x) - y) ** 2).sum(1) * keep).sum(), keep.sum()
+
+
+def pipe_reference_run(
+    steps: int, global_batch: int, opt: str, sum_loss: bool = False, clip: float | None = None, init_seed: int = 100
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Plain single-process torch on pipe_model(): full global batches in the documented order."""
+    torch.manual_seed(init_seed)
+    model = pipe_model()
+    optimizer = grouped_optimizer(opt, model)
+    x_all, y_all = make_data(steps * global_batch)
+    order = global_order(len(x_all), 0, 0)
+    losses = []
+    for step in range(steps):
+        idx = order[step * global_batch : (step + 1) * global_batch]
+        if sum_loss:
+            loss_sum, items = pipe_loss_sum(model, (x_all[idx], y_all[idx]))
+            loss = loss_sum / items
+        else:
+            loss = pipe_loss(model, (x_all[idx], y_all[idx]))
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
