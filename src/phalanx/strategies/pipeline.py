@@ -206,7 +206,7 @@ class PipelineStrategy(DDPStrategy):
         self._active: _MicroBatch | None = None
         self._idle_s = 0.0
         self._in_flight = 0
-        self._items: float | None = None  # loss_fn returned (loss_sum, items): the step's item count so far
+        self._items: torch.Tensor | None = None  # loss_fn returned (loss_sum, items): the step's item count so far
         self._scale_ready = False
 
     # ------------------------------------------------------------------------------------- wrapping
@@ -349,7 +349,8 @@ class PipelineStrategy(DDPStrategy):
             losses = torch.stack([mb.loss for mb in mbs if mb.loss is not None]).double()
             sum_mode = self._items is not None
             # mean mode: each micro-batch loss was divided by m, so their sum is the mean and the count is 1
-            summary[0], summary[1], summary[2] = losses.sum(), float(self._items or 0.0) if sum_mode else 1.0, float(sum_mode)
+            summary[0], summary[2] = losses.sum(), float(sum_mode)
+            summary[1] = self._items if self._items is not None else 1.0
         if self.pp_size > 1:
             dist.broadcast(summary, src=self.last_rank, group=self.topology.pp_group)
         loss_total, items, sum_mode = summary.tolist()
@@ -423,8 +424,8 @@ class PipelineStrategy(DDPStrategy):
             if len(result) != 2:
                 raise ValueError(f"loss_fn returned a tuple of {len(result)}; return a mean loss, or (loss_sum, items)")
             loss_sum, items = result
-            n = float(items.item()) if isinstance(items, torch.Tensor) else float(items)
-            self._items = (self._items or 0.0) + n
+            n = torch.as_tensor(items, dtype=torch.float64, device=self.device).detach().reshape(())
+            self._items = n if self._items is None else self._items + n  # no host sync per micro-batch
             return loss_sum
         if not isinstance(result, torch.Tensor) or result.numel() != 1:
             raise ValueError(
@@ -489,7 +490,7 @@ class PipelineStrategy(DDPStrategy):
             return out
         group, src = self.topology.pp_group, self.last_rank
         if key not in self._out_meta:
-            meta = _encode_meta(_boundary_tensors(out, self.stage_index), isinstance(out, tuple)) if self.is_last else None
+            meta = _encode_meta(_meta_of(_boundary_tensors(out, self.stage_index), isinstance(out, tuple))) if self.is_last else None
             length = torch.tensor([len(meta) if meta is not None else 0], dtype=torch.int64, device=self.device)
             dist.broadcast(length, src=src, group=group)
             vec = meta.to(self.device) if meta is not None else torch.empty(int(length), dtype=torch.int64, device=self.device)
@@ -530,18 +531,18 @@ class PipelineStrategy(DDPStrategy):
         if self.is_last:
             return []
         assert self.next_rank is not None
-        meta = _encode_meta(mb.outputs_flat, mb.is_tuple)
+        meta = _meta_of(mb.outputs_flat, mb.is_tuple)
         out = [(t.detach().contiguous(), self.next_rank) for t in mb.outputs_flat]
         sent = self._sent_meta.get(key)
         if sent is None:
             self._sent_meta[key] = meta
-            vec = meta.to(self.device)
-            return [(torch.tensor([len(meta)], dtype=torch.int64, device=self.device), self.next_rank), (vec, self.next_rank), *out]
-        if not torch.equal(sent, meta):
+            vec = _encode_meta(meta).to(self.device)
+            return [(torch.tensor([len(vec)], dtype=torch.int64, device=self.device), self.next_rank), (vec, self.next_rank), *out]
+        if sent != meta:
             raise RuntimeError(
-                f"stage {self.stage_index} produced outputs of {_describe(_decode_meta(meta))} for micro-batches "
-                f"that earlier gave {_describe(_decode_meta(sent))}; the activations crossing a stage boundary must have "
-                "the same shapes and dtypes for the same micro-batch shape"
+                f"stage {self.stage_index} produced outputs of {_describe(meta)} for micro-batches that earlier gave "
+                f"{_describe(sent)}; the activations crossing a stage boundary must have the same shapes and dtypes "
+                "for the same micro-batch shape"
             )
         return out
 
@@ -808,16 +809,26 @@ def _boundary_tensors(out: Any, stage: int) -> list[torch.Tensor]:
     )
 
 
-def _encode_meta(tensors: list[torch.Tensor], is_tuple: bool) -> torch.Tensor:
-    vec = [int(is_tuple), len(tensors)]
+_Meta = tuple[bool, list[tuple[torch.dtype, bool, tuple[int, ...]]]]
+"""What crosses a boundary: whether it is a tuple, and each tensor's dtype, requires_grad and shape."""
+
+
+def _meta_of(tensors: list[torch.Tensor], is_tuple: bool) -> _Meta:
     for t in tensors:
         if t.dtype not in _DTYPES:
             raise TypeError(f"a stage boundary cannot carry a tensor of dtype {t.dtype}")
-        vec += [_DTYPES.index(t.dtype), int(t.requires_grad), t.dim(), *t.shape]
+    return is_tuple, [(t.dtype, t.requires_grad, tuple(t.shape)) for t in tensors]
+
+
+def _encode_meta(meta: _Meta) -> torch.Tensor:
+    is_tuple, specs = meta
+    vec = [int(is_tuple), len(specs)]
+    for dtype, needs_grad, shape in specs:
+        vec += [_DTYPES.index(dtype), int(needs_grad), len(shape), *shape]
     return torch.tensor(vec, dtype=torch.int64)
 
 
-def _decode_meta(vec: torch.Tensor) -> tuple[bool, list[tuple[torch.dtype, bool, tuple[int, ...]]]]:
+def _decode_meta(vec: torch.Tensor) -> _Meta:
     v = vec.tolist()
     is_tuple, n, pos, specs = bool(v[0]), v[1], 2, []
     for _ in range(n):
@@ -827,7 +838,7 @@ def _decode_meta(vec: torch.Tensor) -> tuple[bool, list[tuple[torch.dtype, bool,
     return is_tuple, specs
 
 
-def _describe(meta: tuple[bool, list[tuple[torch.dtype, bool, tuple[int, ...]]]]) -> str:
+def _describe(meta: _Meta) -> str:
     return ", ".join(f"{str(d).replace('torch.', '')}{list(s)}" for d, _, s in meta[1])
 
 
