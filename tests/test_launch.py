@@ -191,9 +191,10 @@ def test_single_node_launch_listens_on_loopback_only(tmp_path):
         assert int(found.group(1)) >= 1 and found.group(2) == "[]", found.group(0)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero3", "pipeline"])
 def test_demo_runs_end_to_end_on_two_ranks(tmp_path, strategy):
     # Under zero3 every forward is a collective: the rank-0 sample must not run the prepared model alone.
+    # Under pipeline the demo trains TinyGPT as nn.Sequential blocks in two stages, with engine.train_step.
     proc = _run(["demo", "-n", "2", "--strategy", strategy, "--", "--steps", "4", "--layers", "1", "--eval-batches", "1",
                  "--sample-bytes", "16", "--max-bytes", "200000"], tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr

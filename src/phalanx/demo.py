@@ -87,14 +87,58 @@ class TinyGPT(nn.Module):
             x = block(x)
         return self.head(self.ln_f(x))
 
+    def pipeline_blocks(self) -> nn.Sequential:
+        """The same network as ``nn.Sequential(embedding, block, ..., head)`` for ``strategy: pipeline``.
+
+        Pipeline stages cannot share a parameter, so the head gets its own copy of the tied embedding weight
+        (from here on the two train separately, as in GPipe-style pipelines without tied-layer exchange).
+        """
+        head = nn.Linear(self.cfg.n_embd, self.cfg.vocab_size, bias=False)
+        with torch.no_grad():
+            head.weight.copy_(self.tok.weight)
+        return nn.Sequential(_Embed(self.tok, self.pos), *self.blocks, _Head(self.ln_f, head))
+
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.8, top_k: int = 40) -> torch.Tensor:
-        for _ in range(new_tokens):
-            logits = self(idx[:, -self.cfg.block_size :])[:, -1, :] / temperature
-            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1, None]
-            logits = logits.masked_fill(logits < kth, -math.inf)
-            idx = torch.cat([idx, torch.multinomial(F.softmax(logits, dim=-1), 1)], dim=1)
-        return idx
+        return generate(self, self.cfg.block_size, idx, new_tokens, temperature, top_k)
+
+
+class _Embed(nn.Module):
+    def __init__(self, tok: nn.Embedding, pos: nn.Embedding) -> None:
+        super().__init__()
+        self.tok, self.pos = tok, pos
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+
+
+class _Head(nn.Module):
+    def __init__(self, ln_f: nn.LayerNorm, head: nn.Linear) -> None:
+        super().__init__()
+        self.ln_f, self.head = ln_f, head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))
+
+
+@torch.no_grad()
+def generate(
+    model: Callable[[torch.Tensor], torch.Tensor], block_size: int, idx: torch.Tensor, new_tokens: int,
+    temperature: float = 0.8, top_k: int = 40,
+) -> torch.Tensor:
+    """Sample ``new_tokens`` bytes after ``idx`` from a model that maps byte ids to logits."""
+    for _ in range(new_tokens):
+        logits = model(idx[:, -block_size:])[:, -1, :] / temperature
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1, None]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+        idx = torch.cat([idx, torch.multinomial(F.softmax(logits, dim=-1), 1)], dim=1)
+    return idx
+
+
+def _gpt_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    logits = model(x)
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
 
 
 def load_stdlib_bytes(max_bytes: int = 4_000_000) -> torch.Tensor:
@@ -232,7 +276,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # ---- model, optimizer, schedule
     gpt_cfg = GPTConfig(block_size=args.block_size, n_layer=args.layers, n_head=args.heads, n_embd=args.d_model)
-    model = TinyGPT(gpt_cfg)
+    pipelined = engine.strategy.drives_backward  # the schedule runs forward and backward: train with train_step
+    model: nn.Module = TinyGPT(gpt_cfg).pipeline_blocks() if pipelined else TinyGPT(gpt_cfg)
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -262,15 +307,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     meter = Throughput()
     steps_done, skipped = 0, 0
     model.train()
+    if pipelined and cfg.max_grad_norm is None:
+        cfg.max_grad_norm = 1.0  # train_step clips to this; the loop below clips at 1.0 under the other strategies
     for x, y in _forever(loader):
-        with engine.accumulate():
-            logits = model(x)
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
-            engine.backward(loss)
-            engine.clip_grad_norm_(1.0)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
+        if pipelined:
+            loss = engine.train_step((x, y), _gpt_loss)  # forward, backward, clip, step and schedule, all stages
+        else:
+            with engine.accumulate():
+                loss = _gpt_loss(model, (x, y))
+                engine.backward(loss)
+                engine.clip_grad_norm_(1.0)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
         recent.append(loss.detach())
         meter.add(tokens_per_micro)
         if not engine.sync_gradients:
@@ -323,14 +372,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.sample_bytes:
         weights = engine.get_state_dict(model)
         if engine.is_main_process:
-            net = TinyGPT(gpt_cfg).to(engine.device)
+            net: nn.Module = (TinyGPT(gpt_cfg).pipeline_blocks() if pipelined else TinyGPT(gpt_cfg)).to(engine.device)
             net.load_state_dict(weights)
             net.eval()
             prompt_bytes = args.prompt.encode("utf-8") or b"\n"
             prompt = torch.tensor([list(prompt_bytes)], dtype=torch.long, device=engine.device)
             torch.manual_seed(cfg.seed)
             with engine.autocast():
-                out = net.generate(prompt, args.sample_bytes)
+                out = generate(net, gpt_cfg.block_size, prompt, args.sample_bytes)
             sample = bytes(out[0].tolist()).decode("utf-8", errors="replace")
         del weights
 
