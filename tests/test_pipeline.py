@@ -50,6 +50,7 @@ def _train(steps: int = STEPS, opt: str = "adamw", loss_fn=pipe_loss, model_fn=p
         "desc": engine.strategy.describe(),
         "local": sorted(n for n, _ in model.named_parameters()),
         "peak_in_flight": engine.strategy.peak_in_flight,
+        "calls": dict(engine.strategy.stats.calls),
     }
 
 
@@ -86,6 +87,14 @@ def test_pipeline_matches_single_process(run_ranks, world_size, pp_size, partiti
             stages = res["desc"]["stage_blocks"]
             if stage_blocks is not None:
                 assert stages == stage_blocks
+            # Point to point: per micro-batch one message per boundary tensor each way, plus the shapes once.
+            stage, (fwd, bwd) = rank // dp_size, _boundary_sizes(stages)
+            sends = STEPS * m * (fwd[stage] + (bwd[stage - 1] if stage else 0))
+            recvs = STEPS * m * ((fwd[stage - 1] if stage else 0) + bwd[stage])
+            sends_meta = 2 if stage < pp_size - 1 else 0  # a length, then the description, to the next stage
+            recvs_meta = 2 if stage > 0 else 0
+            assert res["calls"].get("send", 0) == sends + sends_meta, (where, res["calls"])
+            assert res["calls"].get("recv", 0) == recvs + recvs_meta, (where, res["calls"])
             # This rank holds exactly its own stage's parameters, under the whole model's names.
             mine = stages[rank // dp_size]
             assert res["local"] == sorted(k for k in ref_state if k.split(".")[0] in mine), where
@@ -95,6 +104,13 @@ def test_pipeline_matches_single_process(run_ranks, world_size, pp_size, partiti
         cut = len(results[0][("1f1b", 2)]["desc"]["stage_blocks"][0])
         largest = max(sum(costs[:cut]), sum(costs[cut:]))
         assert largest == min(max(sum(costs[:i]), sum(costs[i:])) for i in range(1, len(costs)))
+
+
+def _boundary_sizes(stages: list[list[str]]) -> tuple[list[int], list[int]]:
+    """Tensors crossing the boundary after each stage of pipe_model, forward and backward. After Fork and Carry
+    it is a tuple of 3, whose bool mask gets no gradient; elsewhere one tensor."""
+    tuples = [s[-1] in ("2", "3") for s in stages[:-1]]
+    return [3 if t else 1 for t in tuples] + [0], [2 if t else 1 for t in tuples] + [0]
 
 
 def _sum_loss_with_clip() -> dict:

@@ -278,7 +278,9 @@ class Engine:
 
         ``loss_fn(model, batch)`` returns a mean loss, or a tuple ``(loss_sum, items)``. Returns the
         detached loss (the mean over items in the second form). Needs exactly one prepared model and
-        optimizer; a prepared scheduler, if any, steps with them.
+        optimizer; a prepared scheduler, if any, steps with them. Under ``strategy="pipeline"`` one call
+        is a whole step: the batch is split into micro-batches that the schedule pushes through the stages,
+        ``loss_fn`` runs once per micro-batch, and the step's mean loss is returned on every stage.
         """
         if len(self._models) != 1 or len(self._optimizers) != 1:
             raise RuntimeError(

@@ -511,7 +511,7 @@ class PipelineStrategy(DDPStrategy):
         assert self.prev_rank is not None
         is_tuple, specs = self._meta_from_prev(key)
         bufs = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in specs]
-        self._wait([dist.irecv(b, src=self.prev_rank) for b in bufs])
+        self._post([], [(b, self.prev_rank) for b in bufs])
         for b, (_, needs_grad, _) in zip(bufs, specs):
             if needs_grad:
                 b.requires_grad_(True)
@@ -519,10 +519,11 @@ class PipelineStrategy(DDPStrategy):
 
     def _meta_from_prev(self, key: Any) -> Any:
         if key not in self._recv_meta:
+            assert self.prev_rank is not None
             length = torch.zeros(1, dtype=torch.int64, device=self.device)
-            self._wait([dist.irecv(length, src=self.prev_rank)])
+            self._post([], [(length, self.prev_rank)])
             vec = torch.empty(int(length.item()), dtype=torch.int64, device=self.device)
-            self._wait([dist.irecv(vec, src=self.prev_rank)])
+            self._post([], [(vec, self.prev_rank)])
             self._recv_meta[key] = _decode_meta(vec.cpu())
         return self._recv_meta[key]
 
@@ -591,6 +592,10 @@ class PipelineStrategy(DDPStrategy):
         if not sends and not recvs:
             return
         self._send_bufs.extend(t for t, _ in sends)  # alive until the step's end, when every send is waited for
+        for t, _ in sends:
+            self.stats.record("send", t)
+        for t, _ in recvs:
+            self.stats.record("recv", t)
         if self.device.type == "cuda":
             # One NCCL group: a send and a receive on the same pair of ranks progress together (NCCL may hand
             # back a single work for the whole group, so wait for all of it when something is received).
@@ -774,8 +779,8 @@ def _split_batch(batch: Any, m: int, dp_size: int) -> list[Any]:
         if size % m:
             raise ValueError(
                 f"a batch of {size} samples does not split into pp_microbatches={m} equal micro-batches (this is the "
-                f"batch of one data-parallel replica, dp_size={dp_size}); use a batch size divisible by {m}, or change "
-                "pp_microbatches"
+                f"batch of one data-parallel replica, dp_size={dp_size}); use a batch size divisible by {m} (and "
+                "drop_last=True, so that a DataLoader's last batch is not shorter), or change pp_microbatches"
             )
     parts = [
         t.split(t.shape[0] // m) if isinstance(t, torch.Tensor) and t.dim() > 0 else [t] * m for t in leaves
