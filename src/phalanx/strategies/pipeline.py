@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from phalanx.logging import get_logger
 from phalanx.comm import broadcast_coalesced
+from phalanx.strategies.base import ShardEntry
 from phalanx.strategies.ddp import DDPStrategy, _group_rank0
 
 __all__ = ["PipelineStrategy", "PipelineStage", "partition_blocks", "parse_partition"]
@@ -468,8 +469,7 @@ class PipelineStrategy(DDPStrategy):
     def _forward_only(self, stage: PipelineStage, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``model(x)`` outside train_step (evaluation, sampling): the whole pipeline on one micro-batch; the
         output is returned on every stage. Every rank of the pipeline must make the call."""
-        if self._pending_partition is not None:
-            raise RuntimeError("pp_partition='time' splits the model at the first engine.train_step; run one before model(...)")
+        self._require_split("model(...) outside engine.train_step")
         grad = torch.is_grad_enabled()
         key = ("forward", stage.training, _signature((args, kwargs)))
         with torch.no_grad():
@@ -700,9 +700,10 @@ class PipelineStrategy(DDPStrategy):
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Every stage's tensors, broadcast along the pipeline, so that each rank returns the whole state dict."""
+        self._require_split("engine.get_state_dict")
         if self.pp_size == 1:
             return super().full_state_dict(model)
-        assert self.stage is not None and self._pending_partition is None, "the model is split at prepare (or the first step)"
+        assert self.stage is not None
         out: dict[str, torch.Tensor] = {}
         local = self.stage.state_dict()
         for s, layout in enumerate(self._layout):
@@ -723,6 +724,17 @@ class PipelineStrategy(DDPStrategy):
                     offset += n
         order = [name for layout in self._layout for name, _, _ in layout]
         return {k: out[k] for k in order}
+
+    def sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[ShardEntry]:
+        self._require_split("saving the state")
+        return super().sharded_state(model, optimizer)  # each stage's first replica gives its blocks, whole
+
+    def _require_split(self, what: str) -> None:
+        if self._pending_partition is not None:
+            raise RuntimeError(
+                f"{what} needs the model split into stages, and pp_partition='time' splits it at the first "
+                "engine.train_step (run one first, or partition by parameters or cut points)"
+            )
 
     def describe(self) -> dict[str, Any]:
         bounds = [*self.stage_starts, len(self.block_names)]
