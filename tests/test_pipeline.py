@@ -26,7 +26,7 @@ from _common import (
 )
 from phalanx.config import ConfigError, EngineConfig
 from phalanx.launch import SpawnError
-from phalanx.strategies.pipeline import parse_partition, partition_blocks
+from phalanx.strategies.partition import parse_partition, partition_blocks
 
 STEPS, GLOBAL_BATCH = 10, 16
 TOL = dict(rtol=1e-5, atol=1e-5)

@@ -111,7 +111,7 @@ class EngineConfig:
             "use 1 or more micro-batches per batch",
         )
         if self.strategy == "pipeline":
-            from phalanx.strategies.pipeline import parse_partition
+            from phalanx.strategies.partition import parse_partition
 
             try:
                 parse_partition(self.pp_partition)

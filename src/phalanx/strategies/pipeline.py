@@ -10,13 +10,13 @@ once per micro-batch on every stage. On every stage but the last, ``model(...)``
 hands the output to the schedule and ends ``loss_fn`` there; on the last stage it returns the real output
 and ``loss_fn`` computes the loss as usual.
 
-- Partition: contiguous blocks, balanced by parameter count (``pp_partition: parameters``), by block count
-  (``uniform``), by measured forward+backward time (``time``: measured on the first micro-batch of the first
-  step, before the model is split), or at explicit cut points (``"3,6"``: stage 1 starts at block 3, stage 2 at 6).
+- Partition (``partition.py``): contiguous blocks, balanced by parameter count (``pp_partition: parameters``), by
+  block count (``uniform``), by measured forward+backward time (``time``: measured on the first micro-batch of the
+  first step, before the model is split), or at explicit cut points (``"3,6"``: stage 1 starts at block 3, stage 2 at 6).
 - Each rank keeps only its stage's blocks; the other blocks' parameters move to the meta device. A model built
   under ``torch.device("meta")`` is materialised stage by stage (``reset_parameters`` of each submodule,
   seeded by block index), so no rank ever allocates the whole model.
-- Communication: ``isend``/``irecv`` between neighbouring stages. Shapes and dtypes cross once per distinct
+- Communication (``p2p.py``): ``isend``/``irecv`` between neighbouring stages. Shapes and dtypes cross once per distinct
   micro-batch signature and are cached. In 1F1B's steady state a send and the matching receive of the
   opposite direction are posted together (``batch_isend_irecv`` on NCCL), so neither side can block the other.
 - Data parallel: the ranks of one stage reduce its gradients with the ddp ``GradReducer`` once per step,
@@ -35,18 +35,23 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from phalanx.logging import get_logger
 from phalanx.comm import broadcast_coalesced
+from phalanx.logging import get_logger
 from phalanx.strategies.base import ShardEntry
 from phalanx.strategies.ddp import DDPStrategy, _group_rank0
+from phalanx.strategies.p2p import StageLink, boundary_tensors, decode_meta, encode_meta, flat_tensors, meta_of
+from phalanx.strategies.partition import (
+    block_costs,
+    check_no_shared_parameters,
+    materialise,
+    parse_partition,
+    partition_blocks,
+    time_blocks,
+)
 
-__all__ = ["PipelineStrategy", "PipelineStage", "partition_blocks", "parse_partition"]
+__all__ = ["PipelineStrategy", "PipelineStage"]
 
 SCHEDULES = ("gpipe", "1f1b")
-_DTYPES = [
-    torch.float32, torch.float16, torch.bfloat16, torch.float64,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-]  # fmt: skip
 
 
 class _StageDone(BaseException):
@@ -54,61 +59,6 @@ class _StageDone(BaseException):
 
     A BaseException, so that a user's ``except Exception`` inside ``loss_fn`` does not swallow it.
     """
-
-
-# ------------------------------------------------------------------------------------------- partitioning
-def parse_partition(spec: str) -> str | list[int]:
-    """``parameters``, ``uniform`` or ``time``, or explicit cut points ``"3,6"`` (the first block of stages 1..)."""
-    if spec in ("parameters", "uniform", "time"):
-        return spec
-    try:
-        cuts = [int(x) for x in spec.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(
-            f"pp_partition must be parameters, uniform, time, or comma-separated cut points such as '3,6'; got {spec!r}"
-        ) from None
-    if not cuts or any(b <= a for a, b in zip(cuts, cuts[1:])) or cuts[0] <= 0:
-        raise ValueError(
-            f"pp_partition cut points must be positive and increasing (the first block of stage 1, 2, ...); got {spec!r}"
-        )
-    return cuts
-
-
-def partition_blocks(costs: list[float], stages: int) -> list[int]:
-    """Contiguous split of blocks into ``stages`` that minimises the largest stage cost; returns each stage's first block.
-
-    Ties go to the split whose largest stage has the fewest blocks, so that blocks without parameters
-    (activations) spread out instead of piling up in one stage.
-    """
-    n = len(costs)
-    assert 1 <= stages <= n
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = (math.inf, math.inf)
-    # best[k][i]: the best (max cost, max blocks) for blocks [0, i) in k stages; cut[k][i]: where stage k-1 starts.
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = (0.0, 0)
-    for k in range(1, stages + 1):
-        for i in range(k, n - (stages - k) + 1):
-            for j in range(k - 1, i):
-                if best[k - 1][j] == inf:
-                    continue
-                cand = max(best[k - 1][j], (prefix[i] - prefix[j], i - j))
-                if cand < best[k][i]:
-                    best[k][i], cut[k][i] = cand, j
-    starts, i = [], n
-    for k in range(stages, 0, -1):
-        i = cut[k][i]
-        starts.append(i)
-    return starts[::-1]
-
-
-def _block_costs(kind: str, blocks: list[nn.Module]) -> list[float]:
-    if kind == "uniform":
-        return [1.0] * len(blocks)
-    return [float(sum(p.numel() for p in b.parameters())) for b in blocks]
 
 
 # -------------------------------------------------------------------------------------------- the stage
@@ -199,13 +149,9 @@ class PipelineStrategy(DDPStrategy):
         self._remote: dict[int, weakref.ref[torch.Tensor]] = {}
         self._optimizers: list[torch.optim.Optimizer] = []
         self._layout: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = []  # per stage: state_dict entries
-        self._recv_meta: dict[Any, Any] = {}
-        self._sent_meta: dict[Any, Any] = {}
+        self.link = StageLink(self.stage_index, self.prev_rank, self.next_rank, self.device, self.stats)
         self._out_meta: dict[Any, Any] = {}
-        self._sends: list[Any] = []
-        self._send_bufs: list[torch.Tensor] = []
         self._active: _MicroBatch | None = None
-        self._idle_s = 0.0
         self._in_flight = 0
         self._items: torch.Tensor | None = None  # loss_fn returned (loss_sum, items): the step's item count so far
         self._scale_ready = False
@@ -253,9 +199,9 @@ class PipelineStrategy(DDPStrategy):
                     f"pp_partition={self.config.pp_partition!r} gives {len(starts)} stages over {len(blocks)} blocks; "
                     f"pp_size={self.pp_size} needs {self.pp_size - 1} cut points, each below {len(blocks)}"
                 )
-            self.block_costs = _block_costs("parameters", [b for _, b in blocks])
+            self.block_costs = block_costs("parameters", [b for _, b in blocks])
         else:
-            self.block_costs = _block_costs(self.partition, [b for _, b in blocks])
+            self.block_costs = block_costs(self.partition, [b for _, b in blocks])
             starts = partition_blocks(self.block_costs, self.pp_size)
         return self._split(model, starts)
 
@@ -264,7 +210,7 @@ class PipelineStrategy(DDPStrategy):
         self.stage_starts = starts
         bounds = [*starts, len(blocks)]
         stage_of_block = [s for s in range(self.pp_size) for _ in range(bounds[s], bounds[s + 1])]
-        _check_no_shared_parameters(blocks, stage_of_block)
+        check_no_shared_parameters(blocks, stage_of_block)
         lo, hi = bounds[self.stage_index], bounds[self.stage_index + 1]
         mine = blocks[lo:hi]
         # Every stage's state_dict layout (names, shapes, dtypes), kept so that any rank can rebuild the whole.
@@ -274,7 +220,7 @@ class PipelineStrategy(DDPStrategy):
                 self._layout[s].append((f"{name}.{k}", tuple(v.shape), v.dtype))
         for i, (name, block) in enumerate(blocks):
             if lo <= i < hi:
-                _materialise(block, self.device, self.config.seed, i)
+                materialise(block, self.device, self.config.seed, i)
             else:
                 for p in block.parameters():
                     self._remote[id(p)] = weakref.ref(p)
@@ -328,7 +274,7 @@ class PipelineStrategy(DDPStrategy):
             self._partition_by_time(micro[0], loss_fn)
         assert self.stage is not None
         key = ("train", self.stage.training, _signature(micro[0]))
-        self._idle_s, self.peak_in_flight, self._in_flight, self._items = 0.0, 0, 0, None
+        self.link.idle_s, self.peak_in_flight, self._in_flight, self._items = 0.0, 0, 0, None
         if self.precision.scaler is not None and not self.is_last and not self._scale_ready:
             self.precision.scale_loss(torch.zeros((), device=self.device))  # creates the scale that unscale_ reads
             self._scale_ready = True
@@ -339,7 +285,7 @@ class PipelineStrategy(DDPStrategy):
         try:
             run = self._run_gpipe if self.schedule == "gpipe" else self._run_1f1b
             run(micro, mbs, loss_fn, key)
-            self._wait_sends()
+            self.link.wait_sends()
         finally:
             for r in self.reducers:
                 r.require_sync = True
@@ -364,40 +310,41 @@ class PipelineStrategy(DDPStrategy):
             self.set_grad_scale(1.0 / self.topology.dp_size)  # each micro-batch's loss was already divided by m
         for r in self.reducers:
             r.launch_all()
-        self.last_step_timing = {"step_s": time.perf_counter() - t0, "idle_s": self._idle_s}
+        self.last_step_timing = {"step_s": time.perf_counter() - t0, "idle_s": self.link.idle_s}
         return torch.tensor(loss_total / items, dtype=torch.float32, device=self.device)
 
     def _run_gpipe(self, micro: list[Any], mbs: list[_MicroBatch], loss_fn: Callable[..., Any], key: Any) -> None:
+        link = self.link
         for i in range(len(micro)):
-            mbs.append(self._forward(i, micro[i], self._recv_forward(key), loss_fn, key))
-            self._send_forward(mbs[i], key)
+            mbs.append(self._forward(i, micro[i], link.recv_forward(key), loss_fn, key))
+            link.send_forward(mbs[i].outputs_flat, mbs[i].is_tuple, key)
         for i in range(len(micro)):
-            self._send_backward(self._backward(mbs[i], self._recv_backward(mbs[i])))
+            link.send_backward(self._backward(mbs[i], link.recv_backward(mbs[i].outputs_flat)))
 
     def _run_1f1b(self, micro: list[Any], mbs: list[_MicroBatch], loss_fn: Callable[..., Any], key: Any) -> None:
-        m = len(micro)
+        link, m = self.link, len(micro)
         warmup = min(self.pp_size - self.stage_index - 1, m)
         for i in range(warmup):
-            mbs.append(self._forward(i, micro[i], self._recv_forward(key), loss_fn, key))
-            self._send_forward(mbs[i], key)
+            mbs.append(self._forward(i, micro[i], link.recv_forward(key), loss_fn, key))
+            link.send_forward(mbs[i].outputs_flat, mbs[i].is_tuple, key)
         steady = m - warmup
-        received = self._recv_forward(key) if steady > 0 else None
+        received = link.recv_forward(key) if steady > 0 else None
         for k in range(steady):
             i = warmup + k
             mbs.append(self._forward(i, micro[i], received, loss_fn, key))
-            grads = self._send_forward_recv_backward(mbs[i], mbs[k], key)
+            grads = link.send_forward_recv_backward(mbs[i].outputs_flat, mbs[i].is_tuple, key, mbs[k].outputs_flat)
             input_grads = self._backward(mbs[k], grads)
             if k == steady - 1:
-                self._send_backward(input_grads)
+                link.send_backward(input_grads)
             else:
-                received = self._send_backward_recv_forward(input_grads, key)
+                received = link.send_backward_recv_forward(input_grads, key)
         for k in range(steady, m):
-            self._send_backward(self._backward(mbs[k], self._recv_backward(mbs[k])))
+            link.send_backward(self._backward(mbs[k], link.recv_backward(mbs[k].outputs_flat)))
 
     def _forward(self, index: int, batch: Any, received: Any, loss_fn: Callable[..., Any], key: Any) -> _MicroBatch:
         assert self.stage is not None
         mb = _MicroBatch(index, received)
-        mb.inputs_flat = _flat_tensors(received) if received is not None else []
+        mb.inputs_flat = flat_tensors(received) if received is not None else []
         self._active = mb
         try:
             result = loss_fn(self.stage, batch)
@@ -413,7 +360,7 @@ class PipelineStrategy(DDPStrategy):
         if self.is_last:
             mb.loss = self._loss_of(result)
         else:
-            mb.outputs_flat = _boundary_tensors(mb.output, self.stage_index)
+            mb.outputs_flat = boundary_tensors(mb.output, self.stage_index)
             mb.is_tuple, mb.output = isinstance(mb.output, (tuple, list)), None
         self._in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self._in_flight)
@@ -473,13 +420,10 @@ class PipelineStrategy(DDPStrategy):
         grad = torch.is_grad_enabled()
         key = ("forward", stage.training, _signature((args, kwargs)))
         with torch.no_grad():
-            x = stage.run_blocks(*args, **kwargs) if self.is_first else stage.run_blocks(self._recv_forward(key))
+            x = stage.run_blocks(*args, **kwargs) if self.is_first else stage.run_blocks(self.link.recv_forward(key))
             if not self.is_last:
-                mb = _MicroBatch(0, None)
-                mb.outputs_flat = _boundary_tensors(x, self.stage_index)
-                mb.is_tuple = isinstance(x, (tuple, list))
-                self._send_forward(mb, key)
-                self._wait_sends()
+                self.link.send_forward(boundary_tensors(x, self.stage_index), isinstance(x, (tuple, list)), key)
+                self.link.wait_sends()
             out = self._broadcast_output(x if self.is_last else None, key)
         if grad:
             return _map_floats(out, lambda t: _NoBackward.apply(t.requires_grad_(True)))
@@ -490,180 +434,25 @@ class PipelineStrategy(DDPStrategy):
             return out
         group, src = self.topology.pp_group, self.last_rank
         if key not in self._out_meta:
-            meta = _encode_meta(_meta_of(_boundary_tensors(out, self.stage_index), isinstance(out, tuple))) if self.is_last else None
+            meta = encode_meta(meta_of(boundary_tensors(out, self.stage_index), isinstance(out, tuple))) if self.is_last else None
             length = torch.tensor([len(meta) if meta is not None else 0], dtype=torch.int64, device=self.device)
             dist.broadcast(length, src=src, group=group)
             vec = meta.to(self.device) if meta is not None else torch.empty(int(length), dtype=torch.int64, device=self.device)
             dist.broadcast(vec, src=src, group=group)
-            self._out_meta[key] = _decode_meta(vec.cpu())
+            self._out_meta[key] = decode_meta(vec.cpu())
         is_tuple, specs = self._out_meta[key]
-        tensors = _boundary_tensors(out, self.stage_index) if self.is_last else [
+        tensors = boundary_tensors(out, self.stage_index) if self.is_last else [
             torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in specs
         ]
         for t in tensors:
             dist.broadcast(t.contiguous() if self.is_last else t, src=src, group=group)
         return tuple(tensors) if is_tuple else tensors[0]
 
-    # ------------------------------------------------------------------------------ point to point
-    def _recv_forward(self, key: Any) -> Any:
-        if self.is_first:
-            return None
-        assert self.prev_rank is not None
-        is_tuple, specs = self._meta_from_prev(key)
-        bufs = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in specs]
-        self._post([], [(b, self.prev_rank) for b in bufs])
-        for b, (_, needs_grad, _) in zip(bufs, specs):
-            if needs_grad:
-                b.requires_grad_(True)
-        return tuple(bufs) if is_tuple else bufs[0]
-
-    def _meta_from_prev(self, key: Any) -> Any:
-        if key not in self._recv_meta:
-            assert self.prev_rank is not None
-            length = torch.zeros(1, dtype=torch.int64, device=self.device)
-            self._post([], [(length, self.prev_rank)])
-            vec = torch.empty(int(length.item()), dtype=torch.int64, device=self.device)
-            self._post([], [(vec, self.prev_rank)])
-            self._recv_meta[key] = _decode_meta(vec.cpu())
-        return self._recv_meta[key]
-
-    def _forward_sends(self, mb: _MicroBatch, key: Any) -> list[tuple[torch.Tensor, int]]:
-        """The tensors that carry ``mb``'s output to the next stage (and, the first time, their description)."""
-        if self.is_last:
-            return []
-        assert self.next_rank is not None
-        meta = _meta_of(mb.outputs_flat, mb.is_tuple)
-        out = [(t.detach().contiguous(), self.next_rank) for t in mb.outputs_flat]
-        sent = self._sent_meta.get(key)
-        if sent is None:
-            self._sent_meta[key] = meta
-            vec = _encode_meta(meta).to(self.device)
-            return [(torch.tensor([len(vec)], dtype=torch.int64, device=self.device), self.next_rank), (vec, self.next_rank), *out]
-        if sent != meta:
-            raise RuntimeError(
-                f"stage {self.stage_index} produced outputs of {_describe(meta)} for micro-batches that earlier gave "
-                f"{_describe(sent)}; the activations crossing a stage boundary must have the same shapes and dtypes "
-                "for the same micro-batch shape"
-            )
-        return out
-
-    def _send_forward(self, mb: _MicroBatch, key: Any) -> None:
-        self._post(self._forward_sends(mb, key), [])
-
-    def _grad_buffers(self, mb: _MicroBatch) -> list[torch.Tensor]:
-        return [torch.empty_like(o) for o in mb.outputs_flat if o.requires_grad]
-
-    def _recv_backward(self, mb: _MicroBatch) -> list[torch.Tensor] | None:
-        if self.is_last:
-            return None
-        bufs = self._grad_buffers(mb)
-        self._post([], [(b, self.next_rank) for b in bufs])  # type: ignore[misc]
-        return self._full_grads(mb, bufs)
-
-    def _send_backward(self, input_grads: list[torch.Tensor]) -> None:
-        if not self.is_first:
-            self._post([(g.contiguous(), self.prev_rank) for g in input_grads], [])  # type: ignore[misc]
-
-    def _send_forward_recv_backward(self, out_mb: _MicroBatch, grad_mb: _MicroBatch, key: Any) -> list[torch.Tensor] | None:
-        if self.is_last:
-            return None
-        bufs = self._grad_buffers(grad_mb)
-        self._post(self._forward_sends(out_mb, key), [(b, self.next_rank) for b in bufs])  # type: ignore[misc]
-        return self._full_grads(grad_mb, bufs)
-
-    def _send_backward_recv_forward(self, input_grads: list[torch.Tensor], key: Any) -> Any:
-        if self.is_first:
-            return None
-        is_tuple, specs = self._meta_from_prev(key)
-        bufs = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in specs]
-        self._post([(g.contiguous(), self.prev_rank) for g in input_grads], [(b, self.prev_rank) for b in bufs])  # type: ignore[misc]
-        for b, (_, needs_grad, _) in zip(bufs, specs):
-            if needs_grad:
-                b.requires_grad_(True)
-        return tuple(bufs) if is_tuple else bufs[0]
-
-    @staticmethod
-    def _full_grads(mb: _MicroBatch, bufs: list[torch.Tensor]) -> list[torch.Tensor]:
-        it = iter(bufs)
-        return [next(it) if o.requires_grad else torch.empty(0) for o in mb.outputs_flat]
-
-    def _post(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
-        """Post sends and receives together; wait for the receives (the sends are waited for at the step's end)."""
-        if not sends and not recvs:
-            return
-        self._send_bufs.extend(t for t, _ in sends)  # alive until the step's end, when every send is waited for
-        for t, _ in sends:
-            self.stats.record("send", t)
-        for t, _ in recvs:
-            self.stats.record("recv", t)
-        if self.device.type == "cuda":
-            # One NCCL group: a send and a receive on the same pair of ranks progress together (NCCL may hand
-            # back a single work for the whole group, so wait for all of it when something is received).
-            ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends] + [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
-            works: list[Any] = list(dist.batch_isend_irecv(ops))
-            if recvs:
-                self._wait(works)
-            else:
-                self._sends.extend(works)
-            return
-        self._sends.extend(dist.isend(t, dst=peer) for t, peer in sends)
-        self._wait([dist.irecv(t, src=peer) for t, peer in recvs])
-
-    def _wait(self, works: list[Any]) -> None:
-        if works:
-            t0 = time.perf_counter()
-            for w in works:
-                w.wait()
-            self._idle_s += time.perf_counter() - t0
-
-    def _wait_sends(self) -> None:
-        self._wait(self._sends)
-        self._sends.clear()
-        self._send_bufs.clear()
-
-    # ------------------------------------------------------------------------ partition by time
     def _partition_by_time(self, batch: Any, loss_fn: Callable[..., Any]) -> None:
         """Time each block's forward and backward on one micro-batch (on every rank, averaged), then split."""
         model = self._pending_partition
         assert model is not None
-        blocks = [b for _, b in model.named_children()]
-        times = torch.zeros(len(blocks), dtype=torch.float64)
-        captured: list[Any] = []
-
-        class _Capture(BaseException):
-            pass
-
-        def first_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            captured.append((args, kwargs))
-            raise _Capture
-
-        # The micro-batch as loss_fn hands it to the model: run loss_fn until the model is called.
-        class _Probe(nn.Module):
-            def forward(self, *args: Any, **kwargs: Any) -> Any:
-                return first_input(self, args, kwargs)
-
-        try:
-            loss_fn(_Probe(), batch)
-        except _Capture:
-            pass
-        if not captured:
-            raise RuntimeError("pp_partition='time': loss_fn(model, batch) did not call the model")
-        args, kwargs = captured[0]
-        for _ in range(2):  # the first round warms up allocators and kernels
-            x: Any = None
-            for i, block in enumerate(blocks):
-                inp = _detach_requiring_grad(x) if i else None
-                t0 = time.perf_counter()
-                y = block(*args, **kwargs) if i == 0 else block(inp)
-                floats = [t for t in _flat_tensors(y) if t.requires_grad]
-                if floats:
-                    torch.autograd.backward(floats, grad_tensors=[torch.ones_like(t) for t in floats])
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                times[i] = time.perf_counter() - t0
-                x = y
-        for p in model.parameters():
-            p.grad = None
+        times = time_blocks(list(model.children()), batch, loss_fn, self.device)
         if dist.is_initialized() and self.topology.world_size > 1:
             dist.all_reduce(times)  # every rank must cut at the same blocks: use the mean over ranks
             times /= self.topology.world_size
@@ -753,34 +542,6 @@ class PipelineStrategy(DDPStrategy):
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _check_no_shared_parameters(blocks: list[tuple[str, nn.Module]], stage_of_block: list[int]) -> None:
-    owner: dict[int, tuple[str, int]] = {}
-    for (name, block), s in zip(blocks, stage_of_block):
-        for pname, p in block.named_parameters(remove_duplicate=False):
-            first = owner.setdefault(id(p), (f"{name}.{pname}", s))
-            if first[1] != s:
-                raise ValueError(
-                    f"parameter {first[0]} (stage {first[1]}) is also {name}.{pname} (stage {s}); pipeline stages cannot "
-                    "share a parameter, e.g. an embedding tied to the output head. Untie it, or keep both blocks in "
-                    "one stage with explicit cut points (pp_partition='i,j,...')"
-                )
-
-
-def _materialise(block: nn.Module, device: torch.device, seed: int, index: int) -> None:
-    """Move a block to the device; a block built on the meta device is allocated and initialised there."""
-    if not any(t.is_meta for t in [*block.parameters(), *block.buffers()]):
-        block.to(device)
-        return
-    block.to_empty(device=device)
-    # Seeded by block index, so that the weights do not depend on which stage (or how many) holds the block.
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed * 1_000_003 + index)
-        for module in block.modules():
-            reset = getattr(module, "reset_parameters", None)
-            if callable(reset):
-                reset()
-
-
 def _split_batch(batch: Any, m: int, dp_size: int) -> list[Any]:
     """``m`` micro-batches: every tensor split along dim 0; anything else (and 0-d tensors) given to each."""
     leaves, spec = tree_flatten(batch)
@@ -808,66 +569,6 @@ def _signature(obj: Any) -> Any:
         for x in leaves
     ]  # fmt: skip
     return (str(spec), tuple(sig))
-
-
-def _flat_tensors(x: Any) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
-
-
-def _boundary_tensors(out: Any, stage: int) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (tuple, list)) and out and all(isinstance(t, torch.Tensor) for t in out):
-        return list(out)
-    raise TypeError(
-        f"the last block of stage {stage} returned {type(out).__name__}"
-        + (f" of {[type(t).__name__ for t in out]}" if isinstance(out, (tuple, list)) else "")
-        + "; a stage boundary carries one tensor or a tuple of tensors (return those, and pass other values as tensors)"
-    )
-
-
-_Meta = tuple[bool, list[tuple[torch.dtype, bool, tuple[int, ...]]]]
-"""What crosses a boundary: whether it is a tuple, and each tensor's dtype, requires_grad and shape."""
-
-
-def _meta_of(tensors: list[torch.Tensor], is_tuple: bool) -> _Meta:
-    for t in tensors:
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"a stage boundary cannot carry a tensor of dtype {t.dtype}")
-    return is_tuple, [(t.dtype, t.requires_grad, tuple(t.shape)) for t in tensors]
-
-
-def _encode_meta(meta: _Meta) -> torch.Tensor:
-    is_tuple, specs = meta
-    vec = [int(is_tuple), len(specs)]
-    for dtype, needs_grad, shape in specs:
-        vec += [_DTYPES.index(dtype), int(needs_grad), len(shape), *shape]
-    return torch.tensor(vec, dtype=torch.int64)
-
-
-def _decode_meta(vec: torch.Tensor) -> _Meta:
-    v = vec.tolist()
-    is_tuple, n, pos, specs = bool(v[0]), v[1], 2, []
-    for _ in range(n):
-        dtype, needs_grad, ndim = _DTYPES[v[pos]], bool(v[pos + 1]), v[pos + 2]
-        specs.append((dtype, needs_grad, tuple(v[pos + 3 : pos + 3 + ndim])))
-        pos += 3 + ndim
-    return is_tuple, specs
-
-
-def _describe(meta: _Meta) -> str:
-    return ", ".join(f"{str(d).replace('torch.', '')}{list(s)}" for d, _, s in meta[1])
-
-
-def _detach_requiring_grad(x: Any) -> Any:
-    def one(t: Any) -> Any:
-        if isinstance(t, torch.Tensor):
-            d = t.detach()
-            return d.requires_grad_(True) if d.is_floating_point() else d
-        return t
-
-    leaves, spec = tree_flatten(x)
-    return tree_unflatten([one(t) for t in leaves], spec)
 
 
 def _map_floats(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
