@@ -1,0 +1,376 @@
+"""Pipeline parallel benchmark: phalanx gpipe/1f1b against torch.distributed.pipelining's ScheduleGPipe/Schedule1F1B,
+on CPU over gloo, 2 ranks = 2 stages (pp=2, dp=1), 8 micro-batches.
+
+    .venv/bin/python benchmarks/bench_pipeline.py                                    # 5 rounds (about 5 min)
+    .venv/bin/python benchmarks/bench_pipeline.py --rounds 3
+    .venv/bin/python benchmarks/bench_pipeline.py --only torch_1f1b,phalanx_1f1b --rounds 3
+    .venv/bin/python benchmarks/bench_pipeline.py --rounds 1 --steps 3 --warmup 1 --no-json   # smoke run
+
+Every configuration runs in fresh processes started by phalanx.spawn (2 ranks, gloo, 1 thread each); runs are
+interleaved (every round runs every configuration once, in a rotated order), as in bench_ddp.py and bench_zero.py.
+The workers are in pipeline_workers.py. See benchmarks/README.md for the columns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))  # so that spawned processes (which inherit sys.path) import pipeline_workers
+
+import torch  # noqa: E402
+
+import phalanx  # noqa: E402
+import pipeline_workers  # noqa: E402
+from bench_ddp import ForeignLoad, git_state, wait_quiet  # noqa: E402
+
+WORKLOAD = "mlp"
+# 8 residual MLP blocks x + fc2(gelu(fc1(x))), d=512 -> 2048 -> 512: 16.8M parameters, 4 blocks per stage.
+DEFAULTS: dict[str, Any] = {"d": 512, "n_blocks": 8, "global_batch": 64, "microbatches": 8, "lr": 1e-3,
+                            "warmup": 5, "steps": 30}
+NSTAGES = 2
+
+# Every row's first and final loss against torch ScheduleGPipe's (relative).
+TOL_FIRST, TOL_FINAL = 1e-5, 1e-5
+
+TARGETS = {
+    "phalanx_gpipe_over_torch_gpipe_step": ("phalanx gpipe", "torch ScheduleGPipe", 1.0),
+    "phalanx_1f1b_over_torch_1f1b_step": ("phalanx 1f1b", "torch Schedule1F1B", 1.0),
+}
+
+
+def src_digest() -> str:
+    """sha256 (12 hex) of every .py under the imported phalanx package: '+dirty' in git_state() does not say whether
+    uncommitted sources changed during a run, this does."""
+    import hashlib
+
+    root = Path(phalanx.__file__).resolve().parent
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def configurations(args: argparse.Namespace) -> list[dict[str, Any]]:
+    c: list[dict[str, Any]] = [
+        {"key": "torch_gpipe", "name": "torch ScheduleGPipe", "kind": "torch", "schedule": "gpipe"},
+        {"key": "torch_1f1b", "name": "torch Schedule1F1B", "kind": "torch", "schedule": "1f1b"},
+        {"key": "phalanx_gpipe", "name": "phalanx gpipe", "kind": "phalanx", "schedule": "gpipe"},
+        {"key": "phalanx_1f1b", "name": "phalanx 1f1b", "kind": "phalanx", "schedule": "1f1b"},
+    ]
+    if args.only:
+        keep = {s.strip() for s in args.only.split(",") if s.strip()}
+        c = [x for x in c if x["key"] in keep or x["kind"] in keep or x["name"] in keep]
+    return c
+
+
+def run_config(base: dict[str, Any], cfg: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+    spec = dict(base, schedule=cfg["schedule"])
+    return phalanx.spawn(pipeline_workers.run, nprocs=NSTAGES, args=(cfg["kind"], spec), threads_per_proc=1,
+                         timeout=timeout)
+
+
+def summarize_round(results: list[dict[str, Any]]) -> dict[str, Any]:
+    nsteps = len(results[0]["times"])
+    per_step = [max(r["times"][i] for r in results) for i in range(nsteps)]
+    last = results[-1]  # the last stage knows the loss under every configuration
+    return {
+        "median_ms": 1e3 * statistics.median(per_step),
+        "step_ms": [1e3 * t for t in per_step],
+        # per rank (= stage): median over timed steps of the schedule's wall time, of the time blocked in p2p waits,
+        # and of their ratio (the measured bubble)
+        "schedule_ms": [1e3 * statistics.median(r["schedule_s"]) for r in results],
+        "wait_ms": [1e3 * statistics.median(r["wait_s"]) for r in results],
+        "bubble": [statistics.median(w / s for w, s in zip(r["wait_s"], r["schedule_s"])) for r in results],
+        "peak_rss_mib": [r["peak_hwm_mib"] for r in results],
+        "ru_maxrss_mib": [r["peak_rss_mib"] for r in results],
+        "setup_peak_rss_mib": [r["setup_peak_hwm_mib"] for r in results],
+        "cpu_ms_per_step": [1e3 * r["cpu_per_step"] for r in results],
+        "losses": list(last["losses"]),
+        "param_checksum": sum(r["param_checksum"] for r in results),
+        "stage_params": [r["n_stage_params"] for r in results],
+        "threads": [r["threads"] for r in results],
+        "describe": results[0].get("describe"),
+        "split_check": [r.get("split_check") for r in results],
+    }
+
+
+def _fmt(vals: list[Any], fmt: str = "{:.0f}") -> str:
+    return "/".join("-" if v is None else fmt.format(v) for v in vals)
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    base = dict(DEFAULTS, seed=args.seed, adamw=args.adamw)
+    for k in ("d", "n_blocks", "global_batch", "microbatches", "warmup", "steps"):
+        v = getattr(args, k)
+        if v is not None:
+            base[k] = v
+    if base["global_batch"] % base["microbatches"]:
+        raise SystemExit(f"global batch {base['global_batch']} is not divisible by {base['microbatches']} micro-batches")
+    if base["n_blocks"] % NSTAGES:
+        raise SystemExit(f"{base['n_blocks']} blocks do not split evenly over {NSTAGES} stages")
+    p, m = NSTAGES, base["microbatches"]
+    theory = (p - 1) / (m + p - 1)
+    d, nb = base["d"], base["n_blocks"]
+    nparams = nb * (8 * d * d + 5 * d)
+    configs = configurations(args)
+    print(f"\n=== pipeline mlp: {nb} residual MLP blocks d={d} ({nparams:,} parameters), global batch "
+          f"{base['global_batch']}, pp={p} on {p} ranks (gloo x 1 thread), m={m} micro-batches of "
+          f"{base['global_batch'] // m}, {base['warmup']} warm-up + {base['steps']} timed steps, {args.rounds} rounds, "
+          f"{len(configs)} configurations, AdamW {args.adamw} ===", flush=True)
+    commit_start, digest_start = git_state(), src_digest()
+    print(f"phalanx checkout: {commit_start}, sources {digest_start}", flush=True)
+
+    rounds: dict[str, list[dict[str, Any]]] = {c["name"]: [] for c in configs}
+    failures: dict[str, str] = {}
+    t_start = time.perf_counter()
+    for rnd in range(args.rounds):
+        live = [c for c in configs if c["name"] not in failures]
+        order = live[rnd % max(1, len(live)):] + live[: rnd % max(1, len(live))]
+        for cfg in order:
+            res = None
+            busy = foreign = None
+            probe = None
+            for attempt in range(args.retries + 1):
+                busy = wait_quiet(args.quiet_wait, args.quiet_threshold) if args.quiet_wait > 0 else None
+                probe = ForeignLoad()
+                t0 = time.perf_counter()
+                try:
+                    res = run_config(base, cfg, args.timeout)
+                except Exception as e:  # noqa: BLE001 - a crashing configuration is reported, the others go on
+                    failures[cfg["name"]] = f"{type(e).__name__}: {e}"
+                    print(f"  round {rnd + 1}/{args.rounds}  {cfg['name']:<22} FAILED: {type(e).__name__}: "
+                          f"{str(e)[-3000:]}", flush=True)
+                    res = None
+                    break
+                foreign = probe.stop()
+                if foreign is None or foreign <= args.max_foreign or attempt == args.retries:
+                    break
+                print(f"  round {rnd + 1}/{args.rounds}  {cfg['name']:<22} discarded: other processes used "
+                      f"{foreign:.2f} cores meanwhile (> --max-foreign {args.max_foreign}); running it again", flush=True)
+            if res is None:
+                continue
+            s = summarize_round(res)
+            s.update(cpu_busy_before=busy, foreign_load_cores=foreign,
+                     steal_cores=probe.steal_cores if probe else None, attempts=attempt + 1)
+            rounds[cfg["name"]].append(s)
+            load = f", busy before {100 * busy:3.0f}%" if busy is not None else ""
+            load += f", foreign load {foreign:.2f} cores" if foreign is not None else ""
+            print(f"  round {rnd + 1}/{args.rounds}  {cfg['name']:<22} {s['median_ms']:8.1f} ms/step  bubble/stage "
+                  f"{_fmt(s['bubble'], '{:.3f}')}  (wall {time.perf_counter() - t0:5.1f} s{load})", flush=True)
+    wall = time.perf_counter() - t_start
+    commit_end, digest_end = git_state(), src_digest()
+    if commit_end != commit_start or digest_end != digest_start:
+        print(f"WARNING: the phalanx sources changed during the run ({commit_start} {digest_start} -> {commit_end} "
+              f"{digest_end}); run it again.")
+
+    # -------- aggregate
+    rows = []
+    for cfg in configs:
+        rs = rounds[cfg["name"]]
+        if not rs:
+            rows.append({**cfg, "failed": failures.get(cfg["name"], "no result")})
+            continue
+        meds = [r["median_ms"] for r in rs]
+
+        def med(key: str, k: int, rs: list[dict[str, Any]] = rs) -> float | None:
+            vals = [r[key][k] for r in rs if r[key][k] is not None]
+            return statistics.median(vals) if vals else None
+
+        bubble = [med("bubble", k) for k in range(NSTAGES)]
+        rows.append({
+            **cfg,
+            "median_ms": statistics.median(meds),
+            "min_ms": min(meds),
+            "round_medians_ms": meds,
+            "schedule_ms_per_stage": [med("schedule_ms", k) for k in range(NSTAGES)],
+            "wait_ms_per_stage": [med("wait_ms", k) for k in range(NSTAGES)],
+            "bubble_per_stage": bubble,
+            "bubble_max": max(b for b in bubble if b is not None) if any(b is not None for b in bubble) else None,
+            "peak_rss_mib_per_rank": [med("peak_rss_mib", k) for k in range(NSTAGES)],
+            "ru_maxrss_mib_per_rank": [med("ru_maxrss_mib", k) for k in range(NSTAGES)],
+            "setup_peak_rss_mib_per_rank": [med("setup_peak_rss_mib", k) for k in range(NSTAGES)],
+            "cpu_ms_per_step_per_rank": [med("cpu_ms_per_step", k) for k in range(NSTAGES)],
+            "foreign_load_cores": [r["foreign_load_cores"] for r in rs],
+            "first_loss": rs[0]["losses"][0],
+            "final_loss": rs[0]["losses"][-1],
+            "losses": rs[0]["losses"],
+            "param_checksum": rs[0]["param_checksum"],
+            "stage_params": rs[0]["stage_params"],
+            "threads_seen": rs[0]["threads"],
+            "describe": rs[0]["describe"],
+            "split_check": rs[0]["split_check"],
+            **({"failed_later": failures[cfg["name"]]} if cfg["name"] in failures else {}),
+        })
+    ok_rows = [r for r in rows if "failed" not in r]
+    by = {r["name"]: r for r in ok_rows}
+    for r in ok_rows:
+        ref_name = "torch ScheduleGPipe" if r["schedule"] == "gpipe" else "torch Schedule1F1B"
+        r["x_torch_same_schedule"] = r["median_ms"] / by[ref_name]["median_ms"] if ref_name in by else None
+
+    # -------- setup check: every row trains the same model as torch ScheduleGPipe (else the first row that ran)
+    ref = by.get("torch ScheduleGPipe") or (ok_rows[0] if ok_rows else None)
+    checks = []
+    if ref is not None:
+        for r in ok_rows:
+            if r is ref:
+                continue
+            d_first = abs(r["first_loss"] - ref["first_loss"]) / abs(ref["first_loss"])
+            d_last = abs(r["final_loss"] - ref["final_loss"]) / abs(ref["final_loss"])
+            d_max = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref["losses"]))
+            d_sum = abs(r["param_checksum"] - ref["param_checksum"]) / max(1e-12, abs(ref["param_checksum"]))
+            checks.append({"name": r["name"], "reference": ref["name"], "first_loss_rel_diff": d_first,
+                           "final_loss_rel_diff": d_last, "max_step_loss_rel_diff": d_max,
+                           "param_checksum_rel_diff": d_sum, "ok": d_first < TOL_FIRST and d_last < TOL_FINAL})
+
+    # -------- target ratios
+    targets: dict[str, Any] = {}
+    for tname, (num, den, limit) in TARGETS.items():
+        if num not in by or den not in by:
+            continue
+        ratio = by[num]["median_ms"] / by[den]["median_ms"]
+        paired = [a["median_ms"] / b["median_ms"] for a, b in zip(rounds[num], rounds[den])]
+        targets[tname] = {"ratio": ratio, "target": limit, "meets": ratio <= limit, "per_round": paired,
+                          "per_round_median": statistics.median(paired) if paired else None,
+                          "numerator": num, "denominator": den}
+
+    # -------- print (markdown)
+    print(f"\n### pipeline `mlp` ({nparams:,} parameters, {nb} blocks, {nb // NSTAGES} per stage), global batch "
+          f"{base['global_batch']}, pp={p}, m={m}, 2 ranks x 1 thread, gloo\n")
+    print(f"median over {args.rounds} rounds of the median step time (slower rank per step; {base['warmup']} warm-up + "
+          f"{base['steps']} timed steps per run); wall {wall:.0f} s; theoretical bubble (p-1)/(m+p-1) = {theory:.3f}\n")
+    cols = ["configuration", "median ms", "rounds min-max", "x torch (same schedule)", "schedule ms/stage",
+            "wait ms/stage", "bubble/stage", "bubble max", "peak RSS MiB/rank", "CPU ms/step/rank", "final loss"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "|".join("---" if i == 0 else "---:" for i in range(len(cols))) + "|")
+    for r in rows:
+        if "failed" in r:
+            print(f"| {r['name']} | FAILED |" + " |" * (len(cols) - 2))
+            continue
+        spread = f"{min(r['round_medians_ms']):.1f}-{max(r['round_medians_ms']):.1f}"
+        xt = f"{r['x_torch_same_schedule']:.3f}" if r["x_torch_same_schedule"] is not None else "-"
+        print(f"| {r['name']} | {r['median_ms']:.1f} | {spread} | {xt} | {_fmt(r['schedule_ms_per_stage'], '{:.1f}')} | "
+              f"{_fmt(r['wait_ms_per_stage'], '{:.1f}')} | {_fmt(r['bubble_per_stage'], '{:.3f}')} | "
+              f"{r['bubble_max']:.3f} | {_fmt(r['peak_rss_mib_per_rank'])} | "
+              f"{_fmt(r['cpu_ms_per_step_per_rank'])} | {r['final_loss']:.6f} |")
+    print("\n(bubble = wait / schedule wall time per stage. phalanx: `last_step_timing` idle_s / step_s, the time "
+          "blocked on p2p receives. torch: wall time inside `schedules._wait_batch_p2p` (receives, and in 1F1B the "
+          "sends fused with them) / wall time of `schedule.step()`.)")
+    if targets:
+        print("\n| target | ratio | target | verdict | per round (median) |\n|---|---:|---:|---|---|")
+        for t in targets.values():
+            per = ", ".join(f"{x:.3f}" for x in t["per_round"]) or "-"
+            pm = f" ({t['per_round_median']:.3f})" if t["per_round_median"] is not None else ""
+            print(f"| {t['numerator']} / {t['denominator']} step time | {t['ratio']:.3f} | <= {t['target']} | "
+                  f"{'meets' if t['meets'] else 'MISSES'} | {per}{pm} |")
+    if checks and ref is not None:
+        bad = [c for c in checks if not c["ok"]]
+        print(f"\nsetup check vs {ref['name']} (same init, same global batches; first and final loss rel diff < "
+              f"{TOL_FIRST:g} / {TOL_FINAL:g}): " + ("OK" if not bad else "FAILED for " + ", ".join(c["name"] for c in bad)))
+        for c in checks:
+            print(f"  {c['name']:<22} first {c['first_loss_rel_diff']:.1e}, final {c['final_loss_rel_diff']:.1e}, "
+                  f"max over steps {c['max_step_loss_rel_diff']:.1e}, param checksum {c['param_checksum_rel_diff']:.1e}"
+                  + ("" if c["ok"] else "   <-- MISMATCH"))
+    splits = [(r["name"], r["split_check"]) for r in ok_rows if r["kind"] == "phalanx"]
+    for name, sc in splits:
+        ok = all(s and s.get("ok") for s in sc)
+        print(f"split check {name}: " + ("stage k holds blocks " + "; ".join(f"{s['stage']}: {s['blocks']}" for s in sc)
+                                         if ok else f"FAILED {sc}"))
+    if failures:
+        print("\nfailed configurations:")
+        for name, err in failures.items():
+            print(f"  {name}: {err[-3000:]}")
+
+    return {
+        "workload": WORKLOAD,
+        "param_count": nparams,
+        "base_spec": base,
+        "nstages": NSTAGES,
+        "theoretical_bubble": theory,
+        "rounds": args.rounds,
+        "wall_s": wall,
+        "definitions": {
+            "median_ms": "median over rounds of (median over timed steps of the step time, the slowest rank per step); "
+                         "a step is the schedule (torch: schedule.step(); phalanx: engine.train_step(), which includes "
+                         "the optimizer step) + optimizer.step() + zero_grad()",
+            "x_torch_same_schedule": "median_ms / median_ms of the torch row with the same schedule (lower is better)",
+            "schedule_ms_per_stage": "median over steps of the schedule's own wall time (phalanx: last_step_timing"
+                                     "['step_s']; torch: schedule.step()), median over rounds",
+            "wait_ms_per_stage": "phalanx: last_step_timing['idle_s'] (blocked on p2p receives); torch: wall time in "
+                                 "schedules._wait_batch_p2p (all p2p waits; 1F1B fuses sends with receives)",
+            "bubble_per_stage": "median over steps of wait / schedule time, median over rounds",
+            "theoretical_bubble": "(p-1)/(m+p-1)",
+            "peak_rss_mib_per_rank": "VmHWM of /proc/self/status at the end of training, median over rounds",
+            "ru_maxrss_mib_per_rank": "getrusage(RUSAGE_SELF).ru_maxrss at the end of training (never below the "
+                                      "driver's RSS, see bench_zero)",
+            "targets": {k: f"{v[0]} / {v[1]} step time <= {v[2]}" for k, v in TARGETS.items()},
+            "setup_checks": f"first and final loss (last stage) relative to torch ScheduleGPipe's: < {TOL_FIRST:g} "
+                            f"and < {TOL_FINAL:g}; param_checksum = sum over stages of the float64 sum of parameters",
+        },
+        "phalanx_commit": commit_start if commit_start == commit_end else f"{commit_start} -> {commit_end} (changed)",
+        "phalanx_src_sha256": digest_start if digest_start == digest_end else f"{digest_start} -> {digest_end} (changed)",
+        "targets": targets,
+        "setup_checks": checks,
+        "failures": failures,
+        "configs": rows,
+        "raw_rounds": rounds,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (every configuration once per round)")
+    p.add_argument("--steps", type=int, default=None, help=f"timed steps per run ({DEFAULTS['steps']})")
+    p.add_argument("--warmup", type=int, default=None, help=f"untimed warm-up steps per run ({DEFAULTS['warmup']})")
+    p.add_argument("--global-batch", dest="global_batch", type=int, default=None,
+                   help=f"global batch ({DEFAULTS['global_batch']})")
+    p.add_argument("--microbatches", type=int, default=None, help=f"micro-batches m ({DEFAULTS['microbatches']})")
+    p.add_argument("--d", type=int, default=None, help=f"block width ({DEFAULTS['d']})")
+    p.add_argument("--blocks", dest="n_blocks", type=int, default=None, help=f"blocks ({DEFAULTS['n_blocks']})")
+    p.add_argument("--only", default="",
+                   help="comma-separated keys, kinds or names: torch_gpipe, torch_1f1b, phalanx_gpipe, phalanx_1f1b "
+                        "(kinds: torch, phalanx)")
+    p.add_argument("--adamw", choices=["default", "foreach", "fused"], default="default")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds one spawned run may take")
+    p.add_argument("--out", default=str(HERE / "results"), help="directory for pipeline-mlp.json")
+    p.add_argument("--no-json", action="store_true")
+    p.add_argument("--tag", default="", help="write pipeline-mlp-<tag>.json")
+    p.add_argument("--quiet-wait", type=float, default=30.0)
+    p.add_argument("--max-foreign", type=float, default=0.25)
+    p.add_argument("--retries", type=int, default=1)
+    p.add_argument("--quiet-threshold", type=float, default=0.15)
+    args = p.parse_args(argv)
+
+    env = {
+        "torch": torch.__version__, "phalanx": phalanx.__version__, "python": platform.python_version(),
+        "cpu_count": os.cpu_count(), "machine": platform.machine(), "platform": platform.platform(),
+        "phalanx_checkout": git_state(),
+        "driver_ru_maxrss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
+    }
+    print("environment:", ", ".join(f"{k}={v}" for k, v in env.items()))
+    result = bench(args)
+    result["environment"] = env
+    result["argv"] = sys.argv[1:] if argv is None else argv
+    result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    if not args.no_json:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / (f"pipeline-{WORKLOAD}-{args.tag}.json" if args.tag else f"pipeline-{WORKLOAD}.json")
+        path.write_text(json.dumps(result, indent=1, default=str))
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+"""Worker functions for bench_pipeline.py: one training run of one pipeline-parallel configuration, in a process
+started by phalanx.spawn (2 ranks = 2 pipeline stages, gloo, 1 thread each).
+
+Every configuration trains the same model on the same data:
+- the model is an ``nn.Sequential`` of ``n_blocks`` residual MLP blocks (``x + fc2(gelu(fc1(x)))``, ``d -> 4d -> d``),
+  built whole on every rank with ``torch.manual_seed(seed)`` right before construction;
+- stage ``r`` of ``p`` holds blocks ``r*n/p .. (r+1)*n/p - 1`` (equal parameter counts, so phalanx's default
+  parameter-balanced partition gives the same split; the phalanx runner checks that it does);
+- step ``s`` uses the global batch generated from ``seed * 1_000_003 + s`` (``randn`` inputs and targets), whole on
+  every rank; MSE loss, mean over each micro-batch, gradients averaged over the ``m`` micro-batches;
+- AdamW(lr, weight_decay=0.01) over the rank's own stage.
+
+Each run returns per-step times (the whole step: schedule + ``optimizer.step()`` + ``zero_grad()``), the schedule's
+own wall time and the time this rank spent blocked in p2p waits, per-step losses (the last stage's; phalanx returns
+them on every rank), a checksum of the rank's parameters and its memory figures.
+
+Every function here is module-level so that the spawn start method can import it by name.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from zero_workers import memory_now
+
+# ------------------------------------------------------------------------------------------ workload
+
+
+class ResBlock(nn.Module):
+    """``x + fc2(gelu(fc1(x)))`` with ``fc1: d -> 4d``, ``fc2: 4d -> d`` (8 d^2 + 5 d parameters)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+def build_model(spec: dict[str, Any]) -> nn.Sequential:
+    torch.manual_seed(spec["seed"])
+    return nn.Sequential(*[ResBlock(spec["d"]) for _ in range(spec["n_blocks"])])
+
+
+def stage_blocks(spec: dict[str, Any], stage: int, nstages: int) -> range:
+    n = spec["n_blocks"]
+    if n % nstages:
+        raise ValueError(f"{n} blocks do not split evenly over {nstages} stages")
+    k = n // nstages
+    return range(stage * k, (stage + 1) * k)
+
+
+def make_batch(spec: dict[str, Any], step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole global batch of ``step`` (every rank makes it; stage 0 uses x, the last stage y)."""
+    g = torch.Generator().manual_seed(spec["seed"] * 1_000_003 + step)
+    x = torch.randn(spec["global_batch"], spec["d"], generator=g)
+    y = torch.randn(spec["global_batch"], spec["d"], generator=g)
+    return x, y
+
+
+def make_optimizer(params: Any, spec: dict[str, Any]) -> torch.optim.Optimizer:
+    impl = spec.get("adamw", "default")
+    kwargs: dict[str, Any] = {"foreach": True} if impl == "foreach" else {"fused": True} if impl == "fused" else {}
+    return torch.optim.AdamW(params, lr=spec["lr"], weight_decay=0.01, **kwargs)
+
+
+def _signature(params: list[torch.Tensor]) -> list[tuple[tuple[int, ...], float]]:
+    """(shape, exact float64 sum) of each parameter in order: identifies a stage's tensors by value."""
+    return [(tuple(p.shape), float(p.detach().double().sum())) for p in params]
+
+
+def _world() -> tuple[int, int]:
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+# ------------------------------------------------------------------------------------------ the loop
+
+
+def _train(
+    spec: dict[str, Any],
+    rank: int,
+    step_fn: Callable[[torch.Tensor, torch.Tensor], tuple[float, float, float]],
+    params: list[torch.Tensor],
+) -> dict[str, Any]:
+    """``step_fn(x, y) -> (loss, schedule_s, wait_s)``; loss is nan on a rank that does not know it."""
+    total = spec["warmup"] + spec["steps"]
+    times, sched, waits, losses = [], [], [], []
+    mem_setup = memory_now()
+    cpu0 = 0.0
+    for s in range(total):
+        if s == spec["warmup"]:
+            cpu0 = time.process_time()
+        x, y = make_batch(spec, s)
+        t0 = time.perf_counter()
+        loss, sched_s, wait_s = step_fn(x, y)
+        times.append(time.perf_counter() - t0)
+        sched.append(sched_s)
+        waits.append(wait_s)
+        losses.append(loss)
+    cpu_total = time.process_time() - cpu0
+    mem_end = memory_now()
+    w = spec["warmup"]
+    return {
+        "rank": rank,
+        "times": times[w:],
+        "schedule_s": sched[w:],
+        "wait_s": waits[w:],
+        "losses": losses,
+        "peak_hwm_mib": mem_end["vm_hwm_mib"],
+        "peak_rss_mib": mem_end["ru_maxrss_mib"],
+        "rss_end_mib": mem_end["vm_rss_mib"],
+        "setup_peak_hwm_mib": mem_setup["vm_hwm_mib"],
+        "cpu_per_step": cpu_total / max(1, spec["steps"]),
+        "param_checksum": float(sum(p.detach().double().sum() for p in params)),
+        "n_stage_params": sum(p.numel() for p in params),
+        "threads": torch.get_num_threads(),
+    }
+
+
+# ------------------------------------------------------------------------------------------ torch.distributed.pipelining
+
+
+class _WaitTimer:
+    """Wraps torch.distributed.pipelining.schedules._wait_batch_p2p (every p2p wait of the single-stage schedules:
+    receives, and the sends fused with them in 1F1B) and adds up the wall time spent in it."""
+
+    def __init__(self) -> None:
+        from torch.distributed.pipelining import schedules
+
+        self.total = 0.0
+        self._mod = schedules
+        self._orig = schedules._wait_batch_p2p
+
+        def timed(work: list[Any]) -> None:
+            t0 = time.perf_counter()
+            try:
+                self._orig(work)
+            finally:
+                self.total += time.perf_counter() - t0
+
+        schedules._wait_batch_p2p = timed
+
+    def restore(self) -> None:
+        self._mod._wait_batch_p2p = self._orig
+
+
+def run_torch(spec: dict[str, Any]) -> dict[str, Any]:
+    """torch.distributed.pipelining: PipelineStage(stage Sequential) + ScheduleGPipe / Schedule1F1B, then AdamW."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    rank, world = _world()
+    dist.init_process_group("gloo", init_method=os.environ["PHALANX_INIT_METHOD"], rank=rank, world_size=world)
+    model = build_model(spec)
+    idx = stage_blocks(spec, rank, world)
+    stage_mod = nn.Sequential(*[model[i] for i in idx])
+    del model
+    stage = PipelineStage(stage_mod, rank, world, torch.device("cpu"))
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[spec["schedule"]]
+    schedule = cls(stage, n_microbatches=spec["microbatches"], loss_fn=F.mse_loss)
+    opt = make_optimizer(stage_mod.parameters(), spec)
+    timer = _WaitTimer()
+    first, last = rank == 0, rank == world - 1
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:
+        w0 = timer.total
+        t0 = time.perf_counter()
+        losses: list[torch.Tensor] = []
+        args = (x,) if first else ()
+        kwargs: dict[str, Any] = {"target": y, "losses": losses} if last else {}
+        schedule.step(*args, return_outputs=False, **kwargs)
+        t1 = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        loss = float(torch.stack([l.detach() for l in losses]).mean()) if last else float("nan")
+        return loss, t1 - t0, timer.total - w0
+
+    out = _train(spec, rank, step, list(stage_mod.parameters()))
+    timer.restore()
+    out["describe"] = {"stage_blocks": list(idx), "schedule": cls.__name__, "microbatches": spec["microbatches"]}
+    dist.barrier()
+    return out
+
+
+# ------------------------------------------------------------------------------------------ phalanx
+
+
+def _mse(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.mse_loss(m(b[0]), b[1])
+
+
+def run_phalanx(spec: dict[str, Any]) -> dict[str, Any]:
+    """phalanx.Engine(strategy="pipeline", pp_size, pp_schedule, pp_microbatches); prepare(model, opt); train_step."""
+    import phalanx
+
+    rank, world = _world()
+    engine = phalanx.Engine(strategy="pipeline", pp_size=world, pp_schedule=spec["schedule"],
+                            pp_microbatches=spec["microbatches"], seed=spec["seed"])
+    model = build_model(spec)  # after Engine(), which reseeds
+    stage_idx = engine.topology.pp_stage
+    idx = stage_blocks(spec, stage_idx, world)
+    expected = _signature([p for i in idx for p in model[i].parameters()])
+    opt = make_optimizer(model.parameters(), spec)
+    model, opt = engine.prepare(model, opt)
+    kept = [p for p in model.parameters()]
+    got = _signature(kept)
+    split_ok = got == expected
+    if not split_ok:
+        raise RuntimeError(
+            f"stage {stage_idx}: phalanx kept {len(got)} parameter tensors ({sum(p.numel() for p in kept):,} values), "
+            f"not those of blocks {list(idx)} ({len(expected)} tensors); describe() = {engine.strategy.describe()}"
+        )
+    opt_params = [p for g in opt.param_groups for p in g["params"]]
+    if {id(p) for p in opt_params} != {id(p) for p in kept}:
+        raise RuntimeError(f"stage {stage_idx}: the prepared optimizer holds {len(opt_params)} tensors, the stage "
+                           f"{len(kept)}")
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:
+        loss = engine.train_step((x, y), _mse)
+        t = engine.strategy.last_step_timing
+        return float(loss), float(t["step_s"]), float(t["idle_s"])
+
+    out = _train(spec, rank, step, kept)
+    out["describe"] = engine.strategy.describe()
+    out["split_check"] = {"stage": stage_idx, "blocks": list(idx), "ok": split_ok}
+    return out
+
+
+RUNNERS = {"torch": run_torch, "phalanx": run_phalanx}
+
+
+def run(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """The one entry point phalanx.spawn calls."""
+    return RUNNERS[kind](spec)
