@@ -20,7 +20,17 @@ if TYPE_CHECKING:
     from phalanx.precision import Precision
     from phalanx.topology import Topology
 
-__all__ = ["Strategy", "ShardEntry", "StateReader"]
+__all__ = ["Strategy", "ShardEntry", "StateReader", "optimizer_list"]
+
+
+def optimizer_list(optimizers: Any) -> list[torch.optim.Optimizer]:
+    """``None``, one optimizer or a sequence of them, as a list of the optimizers themselves (unwrapping the
+    Engine's ``PreparedOptimizer``)."""
+    if optimizers is None:
+        return []
+    if isinstance(optimizers, torch.optim.Optimizer):
+        optimizers = [optimizers]
+    return [getattr(o, "optimizer", o) for o in optimizers]
 
 
 class ShardEntry(NamedTuple):
@@ -117,14 +127,28 @@ class Strategy(ABC):
         ZeRO paper's prediction of each (see ``engine.memory_report``)."""
 
     @abstractmethod
-    def sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[ShardEntry]:
-        """This rank's share of the model (and optimizer) state, as flat slices keyed by parameter name."""
+    def sharded_state(self, model: nn.Module, optimizers: Any = None) -> list[ShardEntry]:
+        """This rank's share of ``model``'s tensors and of the optimizer state of its parameters held by
+        ``optimizers`` (None, one optimizer, or a list), as flat slices keyed by parameter name. Together, the
+        entries of every rank cover each tensor once. May be a collective: call it on every rank."""
 
     @abstractmethod
-    def load_sharded_state(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, reader: StateReader
-    ) -> None:
-        """Load the slices this rank holds from ``reader`` (any saving world size or strategy)."""
+    def load_sharded_state(self, model: nn.Module, optimizers: Any, reader: StateReader) -> None:
+        """Load the slices this rank holds from ``reader`` (any saving world size or strategy), and the
+        optimizer state of ``model``'s parameters held by ``optimizers``."""
+
+    @abstractmethod
+    def state_shapes(self, model: nn.Module) -> dict[str, tuple[int, ...]]:
+        """Name and whole shape of every model tensor that ``sharded_state`` gives (under pipeline, every
+        stage's), so that a checkpoint can be checked against the model before anything is loaded."""
+
+    def state_dict_keys(self, model: nn.Module) -> dict[str, str]:
+        """Each key of the whole model's ``state_dict()``, mapped to the name its tensor is saved under (a tied
+        weight's second name maps to its first; non-persistent buffers are not keys)."""
+        first: dict[int, str] = {}
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            first.setdefault(id(t), name)
+        return {k: first.get(id(v), k) for k, v in self.unwrap_model(model).state_dict(keep_vars=True).items()}
 
     def grad_shard_group(self) -> Any:
         """The process group over which reduced gradients are spread when ``shards_gradients`` (None: the world)."""

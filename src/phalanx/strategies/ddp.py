@@ -18,7 +18,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from phalanx.comm import CommStats, broadcast_coalesced
-from phalanx.strategies.base import ShardEntry, StateReader, Strategy
+from phalanx.strategies.base import ShardEntry, StateReader, Strategy, optimizer_list
 
 __all__ = ["DDPStrategy", "GradReducer"]
 
@@ -318,32 +318,42 @@ class DDPStrategy(Strategy):
         # After the all-reduce every replica holds the same gradients, so the local norm is the global one.
         return torch.nn.utils.clip_grad_norm_([p for p in parameters if p.grad is not None], max_norm, norm_type=norm_type)
 
-    def sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[ShardEntry]:
-        # Every replica holds everything: the first rank of each data-parallel group gives it, whole.
-        if self.topology.dp_rank != 0:
-            return []
-        entries = [_whole(f"model/{k}", v) for k, v in _named_tensors(model)]
-        if optimizer is not None:
-            names: dict[Any, str] = {p: n for n, p in model.named_parameters()}
-            for p, state in optimizer.state.items():
-                if p in names:
-                    entries += [_whole(f"optim/{names[p]}/{k}", v) for k, v in state.items() if isinstance(v, torch.Tensor)]
-        return entries
+    def sharded_state(self, model: nn.Module, optimizers: Any = None) -> list[ShardEntry]:
+        # Every replica holds everything. So that a save writes in parallel, the replicas split the bytes evenly:
+        # rank r of the data-parallel group gives the r-th of dp_size equal runs of the tensors laid end to end.
+        self.finish_gradient_sync()
+        tensors = [(f"model/{k}", v) for k, v in _named_tensors(model)]
+        names: dict[Any, str] = {p: n for n, p in model.named_parameters()}
+        for opt in optimizer_list(optimizers):
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if p in names:
+                        state = opt.state.get(p, {}).items()
+                        tensors += [(f"optim/{names[p]}/{k}", v) for k, v in state if isinstance(v, torch.Tensor)]
+        return _balanced_slices(tensors, self.topology.dp_rank, self.topology.dp_size)
 
-    def load_sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, reader: StateReader) -> None:
+    def load_sharded_state(self, model: nn.Module, optimizers: Any, reader: StateReader) -> None:
         _load_whole_tensors(model, reader)
-        if optimizer is not None:
-            keys = _keys_by_param(reader)
-            for name, p in model.named_parameters():
-                if p.requires_grad and name in keys:
+        keys = _keys_by_param(reader)
+        names: dict[Any, str] = {p: n for n, p in model.named_parameters()}
+        for opt in optimizer_list(optimizers):
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    name = names.get(p)
+                    if name is None or name not in keys:
+                        continue
                     # copy=True: the optimizer must own its state, never alias the reader's tensors (which may be
-                    # a caller's, or shared memory).
-                    optimizer.state[p] = {
+                    # a caller's, or shared memory). Scalars (step) stay on the CPU, as torch keeps them.
+                    opt.state[p] = {
                         k: _read_whole(reader, f"optim/{name}/{k}").to(
                             p.device if reader.shape(f"optim/{name}/{k}") else "cpu", copy=True
                         )
                         for k in keys[name]
+                        if k != "master"  # zero's fp32 copy of a low-precision parameter: the parameter itself here
                     }
+
+    def state_shapes(self, model: nn.Module) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(t.shape) for name, t in _named_tensors(model)}
 
     def memory_report(self, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
         from phalanx.strategies.zero import _nbytes, _report, _state_bytes_per_element, _state_tensors
@@ -383,6 +393,22 @@ class DDPStrategy(Strategy):
 def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Parameters (each tied one once, under its first name) and buffers."""
     return list(model.named_parameters()) + list(model.named_buffers())
+
+
+def _balanced_slices(tensors: list[tuple[str, torch.Tensor]], rank: int, n: int) -> list[ShardEntry]:
+    """Rank ``rank``'s share when the tensors are laid end to end and cut into ``n`` runs of equal bytes: each
+    element goes to the rank whose run holds its first byte, so every element is given exactly once."""
+    total = sum(t.numel() * t.element_size() for _, t in tensors)
+    lo, hi = total * rank // n, total * (rank + 1) // n
+    out, pos = [], 0
+    for key, t in tensors:
+        size, numel = t.element_size(), t.numel()
+        a = min(numel, max(0, -(-(lo - pos) // size)))
+        b = min(numel, max(0, -(-(hi - pos) // size)))
+        if a < b:
+            out.append(ShardEntry(key, tuple(t.shape), a, b, t.detach().reshape(-1)[a:b].to("cpu", copy=True)))
+        pos += numel * size
+    return out
 
 
 def _whole(key: str, t: torch.Tensor) -> ShardEntry:

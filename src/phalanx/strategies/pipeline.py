@@ -149,6 +149,8 @@ class PipelineStrategy(DDPStrategy):
         self._remote: dict[int, weakref.ref[torch.Tensor]] = {}
         self._optimizers: list[torch.optim.Optimizer] = []
         self._layout: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = []  # per stage: state_dict entries
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._sd_keys: dict[str, str] = {}
         self.link = StageLink(self.stage_index, self.prev_rank, self.next_rank, self.device, self.stats)
         self._out_meta: dict[Any, Any] = {}
         self._active: _MicroBatch | None = None
@@ -218,6 +220,15 @@ class PipelineStrategy(DDPStrategy):
         for (name, block), s in zip(blocks, stage_of_block):
             for k, v in block.state_dict(keep_vars=True).items():
                 self._layout[s].append((f"{name}.{k}", tuple(v.shape), v.dtype))
+        # The whole model's saved tensors (what each stage's sharded_state gives: parameters once, every buffer)
+        # and how its state_dict keys map to them, for checkpoints.
+        self._shapes, self._sd_keys = {}, {}
+        for name, block in blocks:
+            first: dict[int, str] = {}
+            for k, t in [*block.named_parameters(), *block.named_buffers()]:
+                first.setdefault(id(t), f"{name}.{k}")
+                self._shapes[f"{name}.{k}"] = tuple(t.shape)
+            self._sd_keys.update({f"{name}.{k}": first.get(id(v), f"{name}.{k}") for k, v in block.state_dict(keep_vars=True).items()})
         for i, (name, block) in enumerate(blocks):
             if lo <= i < hi:
                 materialise(block, self.device, self.config.seed, i)
@@ -514,9 +525,17 @@ class PipelineStrategy(DDPStrategy):
         order = [name for layout in self._layout for name, _, _ in layout]
         return {k: out[k] for k in order}
 
-    def sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[ShardEntry]:
+    def sharded_state(self, model: nn.Module, optimizers: Any = None) -> list[ShardEntry]:
         self._require_split("saving the state")
-        return super().sharded_state(model, optimizer)  # each stage's first replica gives its blocks, whole
+        return super().sharded_state(model, optimizers)  # each stage's replicas split its blocks' bytes
+
+    def state_shapes(self, model: nn.Module) -> dict[str, tuple[int, ...]]:
+        self._require_split("checking a checkpoint against the model")
+        return dict(self._shapes)
+
+    def state_dict_keys(self, model: nn.Module) -> dict[str, str]:
+        self._require_split("saving the state")
+        return dict(self._sd_keys)
 
     def _require_split(self, what: str) -> None:
         if self._pending_partition is not None:

@@ -42,8 +42,8 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils import _pytree as pytree
 
-from phalanx.comm import CommStats, broadcast_coalesced
-from phalanx.strategies.base import ShardEntry, StateReader, Strategy
+from phalanx.comm import broadcast_coalesced
+from phalanx.strategies.base import ShardEntry, StateReader, Strategy, optimizer_list
 from phalanx.strategies.ddp import (
     _check_same_model,
     _group_rank0,
@@ -636,10 +636,9 @@ class _ZeroStrategy(Strategy):
             out[k] = gathered[v] if v in gathered else v.detach().to("cpu", copy=True)
         return out
 
-    def sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[ShardEntry]:
+    def sharded_state(self, model: nn.Module, optimizers: Any = None) -> list[ShardEntry]:
         """Each rank gives its own slice of every parameter and optimizer state tensor; rank 0 the replicated rest."""
         self.finish_gradient_sync()
-        optimizer = getattr(optimizer, "optimizer", optimizer)  # the Engine's PreparedOptimizer wraps ours
         segments = self._models[id(model)].segments
         entries = []
         for s in segments:
@@ -652,22 +651,33 @@ class _ZeroStrategy(Strategy):
         if self.rank == 0:
             ours = {p for s in segments for p in s.params}
             entries += [_whole(f"model/{k}", v) for k, v in _named_tensors(model) if v not in ours]
+        for opt, group, piece, (seg, a, b) in self._pieces_of(model, optimizers):
+            state = opt.state.get(piece, {})
+            for i, pa, pb, xa, xb in seg.param_runs(a, b):
+                name, shape = self._names[seg.params[i]], tuple(seg.shapes[i])
+                for k, v in state.items():
+                    if not isinstance(v, torch.Tensor):
+                        continue
+                    if v.shape == piece.shape:
+                        entries.append(ShardEntry(f"optim/{name}/{k}", shape, pa, pb, v[xa - a : xb - a].to("cpu", copy=True)))
+                    elif v.dim() == 0 and pa == 0:  # per-tensor scalars (step): from the rank holding element 0
+                        entries.append(_whole(f"optim/{name}/{k}", v))
+        return entries
+
+    def _pieces_of(self, model: nn.Module, optimizers: Any) -> Iterator[tuple[torch.optim.Optimizer, dict[str, Any], nn.Parameter, tuple[_Segment, int, int]]]:
+        """(optimizer, param group, piece, (segment, start, stop)) of every piece of ``optimizers`` in ``model``'s segments."""
+        wanted, owner = optimizer_list(optimizers), self._models[id(model)]
         for opt, layout, _ in self._optimizers:
-            if optimizer is not None and opt is not optimizer:
+            if not any(opt is o for o in wanted):
                 continue
             for group, pieces in zip(opt.param_groups, layout):
-                for piece, (seg, a, b) in zip(group["params"], pieces):
-                    state = opt.state.get(piece, {})
-                    for i, pa, pb, xa, xb in seg.param_runs(a, b):
-                        name, shape = self._names[seg.params[i]], tuple(seg.shapes[i])
-                        for k, v in state.items():
-                            if not isinstance(v, torch.Tensor):
-                                continue
-                            if v.shape == piece.shape:
-                                entries.append(ShardEntry(f"optim/{name}/{k}", shape, pa, pb, v[xa - a : xb - a].to("cpu", copy=True)))
-                            elif v.dim() == 0 and pa == 0:  # per-tensor scalars (step): from the rank holding element 0
-                                entries.append(_whole(f"optim/{name}/{k}", v))
-        return entries
+                for piece, where in zip(group["params"], pieces):
+                    if where[0].owner is owner:
+                        yield opt, group, piece, where
+
+    def state_shapes(self, model: nn.Module) -> dict[str, tuple[int, ...]]:
+        shapes = {self._names[p]: tuple(s.shapes[i]) for s in self._models[id(model)].segments for i, p in enumerate(s.params)}
+        return {name: shapes.get(name, tuple(t.shape)) for name, t in _named_tensors(model)}
 
     def _at_rest(self, s: _Segment) -> torch.Tensor:
         """This rank's slice of the segment's parameter values, in their dtype."""
@@ -675,10 +685,9 @@ class _ZeroStrategy(Strategy):
             return s.full[s.lo : s.hi]
         return s.shard_param if s.shard_param is not None else s.master  # type: ignore[return-value]
 
-    def load_sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, reader: StateReader) -> None:
+    def load_sharded_state(self, model: nn.Module, optimizers: Any, reader: StateReader) -> None:
         """Read exactly this rank's slices: no rank ever holds more than its shard plus one slice in transit."""
         self.finish_gradient_sync()
-        optimizer = getattr(optimizer, "optimizer", optimizer)
         segments = self._models[id(model)].segments
         available = set(reader.keys())
         problems = []
@@ -707,26 +716,22 @@ class _ZeroStrategy(Strategy):
             for w in [self._gather_params(s, async_op=True) for s in segments]:
                 w.wait()
         keys = _keys_by_param(reader)
-        for opt, layout, _ in self._optimizers:
-            if optimizer is not None and opt is not optimizer:
-                continue
-            for group, pieces in zip(opt.param_groups, layout):
-                for piece, (seg, a, b) in zip(group["params"], pieces):
-                    runs = list(seg.param_runs(a, b))
-                    first = self._names[seg.params[runs[0][0]]]
-                    state: dict[str, Any] = {}
-                    for k in keys.get(first, []):
-                        if k == "master":
-                            continue
-                        if reader.shape(f"optim/{first}/{k}") == ():
-                            state[k] = _read_whole(reader, f"optim/{first}/{k}")
-                            continue
-                        buf = self.store.zeros(piece.numel(), piece.dtype)  # on disk with offload=disk
-                        for i, pa, pb, xa, xb in runs:
-                            buf[xa - a : xb - a].copy_(reader.read(f"optim/{self._names[seg.params[i]]}/{k}", pa, pb))
-                        state[k] = buf
-                    if state:
-                        opt.state[piece] = state
+        for opt, group, piece, (seg, a, b) in self._pieces_of(model, optimizers):
+            runs = list(seg.param_runs(a, b))
+            first = self._names[seg.params[runs[0][0]]]
+            state: dict[str, Any] = {}
+            for k in keys.get(first, []):
+                if k == "master":
+                    continue
+                if reader.shape(f"optim/{first}/{k}") == ():
+                    state[k] = _read_whole(reader, f"optim/{first}/{k}")
+                    continue
+                buf = self.store.zeros(piece.numel(), piece.dtype)  # on disk with offload=disk
+                for i, pa, pb, xa, xb in runs:
+                    buf[xa - a : xb - a].copy_(reader.read(f"optim/{self._names[seg.params[i]]}/{k}", pa, pb))
+                state[k] = buf
+            if state:
+                opt.state[piece] = state
         self.store.release()
 
     def _gathered_cpu_params(self, model: nn.Module) -> dict[torch.Tensor, torch.Tensor]:
