@@ -4,6 +4,8 @@
     phalanx launch -n 2 train.py [args]   # runs your script on 2 processes
     phalanx config --config phalanx.yaml  # prints the resolved config and where each value came from
     phalanx env                           # versions, devices and backends
+    phalanx checkpoint info ckpt/step-1000                            # what a checkpoint holds
+    phalanx checkpoint consolidate ckpt/step-1000 model.safetensors   # one plain state dict
 """
 
 from __future__ import annotations
@@ -66,6 +68,17 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("env", help="print versions, devices and backends")
 
+    p = sub.add_parser("checkpoint", help="inspect or consolidate a checkpoint written by engine.save_state")
+    ck = p.add_subparsers(dest="checkpoint_command", required=True)
+    q = ck.add_parser("info", help="what a checkpoint holds: world size, strategy, counters, models, files")
+    q.add_argument("directory")
+    q.add_argument("--tensors", action="store_true", help="list every tensor with its dtype, shape and runs")
+    q.add_argument("--verify", action="store_true", help="also check every checksum")
+    q = ck.add_parser("consolidate", help="write one plain safetensors state dict of a saved model")
+    q.add_argument("directory")
+    q.add_argument("output", help="the .safetensors file to write")
+    q.add_argument("--model", type=int, default=0, help="which prepared model, in prepare order (default 0)")
+
     p = sub.add_parser("demo", help="train a small byte-level GPT on the Python standard library's source")
     _add_launch_flags(p)
     _add_engine_flags(p)
@@ -92,6 +105,33 @@ def _env_report() -> str:
     return "\n".join(lines)
 
 
+def _checkpoint_command(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from phalanx.checkpoint import Checkpoint, CheckpointError, save_model_file
+
+    try:
+        ck = Checkpoint(ns.directory)
+        if ns.checkpoint_command == "info":
+            print(ck.describe(tensors=ns.tensors))
+            if ns.verify:
+                problems = ck.verify()
+                print("checksums: " + ("all match" if not problems else "; ".join(problems)))
+                return 1 if problems else 0
+            return 0
+        problems = ck.verify()
+        if problems:
+            raise CheckpointError("; ".join(problems))
+        state = ck.state_dict(ns.model)
+        save_model_file(state, Path(ns.output), metadata={"format": "pt"})
+        print(f"wrote {ns.output}: {len(state)} tensors, {sum(t.numel() for t in state.values()):,} elements "
+              f"(load it with model.load_state_dict(safetensors.torch.load_file({ns.output!r})))")  # fmt: skip
+        return 0
+    except CheckpointError as e:
+        print(f"phalanx checkpoint {ns.checkpoint_command}: {e}", file=sys.stderr)
+        return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = list(sys.argv[1:] if argv is None else argv)
@@ -109,6 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ns.command == "env":
             print(_env_report())
             return 0
+        if ns.command == "checkpoint":
+            return _checkpoint_command(ns)
         cfg = resolve_config(file=ns.config, cli=_cli_values(ns))
         if ns.command == "config":
             print(cfg.describe())

@@ -8,7 +8,9 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommStats", "REDUCE_OPS", "all_reduce", "broadcast_coalesced", "all_gather_varlen", "world_size"]
+__all__ = [
+    "CommStats", "REDUCE_OPS", "all_reduce", "broadcast_coalesced", "all_gather_varlen", "all_gather_bytes", "world_size",
+]
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
 
@@ -105,3 +107,20 @@ def all_gather_varlen(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     out = [torch.empty_like(tensor) for _ in range(n)]
     dist.all_gather(out, tensor.contiguous(), group=group)
     return torch.cat([t[:s] for t, s in zip(out, sizes)])
+
+
+def all_gather_bytes(data: bytes, device: torch.device, group: Any = None) -> list[bytes]:
+    """Every rank's ``data``, in rank order. Carries JSON between ranks as plain bytes (nothing is pickled)."""
+    if world_size(group) == 1:
+        return [data]
+    n = world_size(group)
+    mine = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+    length = torch.tensor([mine.numel()], dtype=torch.long, device=device)
+    lengths = [torch.zeros_like(length) for _ in range(n)]
+    dist.all_gather(lengths, length, group=group)
+    sizes = [int(x.item()) for x in lengths]
+    padded = torch.zeros(max(max(sizes), 1), dtype=torch.uint8, device=device)
+    padded[: mine.numel()] = mine.to(device)
+    out = [torch.empty_like(padded) for _ in range(n)]
+    dist.all_gather(out, padded, group=group)
+    return [t[:size].cpu().numpy().tobytes() for t, size in zip(out, sizes)]

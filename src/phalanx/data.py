@@ -117,11 +117,11 @@ class GlobalBatchSampler(Sampler[list[int]]):
         g = self.global_batch_size
         return g if real >= g else math.ceil(real / self.world_size) * self.world_size
 
-    def chunks(self, epoch: int) -> Iterator[tuple[list[int], int]]:
-        """(this rank's indices, real samples in the global batch) for each batch from ``start_batch``."""
+    def chunks(self, epoch: int, start: int = 0) -> Iterator[tuple[list[int], int]]:
+        """(this rank's indices, real samples in the global batch) for each batch from ``start``."""
         order = self.global_order(epoch)
         g = self.global_batch_size
-        for b in range(self.start_batch, len(self)):
+        for b in range(start, len(self)):
             chunk = order[b * g : (b + 1) * g]
             real = self.real_size(b)
             per_rank = self.padded_size(real) // self.world_size
@@ -130,8 +130,10 @@ class GlobalBatchSampler(Sampler[list[int]]):
             yield chunk[self.rank * per_rank : (self.rank + 1) * per_rank], real
 
     def __iter__(self) -> Iterator[list[int]]:
-        for indices, _ in self.chunks(self.epoch):
-            yield indices
+        # A resume point (start_batch, set by load_state_dict) serves one pass; a pass abandoned and begun again
+        # starts the epoch over, as a torch DataLoader does.
+        start, self.start_batch = self.start_batch, 0
+        return (indices for indices, _ in self.chunks(self.epoch, start))
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
@@ -197,7 +199,10 @@ class PreparedDataLoader(DataLoader):
             pin_memory=pin,
             timeout=loader.timeout,
             worker_init_fn=loader.worker_init_fn,
-            generator=loader.generator,
+            # Starting an iterator draws a seed for the workers from this generator. With none given, torch draws
+            # from the global RNG, so that a resumed run (whose iterator starts after the RNG was restored) would
+            # see different dropout than the straight one: draw from our own generator, seeded per epoch.
+            generator=loader.generator if loader.generator is not None else torch.Generator(),
             persistent_workers=loader.persistent_workers,
         )
         if loader.num_workers > 0:
@@ -206,6 +211,7 @@ class PreparedDataLoader(DataLoader):
         super().__init__(loader.dataset, **kwargs)
         self.device = device
         self._non_blocking = pin and device.type == "cuda"
+        self._own_generator = loader.generator is None
         self._state = LoaderState()
         self._active = active
         self._batches_done = 0
@@ -222,13 +228,16 @@ class PreparedDataLoader(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         sampler = self.global_sampler
-        self._batches_done = sampler.start_batch
+        start = self._batches_done = sampler.start_batch
+        if self._own_generator:
+            assert self.generator is not None
+            self.generator.manual_seed(sampler.seed * 1_000_003 + sampler.epoch)
         total = len(sampler)
         state = self._state
         self._active.enter(state)
         try:
             for i, batch in enumerate(super().__iter__()):
-                index = sampler.start_batch + i
+                index = start + i
                 state.real_size = sampler.real_size(index)
                 state.padded_size = sampler.padded_size(state.real_size)
                 state.end_of_dataloader = index == total - 1
@@ -251,15 +260,24 @@ class PreparedDataLoader(DataLoader):
             "seed": sampler.seed,
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def resume_problem(self, state: Mapping[str, Any]) -> str | None:
+        """Why this loader cannot resume at ``state`` (None when it can)."""
         sampler = self.global_sampler
         g = sampler.global_batch_size
         if state["samples_done"] % g:
-            raise ValueError(
+            return (
                 f"cannot resume at sample {state['samples_done']} of the epoch: it is not a multiple of the global "
                 f"batch size {g} (batch_size {sampler.batch_size} x world size {sampler.world_size}); keep the global "
                 "batch size a divisor of the saved position"
             )
+        return None
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        sampler = self.global_sampler
+        problem = self.resume_problem(state)
+        if problem:
+            raise ValueError(problem)
+        g = sampler.global_batch_size
         sampler.epoch = int(state["epoch"])
         sampler.seed = int(state["seed"])
         sampler.start_batch = state["samples_done"] // g

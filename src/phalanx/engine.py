@@ -19,6 +19,7 @@ import functools
 import os
 import random
 from numbers import Number
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
@@ -31,7 +32,7 @@ from phalanx.comm import REDUCE_OPS, all_gather_varlen, all_reduce
 from phalanx.comm import world_size as comm_world_size
 from phalanx.config import EngineConfig, resolve_config
 from phalanx.data import ActiveLoaders, PreparedDataLoader, map_tensors
-from phalanx.logging import configure_logging, get_logger
+from phalanx.logging import configure_logging
 from phalanx.precision import Precision
 from phalanx.runtime import WorldInfo, detect_world, init_distributed, pick_device
 from phalanx.strategies import get_strategy_class
@@ -78,7 +79,12 @@ class Engine:
 
         self._models: list[nn.Module] = []
         self._optimizers: list[PreparedOptimizer] = []
+        self._schedulers: list[PreparedScheduler] = []
+        self._prepared_loaders: list[PreparedDataLoader] = []
+        self._checkpointed: list[Any] = []  # register_for_checkpointing
         self._loaders = ActiveLoaders()
+        self.global_step = 0
+        """Optimizer steps taken (of the first prepared optimizer), skipped fp16 steps included; saved in checkpoints."""
         self.sync_gradients = True
         """True when the current micro-batch ends an accumulation window (gradients are reduced, steps happen)."""
         self.step_was_skipped = False
@@ -138,12 +144,16 @@ class Engine:
         return prepared
 
     def prepare_scheduler(self, scheduler: LRScheduler) -> PreparedScheduler:
-        return PreparedScheduler(scheduler, self)
+        prepared = PreparedScheduler(scheduler, self)
+        self._schedulers.append(prepared)
+        return prepared
 
     def prepare_loader(self, loader: DataLoader) -> PreparedDataLoader:
-        return PreparedDataLoader(
+        prepared = PreparedDataLoader(
             loader, self.topology.dp_rank, self.topology.dp_size, self.config.seed, self.device, self._loaders
         )
+        self._prepared_loaders.append(prepared)
+        return prepared
 
     def unwrap_model(self, model: nn.Module) -> nn.Module:
         """The user's own module, without anything phalanx wrapped around it."""
@@ -259,6 +269,8 @@ class Engine:
         return self.strategy.clip_grad_norm_(params, max_norm, norm_type)
 
     def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if optimizer is self._optimizers[0].optimizer:
+            self.global_step += 1
         self.strategy.finish_gradient_sync()
         self.step_was_skipped = self.precision.step(optimizer)
         if not self.step_was_skipped:
@@ -313,6 +325,85 @@ class Engine:
                 sched.step()
             optimizer.zero_grad()
         return loss
+
+    # ------------------------------------------------------------ checkpoints
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Save and restore ``objects`` (anything with ``state_dict()`` and ``load_state_dict()``) with
+        ``save_state``/``load_state``, in the order registered. Their state is saved from rank 0, as JSON and tensors."""
+        for obj in objects:
+            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+                raise TypeError(
+                    f"register_for_checkpointing needs objects with state_dict() and load_state_dict(); "
+                    f"{type(obj).__name__} has {'neither' if not hasattr(obj, 'state_dict') else 'not both'}"
+                )
+            self._checkpointed.append(obj)
+
+    def save_state(self, output_dir: str | os.PathLike[str], keep_last: int | None = None) -> Path:
+        """Save everything needed to resume: models and optimizer state (each rank its shards, in parallel),
+        schedulers, the loss scaler, loader positions, every rank's RNG, ``global_step`` and registered objects.
+
+        Every rank must call it, at the end of an accumulation window. The directory appears only once it is
+        complete; ``keep_last=k`` then deletes all but the k most recent checkpoints beside it. Loads on any world
+        size and under any strategy (``load_state``); ``phalanx checkpoint consolidate`` makes a plain state dict.
+        """
+        from phalanx.checkpoint import save_checkpoint
+
+        if self._micro_steps != 0 or self._in_accumulate:
+            raise RuntimeError(
+                f"engine.save_state was called inside an accumulation window (after micro-batch {self._micro_steps} of "
+                f"grad_accum_steps={self.config.grad_accum_steps}), where gradients are partial and are not saved; "
+                "call it after the window's optimizer.step()"
+            )
+        return save_checkpoint(output_dir, self._parts(), self.strategy, self.topology, self.device, keep_last)
+
+    def load_state(self, input_dir: str | os.PathLike[str], verify: bool = True) -> None:
+        """Resume from a ``save_state`` checkpoint, saved on any world size under any strategy. Prepare the same
+        models, optimizers, schedulers and loaders (and register the same objects) first. Every rank must call it.
+
+        Everything is checked on every rank before anything is loaded: the format version, every file and (with
+        ``verify``) every checksum, names and shapes against the model. On the same world size each rank gets its
+        own RNG state back; on another, RNG is reseeded from (seed, global_step, rank).
+        """
+        from phalanx.checkpoint import load_checkpoint
+
+        counters = load_checkpoint(input_dir, self._parts(), self.strategy, self.topology, self.device, verify)
+        self.global_step = counters.get("global_step", 0)
+
+    def save_model(self, *args: Any, metadata: dict[str, str] | None = None) -> Path:
+        """``save_model(save_directory)`` or ``save_model(model, save_directory)``: the whole model as one plain
+        ``model.safetensors`` (its ``state_dict()`` keys; load it with ``model.load_state_dict(safetensors.torch.
+        load_file(path))``). Every rank must call it; rank 0 writes."""
+        from phalanx.checkpoint import save_model_file
+
+        if len(args) == 2 and isinstance(args[0], nn.Module):
+            model, directory = args
+        elif len(args) == 1 and len(self._models) == 1:
+            model, directory = self._models[0], args[0]
+        else:
+            raise TypeError(
+                f"use engine.save_model(save_directory) with one prepared model, or engine.save_model(model, "
+                f"save_directory); got {len(args)} argument(s) with {len(self._models)} prepared model(s)"
+            )
+        state = self.get_state_dict(model)
+        path = Path(directory) / "model.safetensors"
+        if self.is_main_process:
+            save_model_file(state, path, metadata)
+        self.wait()
+        return path
+
+    def _parts(self) -> Any:
+        from phalanx.checkpoint import TrainingParts
+
+        return TrainingParts(
+            models=list(self._models),
+            optimizers=[o.optimizer for o in self._optimizers],
+            schedulers=list(self._schedulers),
+            loaders=list(self._prepared_loaders),
+            objects=list(self._checkpointed),
+            precision=self.precision,
+            counters={"global_step": self.global_step},
+            seed=self.config.seed,
+        )
 
     # ------------------------------------------------------------ collectives
     def gather_for_metrics(self, data: Any) -> Any:

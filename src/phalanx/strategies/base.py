@@ -145,10 +145,10 @@ class Strategy(ABC):
     def state_dict_keys(self, model: nn.Module) -> dict[str, str]:
         """Each key of the whole model's ``state_dict()``, mapped to the name its tensor is saved under (a tied
         weight's second name maps to its first; non-persistent buffers are not keys)."""
-        first: dict[int, str] = {}
-        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        module, first = self.unwrap_model(model), dict[int, str]()
+        for name, t in [*module.named_parameters(), *module.named_buffers()]:
             first.setdefault(id(t), name)
-        return {k: first.get(id(v), k) for k, v in self.unwrap_model(model).state_dict(keep_vars=True).items()}
+        return {k: first.get(id(v), k) for k, v in module.state_dict(keep_vars=True).items()}
 
     def grad_shard_group(self) -> Any:
         """The process group over which reduced gradients are spread when ``shards_gradients`` (None: the world)."""

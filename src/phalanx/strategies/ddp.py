@@ -405,7 +405,7 @@ def _balanced_slices(tensors: list[tuple[str, torch.Tensor]], rank: int, n: int)
         size, numel = t.element_size(), t.numel()
         a = min(numel, max(0, -(-(lo - pos) // size)))
         b = min(numel, max(0, -(-(hi - pos) // size)))
-        if a < b:
+        if a < b or (numel == 0 and rank == 0):  # an empty tensor is still listed, by rank 0
             out.append(ShardEntry(key, tuple(t.shape), a, b, t.detach().reshape(-1)[a:b].to("cpu", copy=True)))
         pos += numel * size
     return out
