@@ -32,7 +32,8 @@ import torch  # noqa: E402
 
 import phalanx  # noqa: E402
 import pipeline_workers  # noqa: E402
-from bench_ddp import ForeignLoad, git_state, wait_quiet  # noqa: E402
+from bench_ddp import git_state  # noqa: E402
+from harness import add_round_flags, interleaved_rounds  # noqa: E402
 
 WORKLOAD = "mlp"
 # 8 residual MLP blocks x + fc2(gelu(fc1(x))), d=512 -> 2048 -> 512: 16.8M parameters, 4 blocks per stage.
@@ -131,44 +132,12 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     commit_start, digest_start = git_state(), src_digest()
     print(f"phalanx checkout: {commit_start}, sources {digest_start}", flush=True)
 
-    rounds: dict[str, list[dict[str, Any]]] = {c["name"]: [] for c in configs}
-    failures: dict[str, str] = {}
-    t_start = time.perf_counter()
-    for rnd in range(args.rounds):
-        live = [c for c in configs if c["name"] not in failures]
-        order = live[rnd % max(1, len(live)):] + live[: rnd % max(1, len(live))]
-        for cfg in order:
-            res = None
-            busy = foreign = None
-            probe = None
-            for attempt in range(args.retries + 1):
-                busy = wait_quiet(args.quiet_wait, args.quiet_threshold) if args.quiet_wait > 0 else None
-                probe = ForeignLoad()
-                t0 = time.perf_counter()
-                try:
-                    res = run_config(base, cfg, args.timeout)
-                except Exception as e:  # noqa: BLE001 - a crashing configuration is reported, the others go on
-                    failures[cfg["name"]] = f"{type(e).__name__}: {e}"
-                    print(f"  round {rnd + 1}/{args.rounds}  {cfg['name']:<22} FAILED: {type(e).__name__}: "
-                          f"{str(e)[-3000:]}", flush=True)
-                    res = None
-                    break
-                foreign = probe.stop()
-                if foreign is None or foreign <= args.max_foreign or attempt == args.retries:
-                    break
-                print(f"  round {rnd + 1}/{args.rounds}  {cfg['name']:<22} discarded: other processes used "
-                      f"{foreign:.2f} cores meanwhile (> --max-foreign {args.max_foreign}); running it again", flush=True)
-            if res is None:
-                continue
-            s = summarize_round(res)
-            s.update(cpu_busy_before=busy, foreign_load_cores=foreign,
-                     steal_cores=probe.steal_cores if probe else None, attempts=attempt + 1)
-            rounds[cfg["name"]].append(s)
-            load = f", busy before {100 * busy:3.0f}%" if busy is not None else ""
-            load += f", foreign load {foreign:.2f} cores" if foreign is not None else ""
-            print(f"  round {rnd + 1}/{args.rounds}  {cfg['name']:<22} {s['median_ms']:8.1f} ms/step  bubble/stage "
-                  f"{_fmt(s['bubble'], '{:.3f}')}  (wall {time.perf_counter() - t0:5.1f} s{load})", flush=True)
-    wall = time.perf_counter() - t_start
+    def headline(s: dict[str, Any]) -> str:
+        return f"{s['median_ms']:8.1f} ms/step  bubble/stage {_fmt(s['bubble'], '{:.3f}')}"
+
+    rounds, failures, wall = interleaved_rounds(
+        configs, args, lambda cfg: run_config(base, cfg, args.timeout), summarize_round, headline
+    )
     commit_end, digest_end = git_state(), src_digest()
     if commit_end != commit_start or digest_end != digest_start:
         print(f"WARNING: the phalanx sources changed during the run ({commit_start} {digest_start} -> {commit_end} "
@@ -329,7 +298,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (every configuration once per round)")
+    add_round_flags(p, rounds=5)
     p.add_argument("--steps", type=int, default=None, help=f"timed steps per run ({DEFAULTS['steps']})")
     p.add_argument("--warmup", type=int, default=None, help=f"untimed warm-up steps per run ({DEFAULTS['warmup']})")
     p.add_argument("--global-batch", dest="global_batch", type=int, default=None,
@@ -342,14 +311,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(kinds: torch, phalanx)")
     p.add_argument("--adamw", choices=["default", "foreach", "fused"], default="default")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds one spawned run may take")
     p.add_argument("--out", default=str(HERE / "results"), help="directory for pipeline-mlp.json")
     p.add_argument("--no-json", action="store_true")
     p.add_argument("--tag", default="", help="write pipeline-mlp-<tag>.json")
-    p.add_argument("--quiet-wait", type=float, default=30.0)
-    p.add_argument("--max-foreign", type=float, default=0.25)
-    p.add_argument("--retries", type=int, default=1)
-    p.add_argument("--quiet-threshold", type=float, default=0.15)
     args = p.parse_args(argv)
 
     env = {

@@ -7,9 +7,10 @@
 Run with ``python train.py`` or ``phalanx launch -n 4 train.py``.
 """
 
+from phalanx import checkpoint
 from phalanx.engine import Engine
 from phalanx.launch import spawn
 
 __version__ = "0.1.0"
 
-__all__ = ["Engine", "spawn", "__version__"]
+__all__ = ["Engine", "spawn", "checkpoint", "__version__"]

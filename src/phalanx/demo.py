@@ -203,6 +203,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-bytes", type=int, default=4_000_000, help="bytes of stdlib source to load")
     p.add_argument("--log-every", type=int, default=10, help="read the loss for the progress bar every N steps")
     p.add_argument("--metrics-jsonl", default=None, metavar="PATH", help="also append metrics to this JSONL file")
+    p.add_argument("--save-dir", default=None, metavar="DIR",
+                   help="save a checkpoint to DIR/step-N every --save-every steps and at the end (the last 2 are kept)")
+    p.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
+    p.add_argument("--resume", action="store_true", help="resume from the newest checkpoint in --save-dir, if any")
     return p
 
 
@@ -219,6 +223,10 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error(f"--eval-fraction must be in [0, 1); got {a.eval_fraction}")
     if a.lr <= 0:
         p.error(f"--lr must be > 0; got {a.lr}")
+    if a.save_every < 0:
+        p.error(f"--save-every must be >= 0; got {a.save_every}")
+    if (a.resume or a.save_every) and not a.save_dir:
+        p.error("--resume and --save-every need --save-dir DIR (where the checkpoints are)")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -288,6 +296,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     warmup = args.warmup if args.warmup is not None else max(1, min(100, args.steps // 10))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(args.steps, warmup))
     model, optimizer, loader, scheduler = engine.prepare(model, optimizer, loader, scheduler)
+    resumed_from = phalanx.checkpoint.latest_checkpoint(args.save_dir) if args.resume else None
+    if resumed_from is not None:
+        engine.load_state(resumed_from)  # model, optimizer, schedule, loader position and RNG, on any world size
+        if engine.global_step >= args.steps:
+            parser.error(f"{resumed_from} is at step {engine.global_step}, not before --steps {args.steps}: nothing to train")
 
     engine.print(
         f"phalanx demo: TinyGPT {format_count(n_params)} params ({args.layers} layers, {args.heads} heads, d_model "
@@ -295,7 +308,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"({format_count(len(eval_bytes))}B held out)\n"
         f"  {cfg.strategy} x {engine.world_size} rank(s) on {engine.device.type}, {cfg.precision}, global batch "
         f"{args.batch_size} x {dp} x {accum} accum = {format_count(args.batch_size * dp * accum * args.block_size)} "
-        f"tokens/step, {args.steps} steps",
+        f"tokens/step, {args.steps} steps"
+        + (f"\n  resumed from {resumed_from} at step {engine.global_step}" if resumed_from is not None else ""),
         flush=True,
     )
 
@@ -305,7 +319,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     bar = ProgressBar(total=args.steps, enabled=engine.is_main_process, desc="train")
     metrics = JsonlMetrics(args.metrics_jsonl, enabled=engine.is_main_process)
     meter = Throughput()
-    steps_done, skipped = 0, 0
+    steps_done, skipped = engine.global_step, 0
+    bar.update(steps_done)
     model.train()
     if pipelined and cfg.max_grad_norm is None:
         cfg.max_grad_norm = 1.0  # train_step clips to this; the loop below clips at 1.0 under the other strategies
@@ -335,6 +350,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 metrics.log(step=steps_done, loss=shown_loss, tokens_per_s=tps, lr=lr)
             else:
                 bar.update(1)  # no sync: only the count moves
+        if args.save_dir and (steps_done == args.steps or (args.save_every and steps_done % args.save_every == 0)):
+            engine.save_state(Path(args.save_dir) / f"step-{steps_done}", keep_last=2)
         if steps_done >= args.steps:
             break
     if engine.device.type == "cuda":

@@ -356,7 +356,7 @@ class Engine:
             )
         return save_checkpoint(output_dir, self._parts(), self.strategy, self.topology, self.device, keep_last)
 
-    def load_state(self, input_dir: str | os.PathLike[str], verify: bool = True) -> None:
+    def load_state(self, input_dir: str | os.PathLike[str] | None, verify: bool = True) -> None:
         """Resume from a ``save_state`` checkpoint, saved on any world size under any strategy. Prepare the same
         models, optimizers, schedulers and loaders (and register the same objects) first. Every rank must call it.
 
@@ -364,8 +364,13 @@ class Engine:
         ``verify``) every checksum, names and shapes against the model. On the same world size each rank gets its
         own RNG state back; on another, RNG is reseeded from (seed, global_step, rank).
         """
-        from phalanx.checkpoint import load_checkpoint
+        from phalanx.checkpoint import CheckpointError, load_checkpoint
 
+        if input_dir is None:
+            raise CheckpointError(
+                "engine.load_state got None instead of a checkpoint directory (latest_checkpoint(parent) returns None "
+                "when the parent holds no complete checkpoint: start from scratch then)"
+            )
         counters = load_checkpoint(input_dir, self._parts(), self.strategy, self.topology, self.device, verify)
         self.global_step = counters.get("global_step", 0)
 
