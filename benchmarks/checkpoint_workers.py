@@ -1,0 +1,248 @@
+"""Worker functions for bench_checkpoint.py: save and load the same training state with one checkpointing method,
+in a process started by phalanx.spawn (2 ranks, gloo, 1 thread each).
+
+Every configuration builds the same model (``n_layers`` x ``Linear(d, d)`` with ReLU between; 50.4M parameters by
+default) from the same seed, takes one AdamW step on the same batch (so that the optimizer holds exp_avg and
+exp_avg_sq for every parameter: 3 x 50.4M floats in all), saves, then loads into a freshly built model and
+optimizer (other initial weights). Times are barrier to barrier, so they are the slowest rank's. Before loading,
+every file of the checkpoint is fsynced and dropped from the page cache (``posix_fadvise(DONTNEED)``), so loads
+read from the disk, not from memory.
+
+A checksum (float64 sum of every parameter and every non-scalar optimizer state element, each counted once over
+the ranks) is taken before the save and after the load; a run whose two checksums differ fails.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddp_workers import _world
+from zero_workers import memory_now
+
+
+def build_model(spec: dict[str, Any], seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for i in range(spec["n_layers"]):
+        layers += [nn.Linear(spec["d"], spec["d"])] + ([nn.ReLU()] if i < spec["n_layers"] - 1 else [])
+    return nn.Sequential(*layers)
+
+
+def _batch(spec: dict[str, Any]) -> torch.Tensor:
+    return torch.randn(spec["batch"], spec["d"], generator=torch.Generator().manual_seed(spec["seed"]))
+
+
+def _optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+
+
+def _plain_step(model: nn.Module, opt: torch.optim.Optimizer, spec: dict[str, Any]) -> None:
+    model(_batch(spec)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _local_sum(tensors: list[torch.Tensor]) -> float:
+    total = 0.0
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t  # an FSDP2 DTensor: this rank's shard
+        if t.dim() > 0:
+            total += float(t.detach().double().sum())
+    return total
+
+
+def _replicated_checksum(model: nn.Module, opt: torch.optim.Optimizer) -> float:
+    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return _local_sum(list(model.parameters()) + state)
+
+
+def _sharded_checksum(local: float) -> float:
+    t = torch.tensor([local], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t)
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    dist.barrier()
+    t0 = time.perf_counter()
+    out = fn()
+    dist.barrier()
+    return time.perf_counter() - t0, out
+
+
+def _evict(path: str) -> int:
+    """fsync and drop from the page cache every file under ``path`` (rank 0; untimed); returns the bytes there."""
+    total = 0
+    if os.path.isfile(path):
+        files = [path]
+    else:
+        files = [os.path.join(d, f) for d, _, names in os.walk(path) for f in names]
+    for f in files:
+        total += os.path.getsize(f)
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return total
+
+
+def _measure(spec: dict[str, Any], rank: int, save: Callable[[], Any], load: Callable[[], float],
+             before: float, extra_loads: dict[str, Callable[[], float]] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Time ``save``, evict the files, time ``load`` (which returns the checksum after loading)."""
+    path = spec["path"]
+    save_s, _ = _timed(save)
+    nbytes = _evict(path) if rank == 0 else 0
+    dist.barrier()
+    load_s, after = _timed(load)
+    out = {"rank": rank, "save_s": save_s, "load_s": load_s, "bytes": nbytes, "checksum_before": before,
+           "checksum_after": after, "memory": memory_now()}  # fmt: skip
+    for name, fn in (extra_loads or {}).items():
+        if rank == 0:
+            _evict(path)
+        dist.barrier()
+        out[f"{name}_s"], again = _timed(fn)
+        out[f"checksum_{name}"] = again
+    if after != before:
+        raise RuntimeError(f"rank {rank}: checksum {after!r} after loading, {before!r} before saving")
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+    return out
+
+
+def _init_gloo() -> tuple[int, int]:
+    rank, world = _world()
+    dist.init_process_group("gloo", init_method=os.environ["PHALANX_INIT_METHOD"], rank=rank, world_size=world)
+    return rank, world
+
+
+# ----------------------------------------------------------------------------------------- configurations
+def run_torch_save(spec: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0 writes one torch.save file of the full model and optimizer state dicts; every rank torch.loads it."""
+    rank, _ = _init_gloo()
+    model = build_model(spec, spec["seed"])
+    opt = _optimizer(model.parameters())
+    _plain_step(model, opt, spec)
+    before = _replicated_checksum(model, opt)
+    path = spec["path"]
+
+    def save() -> None:
+        if rank == 0:
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+
+    def load() -> float:
+        model2 = build_model(spec, spec["seed"] + 1)
+        opt2 = _optimizer(model2.parameters())
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+        model2.load_state_dict(sd["model"])
+        opt2.load_state_dict(sd["optimizer"])
+        return _replicated_checksum(model2, opt2)
+
+    out = _measure(spec, rank, save, load, before)
+    dist.destroy_process_group()
+    return out
+
+
+def run_dcp(spec: dict[str, Any]) -> dict[str, Any]:
+    """torch.distributed.checkpoint save/load of get_state_dict(model, opt): replicated (plain model, the state that
+    DDP holds) or, with spec["fsdp2"], an FSDP2 model sharded per Linear."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    rank, world = _init_gloo()
+    sharded = spec.get("fsdp2", False)
+
+    def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = build_model(spec, seed)
+        if sharded:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (world,))
+            for m in model:
+                if isinstance(m, nn.Linear):
+                    fully_shard(m, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        return model, _optimizer(model.parameters())
+
+    def checksum(model: nn.Module, opt: torch.optim.Optimizer) -> float:
+        local = _replicated_checksum(model, opt)
+        return _sharded_checksum(local) if sharded else local
+
+    model, opt = build(spec["seed"])
+    if sharded:
+        model(_batch(spec)[rank::world]).pow(2).mean().backward()  # each rank half the batch
+        opt.step()
+        opt.zero_grad()
+    else:
+        _plain_step(model, opt, spec)
+    before = checksum(model, opt)
+
+    def save() -> None:
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=spec["path"])
+
+    def load() -> float:
+        model2, opt2 = build(spec["seed"] + 1)
+        msd, osd = get_state_dict(model2, opt2)  # initialises the optimizer state that dcp.load fills in
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=spec["path"])
+        set_state_dict(model2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        return checksum(model2, opt2)
+
+    out = _measure(spec, rank, save, load, before)
+    dist.destroy_process_group()
+    return out
+
+
+def run_phalanx(spec: dict[str, Any]) -> dict[str, Any]:
+    """phalanx Engine(strategy=...).save_state(path) / a second Engine's load_state(path) (and load_state without
+    checksum verification)."""
+    import phalanx
+
+    rank, world = _world()
+
+    def build(seed: int) -> tuple[phalanx.Engine, nn.Module, Any]:
+        engine = phalanx.Engine(strategy=spec["strategy"], seed=spec["seed"])
+        model = build_model(spec, seed)
+        model, opt = engine.prepare(model, _optimizer(model.parameters()))
+        return engine, model, opt
+
+    def checksum(engine: phalanx.Engine, model: nn.Module, opt: Any) -> float:
+        entries = engine.strategy.sharded_state(model, [opt])  # every element exactly once over the ranks
+        return _sharded_checksum(sum(float(e.data.double().sum()) for e in entries if e.shape != ()))
+
+    engine, model, opt = build(spec["seed"])
+    engine.backward(model(_batch(spec)[rank::world]).pow(2).mean())  # each rank half the batch
+    opt.step()
+    opt.zero_grad()
+    before = checksum(engine, model, opt)
+
+    def loader(verify: bool) -> Callable[[], float]:
+        def load() -> float:
+            engine2, model2, opt2 = build(spec["seed"] + 1)
+            engine2.load_state(spec["path"], verify=verify)
+            return checksum(engine2, model2, opt2)
+
+        return load
+
+    out = _measure(spec, rank, lambda: engine.save_state(spec["path"]), loader(True), before,
+                   extra_loads={"load_noverify": loader(False)})  # fmt: skip
+    return out
+
+
+RUNNERS = {"torch_save": run_torch_save, "dcp": run_dcp, "phalanx": run_phalanx}
+
+
+def run(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """The one entry point phalanx.spawn calls."""
+    return RUNNERS[kind](spec)
