@@ -4,9 +4,9 @@ in a process started by phalanx.spawn (2 ranks, gloo, 1 thread each).
 Every configuration builds the same model (``n_layers`` x ``Linear(d, d)`` with ReLU between; 50.4M parameters by
 default) from the same seed, takes one AdamW step on the same batch (so that the optimizer holds exp_avg and
 exp_avg_sq for every parameter: 3 x 50.4M floats in all), saves, then loads into a freshly built model and
-optimizer (other initial weights). Times are barrier to barrier, so they are the slowest rank's. Before loading,
-every file of the checkpoint is fsynced and dropped from the page cache (``posix_fadvise(DONTNEED)``), so loads
-read from the disk, not from memory.
+optimizer (other initial weights; built untimed). Times are barrier to barrier, so they are the slowest rank's.
+Before saving, ``os.sync()`` writes back earlier dirty pages; before loading, every file of the checkpoint is
+fsynced and dropped from the page cache (``posix_fadvise(DONTNEED)``), so loads read from the disk.
 
 A checksum (float64 sum of every parameter and every non-scalar optimizer state element, each counted once over
 the ranks) is taken before the save and after the load; a run whose two checksums differ fails.
@@ -95,19 +95,27 @@ def _evict(path: str) -> int:
     return total
 
 
-def _measure(spec: dict[str, Any], rank: int, save: Callable[[], Any], load: Callable[[], float],
-             before: float, extra_loads: dict[str, Callable[[], float]] | None = None) -> dict[str, Any]:  # fmt: skip
-    """Time ``save``, evict the files, time ``load`` (which returns the checksum after loading)."""
+Loader = Callable[[], Callable[[], float]]
+"""Builds a fresh model and optimizer (untimed) and returns the load itself, which returns the checksum after."""
+
+
+def _measure(spec: dict[str, Any], rank: int, save: Callable[[], Any], loader: Loader,
+             before: float, extra_loads: dict[str, Loader] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Time ``save``, evict the files, build the fresh state, time the load."""
     path = spec["path"]
+    if rank == 0:
+        os.sync()  # every save starts with no dirty pages of earlier runs waiting to be written back
     save_s, _ = _timed(save)
     nbytes = _evict(path) if rank == 0 else 0
+    load = loader()
     dist.barrier()
     load_s, after = _timed(load)
     out = {"rank": rank, "save_s": save_s, "load_s": load_s, "bytes": nbytes, "checksum_before": before,
            "checksum_after": after, "memory": memory_now()}  # fmt: skip
-    for name, fn in (extra_loads or {}).items():
+    for name, make in (extra_loads or {}).items():
         if rank == 0:
             _evict(path)
+        fn = make()
         dist.barrier()
         out[f"{name}_s"], again = _timed(fn)
         out[f"checksum_{name}"] = again
@@ -139,15 +147,19 @@ def run_torch_save(spec: dict[str, Any]) -> dict[str, Any]:
         if rank == 0:
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
 
-    def load() -> float:
+    def loader() -> Callable[[], float]:
         model2 = build_model(spec, spec["seed"] + 1)
         opt2 = _optimizer(model2.parameters())
-        sd = torch.load(path, map_location="cpu", weights_only=True)
-        model2.load_state_dict(sd["model"])
-        opt2.load_state_dict(sd["optimizer"])
-        return _replicated_checksum(model2, opt2)
 
-    out = _measure(spec, rank, save, load, before)
+        def load() -> float:
+            sd = torch.load(path, map_location="cpu", weights_only=True)
+            model2.load_state_dict(sd["model"])
+            opt2.load_state_dict(sd["optimizer"])
+            return _replicated_checksum(model2, opt2)
+
+        return load
+
+    out = _measure(spec, rank, save, loader, before)
     dist.destroy_process_group()
     return out
 
@@ -191,15 +203,19 @@ def run_dcp(spec: dict[str, Any]) -> dict[str, Any]:
         msd, osd = get_state_dict(model, opt)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=spec["path"])
 
-    def load() -> float:
+    def loader() -> Callable[[], float]:
         model2, opt2 = build(spec["seed"] + 1)
-        msd, osd = get_state_dict(model2, opt2)  # initialises the optimizer state that dcp.load fills in
-        state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=spec["path"])
-        set_state_dict(model2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        return checksum(model2, opt2)
 
-    out = _measure(spec, rank, save, load, before)
+        def load() -> float:
+            msd, osd = get_state_dict(model2, opt2)  # initialises the optimizer state that dcp.load fills in
+            state = {"model": msd, "optim": osd}
+            dcp.load(state, checkpoint_id=spec["path"])
+            set_state_dict(model2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            return checksum(model2, opt2)
+
+        return load
+
+    out = _measure(spec, rank, save, loader, before)
     dist.destroy_process_group()
     return out
 
@@ -227,13 +243,17 @@ def run_phalanx(spec: dict[str, Any]) -> dict[str, Any]:
     opt.zero_grad()
     before = checksum(engine, model, opt)
 
-    def loader(verify: bool) -> Callable[[], float]:
-        def load() -> float:
+    def loader(verify: bool) -> Loader:
+        def make() -> Callable[[], float]:
             engine2, model2, opt2 = build(spec["seed"] + 1)
-            engine2.load_state(spec["path"], verify=verify)
-            return checksum(engine2, model2, opt2)
 
-        return load
+            def load() -> float:
+                engine2.load_state(spec["path"], verify=verify)
+                return checksum(engine2, model2, opt2)
+
+            return load
+
+        return make
 
     out = _measure(spec, rank, lambda: engine.save_state(spec["path"]), loader(True), before,
                    extra_loads={"load_noverify": loader(False)})  # fmt: skip

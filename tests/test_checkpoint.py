@@ -76,8 +76,8 @@ def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.T
     return F.cross_entropy(model(batch[0]), batch[1])
 
 
-def _setup(strategy: str, global_batch: int, n_samples: int, model_cls=DropNet, **options):
-    engine = phalanx.Engine(strategy=strategy, seed=3, **options)
+def _setup(strategy: str, global_batch: int, n_samples: int, model_cls=DropNet, seed: int = 3, **options):
+    engine = phalanx.Engine(strategy=strategy, seed=seed, **options)
     torch.manual_seed(100)
     model = model_cls()
     optimizer = grouped_optimizer("adamw", model)
@@ -155,16 +155,17 @@ def test_resume_on_the_same_world_size_is_bitwise(run_ranks, tmp_path):
 
 # ------------------------------------------------------------------------- resharding across world sizes
 GLOBAL, SAMPLES = 12, 84  # 7 steps an epoch: the save at step 5 is mid-epoch, and the run crosses an epoch
+BIG_SEED = 1_795_432_132  # a time.time() seed: the RNG reseeded on another mesh must not overflow
 
 
 def _reshard_save(root: str) -> dict:
-    engine, model, loader, tally = _setup("zero3", GLOBAL, SAMPLES, model_cls=TiedNet)
+    engine, model, loader, tally = _setup("zero3", GLOBAL, SAMPLES, model_cls=TiedNet, seed=BIG_SEED)
     losses, ids = _train_until(engine, model, loader, tally, 10, save_at=5, root=root)
     return {"losses": losses, "ids": ids}
 
 
 def _reshard_resume(root: str, strategy: str) -> dict:
-    engine, model, loader, tally = _setup(strategy, GLOBAL, SAMPLES, model_cls=TiedNet)
+    engine, model, loader, tally = _setup(strategy, GLOBAL, SAMPLES, model_cls=TiedNet, seed=BIG_SEED)
     engine.load_state(root)
     losses, ids = _train_until(engine, model, loader, tally, 10)
     return {"losses": losses, "ids": ids, "count": tally.count}
@@ -431,5 +432,76 @@ def _rotation(root: str) -> list[str]:
 
 def test_keep_last_rotates_old_checkpoints(run_ranks, tmp_path):
     (tmp_path / "notes").mkdir()  # not a checkpoint: never touched
-    assert run_ranks(_rotation, 2, str(tmp_path))[0] == ["notes", "step-3", "step-4"]
+    run_ranks(_save_small, 1, str(tmp_path / "best"))  # a checkpoint named otherwise: not rotated either
+    assert run_ranks(_rotation, 2, str(tmp_path))[0] == ["best", "notes", "step-3", "step-4"]
     assert latest_checkpoint(tmp_path) == tmp_path / "step-4"
+    (tmp_path / "notes" / "todo.txt").write_text("keep me")
+    with pytest.raises(SpawnError, match="exists and is not a phalanx checkpoint"):
+        run_ranks(_save_small, 1, str(tmp_path / "notes"))
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
+
+
+# --------------------------------------------------------------- state that changes dtype or is shared
+def _bf16_zero2_save(root: str) -> None:
+    engine = phalanx.Engine(strategy="zero2", seed=0)
+    torch.manual_seed(100)
+    model = TiedNet().to(torch.bfloat16)
+    model, optimizer = engine.prepare(model, grouped_optimizer("adamw", model))
+    x, y = make_tokens(16)
+    for _ in range(2):
+        engine.backward(_loss(model, (x, y)))
+        optimizer.step()
+        optimizer.zero_grad()
+    engine.save_state(root)
+
+
+def _bf16_ddp_resume(root: str) -> dict:
+    engine = phalanx.Engine(strategy="ddp", seed=0)
+    model = TiedNet().to(torch.bfloat16)
+    model, optimizer = engine.prepare(model, grouped_optimizer("adamw", model))
+    engine.load_state(root)
+    x, y = make_tokens(16)
+    engine.backward(_loss(model, (x, y)))
+    optimizer.step()  # fp32 moments from zero's masters must have become bf16, as the parameters
+    state = optimizer.state[model.fc1.weight]
+    return {"dtypes": sorted({str(v.dtype) for v in state.values()}), "step": float(state["step"])}
+
+
+def test_zero_bf16_checkpoint_trains_on_under_ddp(run_ranks, tmp_path):
+    run_ranks(_bf16_zero2_save, 2, str(tmp_path / "ck"))
+    res = run_ranks(_bf16_ddp_resume, 1, str(tmp_path / "ck"))[0]
+    assert res == {"dtypes": ["torch.bfloat16", "torch.float32"], "step": 3.0}  # moments bf16, step fp32
+
+
+class _TiedPipe(nn.Sequential):
+    """Blocks 0 and 2 share a weight (in one stage): it is saved once, and the state dict keeps both names."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.Linear(13, 13), nn.Tanh(), nn.Linear(13, 13), nn.Linear(13, 3))
+        self[2].weight = self[0].weight
+
+
+def _tied_pipe(root: str, load: bool) -> dict:
+    engine = phalanx.Engine(strategy="pipeline", pp_partition="3", pp_microbatches=2, seed=0)
+    torch.manual_seed(100 if not load else 5)
+    model, optimizer = engine.prepare(_TiedPipe(), torch.optim.SGD(_TiedPipe().parameters(), lr=0.1))
+    if load:
+        engine.load_state(root)
+    else:
+        x, y = make_data(8)
+        engine.train_step((x, y), pipe_loss)
+        engine.save_state(root)
+    return engine.get_state_dict(model)
+
+
+def test_pipeline_stage_with_a_tied_weight_round_trips(run_ranks, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    saved = run_ranks(_tied_pipe, 2, str(tmp_path / "ck"), False)[0]
+    loaded = run_ranks(_tied_pipe, 2, str(tmp_path / "ck"), True)[0]
+    assert set(saved) == set(loaded) == {"0.weight", "0.bias", "2.weight", "2.bias", "3.weight", "3.bias"}
+    assert all(torch.equal(saved[k], loaded[k]) for k in saved)
+    assert phalanx.cli.main(["checkpoint", "consolidate", str(tmp_path / "ck"), str(tmp_path / "m.safetensors")]) == 0
+    model = _TiedPipe()
+    model.load_state_dict(load_file(tmp_path / "m.safetensors"))
+    assert torch.equal(model[2].weight, saved["0.weight"])

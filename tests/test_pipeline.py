@@ -385,7 +385,7 @@ def _save_after(steps: int) -> dict:
     batches = [(x[i * GLOBAL_BATCH : (i + 1) * GLOBAL_BATCH], y[i * GLOBAL_BATCH : (i + 1) * GLOBAL_BATCH]) for i in range(steps + 1)]
     for b in batches[:steps]:
         engine.train_step(b, pipe_loss)
-    entries = engine.strategy.sharded_state(model, optimizer.optimizer)
+    entries = [e._replace(data=e.data.clone()) for e in engine.strategy.sharded_state(model, optimizer.optimizer)]
     last = engine.train_step(batches[steps], pipe_loss).item()
     return {"entries": entries, "last": last, "state": engine.get_state_dict(model)}
 

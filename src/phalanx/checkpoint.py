@@ -34,6 +34,7 @@ import math
 import mmap
 import os
 import random
+import re
 import shutil
 import struct
 import threading
@@ -58,6 +59,7 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "save_model_file",
+    "agree",
     "latest_checkpoint",
     "FORMAT",
     "VERSION",
@@ -66,11 +68,14 @@ __all__ = [
 FORMAT = "phalanx-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
+_SHARD_NAME = re.compile(r"shard-\d{5}-of-\d{5}\.safetensors")
 _DTYPES = {
     str(d).removeprefix("torch."): d
     for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
               torch.int8, torch.uint8, torch.bool)
 }  # fmt: skip
+_SAFETENSORS_DTYPE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64",
+                      "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}  # fmt: skip
 
 
 class CheckpointError(ValueError):
@@ -117,20 +122,27 @@ def save_checkpoint(
             state = _global_state(parts, strategy, extra)
             entries += [ShardEntry(k, tuple(t.shape), 0, t.numel(), t.reshape(-1)) for k, t in extra.items()]
             _recover_interrupted_swap(target)
+            if target.exists() and not _is_checkpoint(target):
+                raise CheckpointError(
+                    f"{target} exists and is not a phalanx checkpoint; save_state replaces only a checkpoint (choose "
+                    "another directory, or remove this one yourself)"
+                )
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(staging, ignore_errors=True)  # a save that crashed earlier
             staging.mkdir()
     except Exception as e:  # noqa: BLE001
         error = f"{type(e).__name__}: {e}"
-    _agree(error, device, f"saving the checkpoint {target}")
+    agree(error, device, f"saving the checkpoint {target}")
 
     written: dict[str, Any] | None = None
+    rng: dict[str, Any] | None = None
     try:
         written = _write_shard(staging, rank, world, entries) if entries else None
+        rng = _rng_state(device)
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others would wait forever
         error = f"{type(e).__name__}: {e}"
     reports = [json.loads(b) for b in all_gather_bytes(
-        json.dumps({"error": error, "file": written, "rng": _rng_state(device)}).encode(), device
+        json.dumps({"error": error, "file": written, "rng": rng}).encode(), device
     )]  # fmt: skip
     failed = [f"rank {r}: {rep['error']}" for r, rep in enumerate(reports) if rep["error"]]
     if failed:
@@ -149,7 +161,7 @@ def save_checkpoint(
                 _rotate(target, keep_last)
         except Exception as e:  # noqa: BLE001
             error = f"{type(e).__name__}: {e}"
-    _agree(error, device, f"saving the checkpoint {target}")
+    agree(error, device, f"saving the checkpoint {target}")
     return target
 
 
@@ -242,13 +254,26 @@ def _write_shard(directory: Path, rank: int, world: int, entries: list[ShardEntr
     name = f"shard-{rank:05d}-of-{world:05d}.safetensors"
     tensors: dict[str, torch.Tensor] = {}
     described = []
+    on_device = False
+    spans: set[tuple[int, int]] = set()
     for e in entries:
         if str(e.data.dtype).removeprefix("torch.") not in _DTYPES:
             raise CheckpointError(f"cannot save {e.key}: dtype {e.data.dtype} is not supported in checkpoints")
         tname = e.key if e.key not in tensors else f"{e.key}@{e.start}"
-        tensors[tname] = e.data.detach().reshape(-1).contiguous()
+        data = e.data.detach().reshape(-1)
+        if data.device.type != "cpu":  # into pinned host memory, all copies in flight at once, one wait below
+            host = torch.empty(data.shape, dtype=data.dtype, pin_memory=data.device.type == "cuda")
+            data, on_device = host.copy_(data, non_blocking=True), True
+        data = data.contiguous()  # a CPU tensor is written from its own memory, not copied
+        span = (data.data_ptr(), data.numel() * data.element_size())
+        if span in spans and span[1]:
+            data = data.clone()  # one tensor given under two keys (zero's per-piece step): safetensors refuses aliases
+        spans.add(span)
+        tensors[tname] = data
         described.append({"key": e.key, "name": tname, "shape": list(e.shape),
                           "dtype": str(e.data.dtype).removeprefix("torch."), "start": e.start, "stop": e.stop})  # fmt: skip
+    if on_device and torch.cuda.is_available():
+        torch.cuda.synchronize()
     crcs: dict[Any, int] = {}
 
     def checksum() -> None:  # zlib releases the GIL: this overlaps the write
@@ -308,24 +333,40 @@ def _recover_interrupted_swap(target: Path) -> None:
 
 
 def _rotate(target: Path, keep_last: int) -> None:
-    """Delete the oldest phalanx checkpoints beside ``target`` (by save time) so that ``keep_last`` remain."""
+    """Delete the oldest (by save time) of the phalanx checkpoints beside ``target`` whose names differ from its only
+    in their digits (``step-300`` rotates ``step-100`` and ``step-200``, never ``best`` or ``other-step-100``), so that
+    ``keep_last`` remain."""
+    parts = re.split(r"(\d+)", target.name)
+    pattern = re.compile("".join(r"\d+" if p.isdigit() else re.escape(p) for p in parts))
     found = []
     for d in target.parent.iterdir():
-        if d.name.startswith(".") or not (d / MANIFEST).is_file():
+        if not pattern.fullmatch(d.name):
             continue
-        try:
-            m = json.loads((d / MANIFEST).read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(m, dict) and m.get("format") == FORMAT:
-            found.append((float(m.get("saved_at", 0.0)), d))
+        saved_at = _saved_at(d)
+        if saved_at is not None:
+            found.append((saved_at, d))
     found.sort()
     for _, d in found[: max(0, len(found) - keep_last)]:
         if d != target:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def _agree(error: str | None, device: torch.device, what: str) -> None:
+def _saved_at(d: Path) -> float | None:
+    """When the phalanx checkpoint ``d`` was saved; None if ``d`` is not one."""
+    try:
+        m = json.loads((d / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        return None
+    return float(m.get("saved_at", 0.0))
+
+
+def _is_checkpoint(d: Path) -> bool:
+    return _saved_at(d) is not None
+
+
+def agree(error: str | None, device: torch.device, what: str) -> None:
     """Raise the same CheckpointError on every rank if any rank had ``error``, naming the ranks."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         if error:
@@ -372,7 +413,7 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 def _reseed(seed: int, step: int, rank: int, device: torch.device) -> None:
     """RNG for a run resumed on another mesh: a function of the seed, the global step and the rank."""
-    value = (seed * 1_000_003 + step) * 65_537 + rank
+    value = ((seed * 1_000_003 + step) * 65_537 + rank) % 2**63  # torch takes seeds below 2**63
     random.seed(value)
     torch.manual_seed(value)
     if device.type == "cuda":
@@ -412,7 +453,7 @@ def _to_json(obj: Any, path: str, tensors: dict[str, torch.Tensor] | None) -> An
     if isinstance(obj, dict):
         if all(isinstance(k, str) and not k.startswith("__") for k in obj):
             return {k: _to_json(v, f"{path}/{k}", tensors) for k, v in obj.items()}
-        return {"__items__": [[_to_json(k, f"{path}/key{i}", tensors), _to_json(v, f"{path}/{k}", tensors)]
+        return {"__items__": [[_to_json(k, f"{path}/key{i}", tensors), _to_json(v, f"{path}/item{i}", tensors)]
                               for i, (k, v) in enumerate(obj.items())]}  # fmt: skip
     if type(obj).__module__ == "numpy":
         if hasattr(obj, "shape") and obj.shape != ():
@@ -445,9 +486,13 @@ def _from_json(obj: Any, read_tensor: Callable[[str], torch.Tensor] | None) -> A
 class Checkpoint:
     """A checkpoint directory, opened by its manifest alone: nothing is unpickled and no code runs.
 
-    ``Checkpoint(path)`` checks the format, the version and that every file is there with its recorded size;
-    ``verify()`` checks the checksums; ``reader()`` reads runs of tensors; ``state_dict()`` gives a model's
-    whole state dict.
+    ``Checkpoint(path)`` checks the format, the version, that every file is there with its recorded size, and
+    that each file's safetensors header holds every run the manifest puts there, with its dtype and length;
+    ``verify()`` checks the checksums; ``read``/``read_into`` read runs of tensors (``read_into`` straight from
+    the file into the destination's memory); ``state_dict()`` gives a model's whole state dict.
+
+    Files are read by offsets from their safetensors headers (parsed as JSON here), not through the
+    safetensors library, which cannot read into memory the caller already has.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -467,6 +512,20 @@ class Checkpoint:
                 f"{VERSION} (load it with the phalanx version that wrote it, {m.get('phalanx_version')!r})"
             )
         self.manifest = m
+        self._headers: list[tuple[dict[str, Any], int]] = []
+        self._fds: dict[int, int] = {}
+        try:
+            self._check_files()
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"{manifest} is malformed ({type(e).__name__}: {e}); the checkpoint is damaged") from None
+
+    def _check_files(self) -> None:
+        m = self.manifest
+        for f in m["files"]:
+            if not _SHARD_NAME.fullmatch(f["name"]):
+                raise CheckpointError(f"{self.path / MANIFEST} lists a file named {f['name']!r}, not a shard name")
         self.files: list[Path] = [self.path / f["name"] for f in m["files"]]
         for f, p in zip(m["files"], self.files):
             if not p.is_file():
@@ -474,12 +533,24 @@ class Checkpoint:
                     f"{p} is missing: the checkpoint lists {len(self.files)} shard files and this one (rank "
                     f"{f['rank']}'s) is not there; copy the whole checkpoint directory"
                 )
-            _read_header(p)  # first: a pickle in a shard's place is named as such
+            self._headers.append(_read_header(p))  # first: a pickle in a shard's place is named as such
             size = p.stat().st_size
             if size != f["bytes"]:
                 raise CheckpointError(f"{p} has {size} bytes, the manifest says {f['bytes']}: the file is truncated or was replaced")
         self.tensors: dict[str, dict[str, Any]] = m["tensors"]
-        self._open: dict[int, Any] = {}
+        for key, info in self.tensors.items():
+            itemsize = torch.empty((), dtype=_DTYPES[info["dtype"]]).element_size()
+            for run in info["slices"]:
+                header, base = self._headers[run["file"]]
+                entry = header.get(run["name"])
+                expect = (_SAFETENSORS_DTYPE[info["dtype"]], (run["stop"] - run["start"]) * itemsize)
+                lo, hi = entry["data_offsets"] if entry is not None else (0, -1)
+                if entry is None or (entry.get("dtype"), hi - lo) != expect or base + hi > m["files"][run["file"]]["bytes"]:
+                    raise CheckpointError(
+                        f"{self.files[run['file']]} does not hold {key} elements [{run['start']}, {run['stop']}) as the "
+                        f"manifest says (expected {expect[0]} x {expect[1]} bytes under {run['name']!r}, found {entry}); "
+                        "the file was replaced or the checkpoint is damaged"
+                    )
 
     # ------------------------------------------------------------------ checks
     def verify(self, files: Iterable[int] | None = None) -> list[str]:
@@ -493,16 +564,12 @@ class Checkpoint:
         problems = []
         for index, items in sorted(runs.items()):
             path = self.files[index]
-            header, base = _read_header(path)
+            header, base = self._headers[index]
             with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
                 view = memoryview(mm)
                 try:
                     for key, s in items:
-                        entry = header.get(s["name"])
-                        if entry is None:
-                            problems.append(f"{path}: tensor {s['name']!r} ({key}) is not in the file")
-                            continue
-                        a, b = entry["data_offsets"]
+                        a, b = header[s["name"]]["data_offsets"]
                         crc = zlib.crc32(view[base + a : base + b])
                         if crc != s["crc32"]:
                             problems.append(
@@ -521,30 +588,52 @@ class Checkpoint:
     def reader(self, model_index: int = 0) -> _Reader:
         return _Reader(self, model_index)
 
+    def dtype(self, key: str) -> torch.dtype:
+        return _DTYPES[self.tensors[key]["dtype"]]
+
     def read(self, key: str, start: int, stop: int) -> torch.Tensor:
-        """Elements ``[start, stop)`` of the flattened tensor ``key``, read from the runs that hold them."""
-        info = self.tensors[key]
-        dtype = _DTYPES[info["dtype"]]
-        parts = []
-        for s in info["slices"]:
-            a, b = max(start, s["start"]), min(stop, s["stop"])
+        """Elements ``[start, stop)`` of the flattened tensor ``key``, in new memory."""
+        out = torch.empty(stop - start, dtype=self.dtype(key))
+        self.read_into(key, start, stop, out)
+        return out
+
+    def read_into(self, key: str, start: int, stop: int, out: torch.Tensor) -> None:
+        """Elements ``[start, stop)`` of ``key`` into the 1-D ``out``. The file's bytes go straight into ``out``'s
+        memory when it is a contiguous CPU tensor of the saved dtype; otherwise through a buffer (another dtype
+        is converted, a GPU tensor is copied to)."""
+        if out.device.type != "cpu" or out.dtype != self.dtype(key) or not out.is_contiguous():
+            out.copy_(self.read(key, start, stop))
+            return
+        if out.numel() != stop - start:
+            raise ValueError(f"read_into({key!r}, {start}, {stop}) needs {stop - start} elements; out has {out.numel()}")
+        size = out.element_size()
+        dst = memoryview(out.view(torch.uint8).numpy()) if out.numel() else memoryview(b"")  # type: ignore[arg-type]
+        for run in self.tensors[key]["slices"]:
+            a, b = max(start, run["start"]), min(stop, run["stop"])
             if a < b:
-                f = self._handle(s["file"])
-                parts.append(f.get_slice(s["name"])[a - s["start"] : b - s["start"]])
-        if not parts:
-            return torch.empty(0, dtype=dtype)
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+                header, base = self._headers[run["file"]]
+                offset = base + header[run["name"]]["data_offsets"][0] + (a - run["start"]) * size
+                _pread_exactly(self._fd(run["file"]), dst[(a - start) * size : (b - start) * size], offset)
 
     def read_whole(self, key: str) -> torch.Tensor:
         shape = tuple(self.tensors[key]["shape"])
         return self.read(key, 0, math.prod(shape)).reshape(shape)
 
-    def _handle(self, index: int) -> Any:
-        if index not in self._open:
-            from safetensors import safe_open
+    def _fd(self, index: int) -> int:
+        if index not in self._fds:
+            self._fds[index] = os.open(self.files[index], os.O_RDONLY)
+        return self._fds[index]
 
-            self._open[index] = safe_open(str(self.files[index]), framework="pt")
-        return self._open[index]
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def state_dict(self, model_index: int = 0) -> dict[str, torch.Tensor]:
         """The whole ``state_dict()`` of a saved model (its tied keys as separate tensors), on CPU."""
@@ -607,6 +696,21 @@ class _Reader:
     def read(self, key: str, start: int, stop: int) -> torch.Tensor:
         return self.ck.read(self._keys[key], start, stop)
 
+    def read_into(self, key: str, start: int, stop: int, out: torch.Tensor) -> None:
+        self.ck.read_into(self._keys[key], start, stop, out)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self.ck.dtype(self._keys[key])
+
+
+def _pread_exactly(fd: int, dst: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(dst):
+        n = os.preadv(fd, [dst[done:]], offset + done)
+        if n <= 0:
+            raise CheckpointError(f"a checkpoint file ended {len(dst) - done} bytes early (read at offset {offset + done})")
+        done += n
+
 
 def _read_header(path: Path) -> tuple[dict[str, Any], int]:
     """The safetensors header (JSON) and where the data starts; refuses anything that is not safetensors."""
@@ -668,14 +772,13 @@ def latest_checkpoint(parent: str | os.PathLike[str]) -> Path | None:
     if not root.is_dir():
         return None
     for d in root.iterdir():
-        if d.name.startswith(".") or not (d / MANIFEST).is_file():
+        # A save interrupted between its two renames leaves the previous checkpoint at .NAME.old (and no NAME): it
+        # counts, and loads from there (the next save to NAME renames it back). Staging directories never count.
+        if d.name.startswith(".") and not (d.name.endswith(".old") and not (root / d.name[1:-4]).exists()):
             continue
-        try:
-            m = json.loads((d / MANIFEST).read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(m, dict) and m.get("format") == FORMAT and (best is None or m.get("saved_at", 0) > best[0]):
-            best = (float(m.get("saved_at", 0)), d)
+        saved_at = _saved_at(d)
+        if saved_at is not None and (best is None or saved_at > best[0]):
+            best = (saved_at, d)
     return best[1] if best else None
 
 
@@ -698,13 +801,29 @@ def load_checkpoint(
         error = str(e)
     except Exception as e:  # noqa: BLE001 - every rank must learn of it before anything is loaded
         error = f"{type(e).__name__}: {e}"
-    _agree(error, device, f"loading the checkpoint {path}")
+    agree(error, device, f"loading the checkpoint {path}")
     assert ck is not None
     m = ck.manifest
 
-    for i, model in enumerate(parts.models):
-        strategy.load_sharded_state(model, parts.optimizers, ck.reader(i))
-    read_tensor = ck.read_whole
+    try:
+        for i, model in enumerate(parts.models):
+            strategy.load_sharded_state(model, parts.optimizers, ck.reader(i))
+        _load_json_state(ck, parts)
+    finally:
+        ck.close()
+    counters = {k: int(v) for k, v in m["counters"].items()}
+    same_mesh = (m["world_size"], m["pp_size"]) == (topology.world_size, topology.pp_size)
+    if same_mesh:
+        _set_rng_state(m["rng"][topology.rank], device)
+    else:
+        _reseed(m["seed"], counters.get("global_step", 0), topology.rank, device)
+    if dist.is_initialized():
+        dist.barrier()
+    return counters
+
+
+def _load_json_state(ck: Checkpoint, parts: TrainingParts) -> None:
+    m, read_tensor = ck.manifest, ck.read_whole
     for opt, saved in zip(parts.optimizers, m["optimizers"]):
         for group, hyper in zip(opt.param_groups, saved["param_groups"]):
             group.update(_from_json(hyper, read_tensor))
@@ -716,15 +835,6 @@ def load_checkpoint(
         obj.load_state_dict(_from_json(saved["state"], read_tensor))
     if parts.precision is not None and m["precision"] is not None:
         parts.precision.load_state_dict(_from_json(m["precision"], read_tensor))
-    counters = {k: int(v) for k, v in m["counters"].items()}
-    same_mesh = (m["world_size"], m["pp_size"]) == (topology.world_size, topology.pp_size)
-    if same_mesh:
-        _set_rng_state(m["rng"][topology.rank], device)
-    else:
-        _reseed(m["seed"], counters.get("global_step", 0), topology.rank, device)
-    if dist.is_initialized():
-        dist.barrier()
-    return counters
 
 
 def _compatibility(ck: Checkpoint, parts: TrainingParts, strategy: Strategy) -> list[str]:

@@ -122,7 +122,8 @@ def _checkpoint_command(ns: argparse.Namespace) -> int:
         problems = ck.verify()
         if problems:
             raise CheckpointError("; ".join(problems))
-        state = ck.state_dict(ns.model)
+        with ck:
+            state = ck.state_dict(ns.model)
         save_model_file(state, Path(ns.output), metadata={"format": "pt"})
         print(f"wrote {ns.output}: {len(state)} tensors, {sum(t.numel() for t in state.values()):,} elements "
               f"(load it with model.load_state_dict(safetensors.torch.load_file({ns.output!r})))")  # fmt: skip

@@ -378,7 +378,7 @@ class Engine:
         """``save_model(save_directory)`` or ``save_model(model, save_directory)``: the whole model as one plain
         ``model.safetensors`` (its ``state_dict()`` keys; load it with ``model.load_state_dict(safetensors.torch.
         load_file(path))``). Every rank must call it; rank 0 writes."""
-        from phalanx.checkpoint import save_model_file
+        from phalanx.checkpoint import agree, save_model_file
 
         if len(args) == 2 and isinstance(args[0], nn.Module):
             model, directory = args
@@ -391,9 +391,13 @@ class Engine:
             )
         state = self.get_state_dict(model)
         path = Path(directory) / "model.safetensors"
+        error = None
         if self.is_main_process:
-            save_model_file(state, path, metadata)
-        self.wait()
+            try:
+                save_model_file(state, path, metadata)
+            except Exception as e:  # noqa: BLE001 - the other ranks must not wait for rank 0 forever
+                error = f"{type(e).__name__}: {e}"
+        agree(error, self.device, f"engine.save_model to {path}")
         return path
 
     def _parts(self) -> Any:

@@ -7,6 +7,7 @@ gradient norm, and gives the full and sharded state dicts. The Engine never asks
 from __future__ import annotations
 
 import contextlib
+import math
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator, NamedTuple, Protocol
 
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from phalanx.precision import Precision
     from phalanx.topology import Topology
 
-__all__ = ["Strategy", "ShardEntry", "StateReader", "optimizer_list"]
+__all__ = ["Strategy", "ShardEntry", "StateReader", "optimizer_list", "read_into", "read_new", "read_optimizer_state"]
 
 
 def optimizer_list(optimizers: Any) -> list[torch.optim.Optimizer]:
@@ -39,6 +40,9 @@ class ShardEntry(NamedTuple):
     ``key`` is ``model/<parameter or buffer name>`` or ``optim/<parameter name>/<state name>`` (e.g.
     ``exp_avg``, ``step``); ``data`` holds elements ``[start, stop)`` of the flattened tensor, whose whole
     shape is ``shape``. Together, the entries of every rank cover each tensor exactly once.
+
+    ``data`` may be a view of live training state, on the training device: copy it before the next step
+    changes it (a checkpoint writes it out at once, without a copy on the CPU).
     """
 
     key: str
@@ -56,8 +60,45 @@ class StateReader(Protocol):
     def shape(self, key: str) -> tuple[int, ...]: ...
 
     def read(self, key: str, start: int, stop: int) -> torch.Tensor:
-        """Elements ``[start, stop)`` of the flattened tensor ``key``."""
+        """Elements ``[start, stop)`` of the flattened tensor ``key`` (possibly a view of the reader's memory).
+        A reader may also have ``read_into(key, start, stop, out)`` and ``dtype(key)``: see :func:`read_into`."""
         ...
+
+
+def read_into(reader: StateReader, key: str, start: int, stop: int, out: torch.Tensor) -> None:
+    """Elements ``[start, stop)`` of ``key`` into the 1-D tensor ``out``: straight into its memory when the reader
+    can (a checkpoint reads the file into it), else through ``read``."""
+    direct = getattr(reader, "read_into", None)
+    if direct is not None:
+        direct(key, start, stop, out)
+    else:
+        out.copy_(reader.read(key, start, stop))
+
+
+def read_new(reader: StateReader, key: str, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The whole tensor ``key`` in new memory of its own on ``device`` (never aliasing the reader's), in ``dtype``
+    (default: as saved)."""
+    shape = tuple(reader.shape(key))
+    n = math.prod(shape)
+    saved_dtype = getattr(reader, "dtype", None)
+    if saved_dtype is None:
+        return reader.read(key, 0, n).reshape(shape).to(device=device, dtype=dtype, copy=True)
+    out = torch.empty(n, dtype=dtype or saved_dtype(key), device=device)
+    read_into(reader, key, 0, n, out)
+    return out.view(shape)
+
+
+def read_optimizer_state(reader: StateReader, key: str, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+    """Optimizer state ``key`` (``optim/<name>/<state>``) for ``param``, placed as torch's ``Optimizer.load_state_dict``
+    places it: ``step`` on the CPU (on the parameter's device for fused or capturable optimizers), floating state in
+    the parameter's dtype on its device (a zero checkpoint's fp32 moments onto bf16 parameters), the rest on its
+    device as saved."""
+    if key.rpartition("/")[2] == "step":
+        on_device = bool(group.get("fused") or group.get("capturable"))
+        return read_new(reader, key, param.device if on_device else torch.device("cpu"))
+    saved = getattr(reader, "dtype", None)
+    floating = saved(key).is_floating_point if saved is not None else reader.read(key, 0, 0).is_floating_point()
+    return read_new(reader, key, param.device, param.dtype if floating else None)
 
 
 class Strategy(ABC):

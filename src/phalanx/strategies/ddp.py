@@ -18,7 +18,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from phalanx.comm import CommStats, broadcast_coalesced
-from phalanx.strategies.base import ShardEntry, StateReader, Strategy, optimizer_list
+from phalanx.strategies.base import ShardEntry, StateReader, Strategy, optimizer_list, read_into, read_optimizer_state
 
 __all__ = ["DDPStrategy", "GradReducer"]
 
@@ -342,12 +342,10 @@ class DDPStrategy(Strategy):
                     name = names.get(p)
                     if name is None or name not in keys:
                         continue
-                    # copy=True: the optimizer must own its state, never alias the reader's tensors (which may be
-                    # a caller's, or shared memory). Scalars (step) stay on the CPU, as torch keeps them.
+                    # New memory: the optimizer must own its state, never alias the reader's tensors (which may be
+                    # a caller's, or shared memory).
                     opt.state[p] = {
-                        k: _read_whole(reader, f"optim/{name}/{k}").to(
-                            p.device if reader.shape(f"optim/{name}/{k}") else "cpu", copy=True
-                        )
+                        k: read_optimizer_state(reader, f"optim/{name}/{k}", p, group)
                         for k in keys[name]
                         if k != "master"  # zero's fp32 copy of a low-precision parameter: the parameter itself here
                     }
@@ -406,13 +404,13 @@ def _balanced_slices(tensors: list[tuple[str, torch.Tensor]], rank: int, n: int)
         a = min(numel, max(0, -(-(lo - pos) // size)))
         b = min(numel, max(0, -(-(hi - pos) // size)))
         if a < b or (numel == 0 and rank == 0):  # an empty tensor is still listed, by rank 0
-            out.append(ShardEntry(key, tuple(t.shape), a, b, t.detach().reshape(-1)[a:b].to("cpu", copy=True)))
+            out.append(ShardEntry(key, tuple(t.shape), a, b, t.detach().reshape(-1)[a:b]))
         pos += numel * size
     return out
 
 
 def _whole(key: str, t: torch.Tensor) -> ShardEntry:
-    return ShardEntry(key, tuple(t.shape), 0, t.numel(), t.detach().reshape(-1).to("cpu", copy=True))
+    return ShardEntry(key, tuple(t.shape), 0, t.numel(), t.detach().reshape(-1))
 
 
 def _read_whole(reader: StateReader, key: str) -> torch.Tensor:
@@ -445,7 +443,10 @@ def _load_whole_tensors(model: nn.Module, reader: StateReader, skip: set[Any] | 
         raise ValueError("the checkpoint does not match the model: " + "; ".join(problems[:5]))
     with torch.no_grad():
         for name, t in wanted:
-            t.copy_(_read_whole(reader, f"model/{name}"))
+            if t.is_contiguous():
+                read_into(reader, f"model/{name}", 0, t.numel(), t.view(-1))
+            else:
+                t.copy_(_read_whole(reader, f"model/{name}"))
 
 
 def _group_rank0(group: Any) -> int:

@@ -58,6 +58,12 @@ class StateStore:
     def pinned(self) -> bool:
         return self.mode == "cpu" and self.compute_device.type == "cuda"
 
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat tensor in this store's tier whose contents will all be written (zeros on disk)."""
+        if self.mode != "disk" or numel == 0:
+            return torch.empty(numel, dtype=dtype, device=self.device, pin_memory=self.pinned)
+        return self.zeros(numel, dtype)
+
     def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A zero-filled flat tensor in this store's tier."""
         if self.mode != "disk" or numel == 0:

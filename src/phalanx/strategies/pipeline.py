@@ -222,12 +222,15 @@ class PipelineStrategy(DDPStrategy):
                 self._layout[s].append((f"{name}.{k}", tuple(v.shape), v.dtype))
         # The whole model's saved tensors (what each stage's sharded_state gives: parameters once, every buffer)
         # and how its state_dict keys map to them, for checkpoints.
-        self._shapes, self._sd_keys = {}, {}
+        # A tensor shared by two blocks (of one stage) is saved once, under its first name, as named_parameters
+        # of the stage gives it.
+        self._shapes, self._sd_keys, first = {}, {}, {}
         for name, block in blocks:
-            first: dict[int, str] = {}
             for k, t in [*block.named_parameters(), *block.named_buffers()]:
-                first.setdefault(id(t), f"{name}.{k}")
-                self._shapes[f"{name}.{k}"] = tuple(t.shape)
+                if id(t) not in first:
+                    first[id(t)] = f"{name}.{k}"
+                    self._shapes[f"{name}.{k}"] = tuple(t.shape)
+        for name, block in blocks:
             self._sd_keys.update({f"{name}.{k}": first.get(id(v), f"{name}.{k}") for k, v in block.state_dict(keep_vars=True).items()})
         for i, (name, block) in enumerate(blocks):
             if lo <= i < hi:

@@ -43,14 +43,13 @@ from torch.autograd import Variable
 from torch.utils import _pytree as pytree
 
 from phalanx.comm import broadcast_coalesced
-from phalanx.strategies.base import ShardEntry, StateReader, Strategy, optimizer_list
+from phalanx.strategies.base import ShardEntry, StateReader, Strategy, optimizer_list, read_into, read_optimizer_state
 from phalanx.strategies.ddp import (
     _check_same_model,
     _group_rank0,
     _keys_by_param,
     _load_whole_tensors,
     _named_tensors,
-    _read_whole,
     _whole,
 )
 from phalanx.strategies.offload import StateStore
@@ -645,9 +644,9 @@ class _ZeroStrategy(Strategy):
             at_rest = self._at_rest(s)
             for i, pa, pb, xa, xb in s.param_runs(0, s.shard_numel):
                 name, shape = self._names[s.params[i]], tuple(s.shapes[i])
-                entries.append(ShardEntry(f"model/{name}", shape, pa, pb, at_rest[xa:xb].to("cpu", copy=True)))
+                entries.append(ShardEntry(f"model/{name}", shape, pa, pb, at_rest[xa:xb].detach()))
                 if s.master is not None and s.master.dtype != s.dtype and s.trainable[i]:
-                    entries.append(ShardEntry(f"optim/{name}/master", shape, pa, pb, s.master[xa:xb].to("cpu", copy=True)))
+                    entries.append(ShardEntry(f"optim/{name}/master", shape, pa, pb, s.master[xa:xb].detach()))
         if self.rank == 0:
             ours = {p for s in segments for p in s.params}
             entries += [_whole(f"model/{k}", v) for k, v in _named_tensors(model) if v not in ours]
@@ -659,7 +658,7 @@ class _ZeroStrategy(Strategy):
                     if not isinstance(v, torch.Tensor):
                         continue
                     if v.shape == piece.shape:
-                        entries.append(ShardEntry(f"optim/{name}/{k}", shape, pa, pb, v[xa - a : xb - a].to("cpu", copy=True)))
+                        entries.append(ShardEntry(f"optim/{name}/{k}", shape, pa, pb, v[xa - a : xb - a].detach()))
                     elif v.dim() == 0 and pa == 0:  # per-tensor scalars (step): from the rank holding element 0
                         entries.append(_whole(f"optim/{name}/{k}", v))
         return entries
@@ -705,11 +704,13 @@ class _ZeroStrategy(Strategy):
                 at_rest = self._at_rest(s)
                 for i, pa, pb, xa, xb in s.param_runs(0, s.shard_numel):
                     name = self._names[s.params[i]]
-                    values = reader.read(f"model/{name}", pa, pb)
-                    at_rest[xa:xb].copy_(values)
+                    read_into(reader, f"model/{name}", pa, pb, at_rest[xa:xb])
                     if s.master is not None and s.master.data_ptr() != at_rest.data_ptr():
                         master_key = f"optim/{name}/master"
-                        s.master[xa:xb].copy_(reader.read(master_key, pa, pb) if master_key in available else values)
+                        if master_key in available:
+                            read_into(reader, master_key, pa, pb, s.master[xa:xb])
+                        else:
+                            s.master[xa:xb].copy_(at_rest[xa:xb])
             ours = {p for s in segments for p in s.params}
             _load_whole_tensors(model, reader, skip=ours)
         if self.stage < 3:
@@ -717,18 +718,21 @@ class _ZeroStrategy(Strategy):
                 w.wait()
         keys = _keys_by_param(reader)
         for opt, group, piece, (seg, a, b) in self._pieces_of(model, optimizers):
-            runs = list(seg.param_runs(a, b))
-            first = self._names[seg.params[runs[0][0]]]
+            runs = [(self._names[seg.params[i]], pa, pb, xa, xb) for i, pa, pb, xa, xb in seg.param_runs(a, b)]
+            # A piece may span parameters whose state differs (one never got a gradient): the union of the kinds,
+            # zeros where a parameter has none.
+            kinds = list(dict.fromkeys(k for name, *_ in runs for k in keys.get(name, []) if k != "master"))
             state: dict[str, Any] = {}
-            for k in keys.get(first, []):
-                if k == "master":
+            for k in kinds:
+                holders = [r for r in runs if k in keys.get(r[0], [])]
+                if reader.shape(f"optim/{holders[0][0]}/{k}") == ():  # a per-tensor scalar (step)
+                    state[k] = read_optimizer_state(reader, f"optim/{holders[0][0]}/{k}", piece, group)
                     continue
-                if reader.shape(f"optim/{first}/{k}") == ():
-                    state[k] = _read_whole(reader, f"optim/{first}/{k}")
-                    continue
-                buf = self.store.zeros(piece.numel(), piece.dtype)  # on disk with offload=disk
-                for i, pa, pb, xa, xb in runs:
-                    buf[xa - a : xb - a].copy_(reader.read(f"optim/{self._names[seg.params[i]]}/{k}", pa, pb))
+                # On disk with offload=disk. Padding past the last parameter is in no run: it must be zero.
+                covered = len(holders) == len(runs) and sum(xb - xa for *_, xa, xb in runs) == b - a
+                buf = (self.store.empty if covered else self.store.zeros)(piece.numel(), piece.dtype)
+                for name, pa, pb, xa, xb in holders:
+                    read_into(reader, f"optim/{name}/{k}", pa, pb, buf[xa - a : xb - a])
                 state[k] = buf
             if state:
                 opt.state[piece] = state
