@@ -101,30 +101,31 @@ Loader = Callable[[], Callable[[], float]]
 
 def _measure(spec: dict[str, Any], rank: int, save: Callable[[], Any], loader: Loader,
              before: float, extra_loads: dict[str, Loader] | None = None) -> dict[str, Any]:  # fmt: skip
-    """Time ``save``, evict the files, build the fresh state, time the load."""
+    """``spec["repeats"]`` times: sync, time ``save``, evict the files, build the fresh state, time the load (and
+    each extra load), delete the checkpoint. Returns every repeat's times; the driver takes their median."""
     path = spec["path"]
-    if rank == 0:
-        os.sync()  # every save starts with no dirty pages of earlier runs waiting to be written back
-    save_s, _ = _timed(save)
-    nbytes = _evict(path) if rank == 0 else 0
-    load = loader()
-    dist.barrier()
-    load_s, after = _timed(load)
-    out = {"rank": rank, "save_s": save_s, "load_s": load_s, "bytes": nbytes, "checksum_before": before,
-           "checksum_after": after, "memory": memory_now()}  # fmt: skip
-    for name, make in (extra_loads or {}).items():
+    times: dict[str, list[float]] = {}
+    nbytes = 0
+    for _ in range(spec["repeats"]):
         if rank == 0:
-            _evict(path)
-        fn = make()
+            os.sync()  # no save waits on dirty pages of an earlier one
+        save_s, _ = _timed(save)
+        nbytes = _evict(path) if rank == 0 else 0
+        times.setdefault("save_s", []).append(save_s)
+        for name, make in {"load": loader, **(extra_loads or {})}.items():
+            if rank == 0:
+                _evict(path)
+            load = make()
+            dist.barrier()
+            seconds, after = _timed(load)
+            times.setdefault(f"{name}_s", []).append(seconds)
+            if after != before:
+                raise RuntimeError(f"rank {rank}: checksum {after!r} after {name}, {before!r} before saving")
         dist.barrier()
-        out[f"{name}_s"], again = _timed(fn)
-        out[f"checksum_{name}"] = again
-    if after != before:
-        raise RuntimeError(f"rank {rank}: checksum {after!r} after loading, {before!r} before saving")
-    dist.barrier()
-    if rank == 0:
-        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
-    return out
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+        dist.barrier()
+    return {"rank": rank, **times, "bytes": nbytes, "checksum_before": before, "memory": memory_now()}
 
 
 def _init_gloo() -> tuple[int, int]:
