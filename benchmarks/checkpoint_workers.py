@@ -14,6 +14,7 @@ the ranks) is taken before the save and after the load; a run whose two checksum
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import time
@@ -118,6 +119,8 @@ def _measure(spec: dict[str, Any], rank: int, save: Callable[[], Any], loader: L
             load = make()
             dist.barrier()
             seconds, after = _timed(load)
+            del load
+            gc.collect()  # the fresh model and optimizer go now, not at some later collection (peak RSS)
             times.setdefault(f"{name}_s", []).append(seconds)
             if after != before:
                 raise RuntimeError(f"rank {rank}: checksum {after!r} after {name}, {before!r} before saving")

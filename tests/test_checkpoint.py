@@ -505,3 +505,15 @@ def test_pipeline_stage_with_a_tied_weight_round_trips(run_ranks, tmp_path, caps
     model = _TiedPipe()
     model.load_state_dict(load_file(tmp_path / "m.safetensors"))
     assert torch.equal(model[2].weight, saved["0.weight"])
+
+
+def test_latest_checkpoint_sees_a_save_interrupted_between_its_renames(tmp_path):
+    """Between the two renames of a save over an older checkpoint, only .NAME.old holds a complete checkpoint."""
+    for name, saved_at in (("step-1", 1.0), (".step-2.old", 2.0), (".step-3.partial", 3.0)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(json.dumps({"format": "phalanx-checkpoint", "saved_at": saved_at}))
+    assert latest_checkpoint(tmp_path) == tmp_path / ".step-2.old"  # never the staging directory
+    with pytest.raises(CheckpointError, match=r"interrupted and the previous checkpoint is at .*\.step-2\.old"):
+        Checkpoint(tmp_path / "step-2")
+    (tmp_path / "step-2").mkdir()  # once NAME exists again, .NAME.old is a leftover and does not count
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-1"

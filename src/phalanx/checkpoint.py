@@ -105,7 +105,7 @@ def save_checkpoint(
     the checkpoint is complete at ``path`` (or raises the same error)."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 (the number of checkpoints to keep); got {keep_last}")
-    target = Path(os.path.abspath(path))
+    target = Path(os.path.abspath(os.path.expanduser(path)))
     rank, world = topology.rank, topology.world_size
     staging = target.parent / f".{target.name}.partial"
 
@@ -496,7 +496,7 @@ class Checkpoint:
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
+        self.path = Path(path).expanduser()
         manifest = self.path / MANIFEST
         if not manifest.is_file():
             raise CheckpointError(_not_a_checkpoint(self.path))
