@@ -14,13 +14,9 @@ checkpoint_workers.py; the round loop is harness.py's. See benchmarks/README.md 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +24,11 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))  # so that spawned processes (which inherit sys.path) import the workers
 
-import torch  # noqa: E402
-
 import checkpoint_workers  # noqa: E402
 import phalanx  # noqa: E402
-from bench_ddp import git_state  # noqa: E402
-from bench_pipeline import src_digest  # noqa: E402
-from harness import add_round_flags, interleaved_rounds  # noqa: E402
+from harness import (  # noqa: E402
+    add_output_flags, add_round_flags, environment, interleaved_rounds, source_record, source_state, write_result,
+)
 
 NRANKS = 2
 CONFIGS: list[dict[str, Any]] = [
@@ -70,7 +64,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     print(f"\n=== checkpoint: {args.layers} x Linear({args.d}, {args.d}) = {nparams:,} parameters + AdamW state "
           f"({3 * nparams * 4 / 2**20:.0f} MiB of fp32 tensors), {NRANKS} ranks (gloo x 1 thread), {args.rounds} rounds, "
           f"files in {workdir} ===", flush=True)  # fmt: skip
-    commit_start, digest_start = git_state(), src_digest()
+    start = source_state()
 
     def run(cfg: dict[str, Any]) -> Any:
         s = dict(spec, path=str(workdir / f"{cfg['key']}{'.pt' if cfg['kind'] == 'torch_save' else ''}"),
@@ -82,10 +76,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         return f"save {s['save_s']:6.2f} s  load {s['load_s']:6.2f} s  {s['bytes'] / 2**20:7.1f} MiB"
 
     rounds, failures, wall = interleaved_rounds(configs, args, run, summarize, headline)
-    commit_end, digest_end = git_state(), src_digest()
-    if (commit_end, digest_end) != (commit_start, digest_start):
-        print(f"WARNING: the phalanx sources changed during the run ({commit_start} {digest_start} -> {commit_end} "
-              f"{digest_end}); run it again.")  # fmt: skip
+    sources = source_record(start, source_state())
 
     rows = []
     for cfg in configs:
@@ -140,8 +131,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "ranks": NRANKS,
         "rounds": args.rounds,
         "wall_s": wall,
-        "phalanx_commit": commit_start if commit_start == commit_end else f"{commit_start} -> {commit_end} (changed)",
-        "phalanx_src_sha256": digest_start if digest_start == digest_end else f"{digest_start} -> {digest_end} (changed)",
+        **sources,
         "definitions": {
             "save_s": "barrier, save, barrier: the slower rank's wall time",
             "load_s": "barrier, build a fresh model and optimizer (other seed), load, barrier; files fsynced and "
@@ -165,20 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="saves and loads per run (the run reports their median)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--dir", default="", help="where the checkpoints are written (default: a new temporary directory)")
-    p.add_argument("--out", default=str(HERE / "results"))
-    p.add_argument("--no-json", action="store_true")
+    add_output_flags(p, HERE / "results", "checkpoint")
     args = p.parse_args(argv)
-    env = {"torch": torch.__version__, "phalanx": phalanx.__version__, "python": platform.python_version(),
-           "cpu_count": os.cpu_count(), "platform": platform.platform(), "phalanx_checkout": git_state()}  # fmt: skip
-    print("environment:", ", ".join(f"{k}={v}" for k, v in env.items()))
+    env = environment()
     result = bench(args)
-    result.update(environment=env, argv=sys.argv[1:] if argv is None else argv,
-                  finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"))  # fmt: skip
-    if not args.no_json:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "checkpoint.json").write_text(json.dumps(result, indent=1, default=str))
-        print(f"wrote {out / 'checkpoint.json'}")
+    write_result(result, args, "checkpoint", env, argv)
     return 0
 
 

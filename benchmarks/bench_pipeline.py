@@ -14,13 +14,8 @@ The workers are in pipeline_workers.py. See benchmarks/README.md for the columns
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import resource
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +23,11 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))  # so that spawned processes (which inherit sys.path) import pipeline_workers
 
-import torch  # noqa: E402
-
 import phalanx  # noqa: E402
 import pipeline_workers  # noqa: E402
-from bench_ddp import git_state  # noqa: E402
-from harness import add_round_flags, interleaved_rounds  # noqa: E402
+from harness import (  # noqa: E402
+    add_output_flags, add_round_flags, environment, interleaved_rounds, source_record, source_state, write_result,
+)
 
 WORKLOAD = "mlp"
 # 8 residual MLP blocks x + fc2(gelu(fc1(x))), d=512 -> 2048 -> 512: 16.8M parameters, 4 blocks per stage.
@@ -48,18 +42,6 @@ TARGETS = {
     "phalanx_gpipe_over_torch_gpipe_step": ("phalanx gpipe", "torch ScheduleGPipe", 1.0),
     "phalanx_1f1b_over_torch_1f1b_step": ("phalanx 1f1b", "torch Schedule1F1B", 1.0),
 }
-
-
-def src_digest() -> str:
-    """sha256 (12 hex) of every .py under the imported phalanx package: '+dirty' in git_state() does not say whether
-    uncommitted sources changed during a run, this does."""
-    import hashlib
-
-    root = Path(phalanx.__file__).resolve().parent
-    h = hashlib.sha256()
-    for f in sorted(root.rglob("*.py")):
-        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
-    return h.hexdigest()[:12]
 
 
 def configurations(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -129,8 +111,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
           f"{base['global_batch']}, pp={p} on {p} ranks (gloo x 1 thread), m={m} micro-batches of "
           f"{base['global_batch'] // m}, {base['warmup']} warm-up + {base['steps']} timed steps, {args.rounds} rounds, "
           f"{len(configs)} configurations, AdamW {args.adamw} ===", flush=True)
-    commit_start, digest_start = git_state(), src_digest()
-    print(f"phalanx checkout: {commit_start}, sources {digest_start}", flush=True)
+    start = source_state()
+    print(f"phalanx checkout: {start[0]}, sources {start[1]}", flush=True)
 
     def headline(s: dict[str, Any]) -> str:
         return f"{s['median_ms']:8.1f} ms/step  bubble/stage {_fmt(s['bubble'], '{:.3f}')}"
@@ -138,10 +120,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     rounds, failures, wall = interleaved_rounds(
         configs, args, lambda cfg: run_config(base, cfg, args.timeout), summarize_round, headline
     )
-    commit_end, digest_end = git_state(), src_digest()
-    if commit_end != commit_start or digest_end != digest_start:
-        print(f"WARNING: the phalanx sources changed during the run ({commit_start} {digest_start} -> {commit_end} "
-              f"{digest_end}); run it again.")
+    sources = source_record(start, source_state())
 
     # -------- aggregate
     rows = []
@@ -286,8 +265,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "setup_checks": f"first and final loss (last stage) relative to torch ScheduleGPipe's: < {TOL_FIRST:g} "
                             f"and < {TOL_FINAL:g}; param_checksum = sum over stages of the float64 sum of parameters",
         },
-        "phalanx_commit": commit_start if commit_start == commit_end else f"{commit_start} -> {commit_end} (changed)",
-        "phalanx_src_sha256": digest_start if digest_start == digest_end else f"{digest_start} -> {digest_end} (changed)",
+        **sources,
         "targets": targets,
         "setup_checks": checks,
         "failures": failures,
@@ -311,28 +289,12 @@ def main(argv: list[str] | None = None) -> int:
                         "(kinds: torch, phalanx)")
     p.add_argument("--adamw", choices=["default", "foreach", "fused"], default="default")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--out", default=str(HERE / "results"), help="directory for pipeline-mlp.json")
-    p.add_argument("--no-json", action="store_true")
-    p.add_argument("--tag", default="", help="write pipeline-mlp-<tag>.json")
+    add_output_flags(p, HERE / "results", f"pipeline-{WORKLOAD}")
     args = p.parse_args(argv)
 
-    env = {
-        "torch": torch.__version__, "phalanx": phalanx.__version__, "python": platform.python_version(),
-        "cpu_count": os.cpu_count(), "machine": platform.machine(), "platform": platform.platform(),
-        "phalanx_checkout": git_state(),
-        "driver_ru_maxrss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
-    }
-    print("environment:", ", ".join(f"{k}={v}" for k, v in env.items()))
+    env = environment()
     result = bench(args)
-    result["environment"] = env
-    result["argv"] = sys.argv[1:] if argv is None else argv
-    result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    if not args.no_json:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / (f"pipeline-{WORKLOAD}-{args.tag}.json" if args.tag else f"pipeline-{WORKLOAD}.json")
-        path.write_text(json.dumps(result, indent=1, default=str))
-        print(f"wrote {path}")
+    write_result(result, args, f"pipeline-{WORKLOAD}", env, argv)
     return 0
 
 

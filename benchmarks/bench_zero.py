@@ -14,10 +14,7 @@ benchmarks/README.md for the columns.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -29,11 +26,12 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))  # so that spawned processes (which inherit sys.path) import zero_workers
 
-import torch  # noqa: E402
 
 import phalanx  # noqa: E402
 import zero_workers  # noqa: E402
-from bench_ddp import ForeignLoad, git_state, wait_quiet  # noqa: E402
+from harness import (  # noqa: E402
+    add_output_flags, add_round_flags, environment, interleaved_rounds, source_record, source_state, write_result,
+)
 
 WORKLOADS: dict[str, dict[str, Any]] = {
     # 8 x Linear(1024, 1024): 8.4M parameters.
@@ -167,8 +165,8 @@ def bench_workload(workload: str, args: argparse.Namespace, ds: tuple[bool, str]
     print(f"\n=== workload {workload}: global batch {gb}, {nranks} ranks on gloo x 1 thread, {base['warmup']} warm-up + "
           f"{base['steps']} timed steps, {args.rounds} rounds, {len(configs)} configurations, AdamW {args.adamw} ===",
           flush=True)
-    commit_start = git_state()
-    print(f"phalanx checkout: {commit_start}", flush=True)
+    start = source_state()
+    print(f"phalanx checkout: {start[0]}, sources {start[1]}", flush=True)
 
     # DeepSpeed JIT-compiles a CPU extension (into ~/.cache/torch_extensions) on its first run: once, untimed.
     ds_cfgs = [c for c in configs if c["kind"] == "deepspeed"]
@@ -182,43 +180,11 @@ def bench_workload(workload: str, args: argparse.Namespace, ds: tuple[bool, str]
             ds_warm.update(done=True, error=f"{type(e).__name__}: {e}")
             print(f"DeepSpeed warm-up run failed: {type(e).__name__}: {str(e)[-2000:]}", flush=True)
 
-    rounds: dict[str, list[dict[str, Any]]] = {c["name"]: [] for c in configs}
-    failures: dict[str, str] = {}
-    t_start = time.perf_counter()
-    for rnd in range(args.rounds):
-        live = [c for c in configs if c["name"] not in failures]
-        order = live[rnd % max(1, len(live)):] + live[: rnd % max(1, len(live))]
-        for cfg in order:
-            res = None
-            for attempt in range(args.retries + 1):
-                busy = wait_quiet(args.quiet_wait, args.quiet_threshold) if args.quiet_wait > 0 else None
-                probe = ForeignLoad()
-                t0 = time.perf_counter()
-                try:
-                    res = run_config(workload, base, cfg, args.timeout)
-                except Exception as e:  # noqa: BLE001 - a crashing configuration is reported, the others go on
-                    failures[cfg["name"]] = f"{type(e).__name__}: {e}"
-                    print(f"  round {rnd + 1}/{args.rounds}  {cfg['name']:<28} FAILED: {type(e).__name__}: "
-                          f"{str(e)[-3000:]}", flush=True)
-                    break
-                foreign = probe.stop()
-                if foreign is None or foreign <= args.max_foreign or attempt == args.retries:
-                    break
-                print(f"  round {rnd + 1}/{args.rounds}  {cfg['name']:<28} discarded: other processes used "
-                      f"{foreign:.2f} cores meanwhile (> --max-foreign {args.max_foreign}); running it again", flush=True)
-            if res is None:
-                continue
-            s = summarize_round(res)
-            s.update(cpu_busy_before=busy, foreign_load_cores=foreign, steal_cores=probe.steal_cores, attempts=attempt + 1)
-            rounds[cfg["name"]].append(s)
-            load = f", busy before {100 * busy:3.0f}%" if busy is not None else ""
-            load += f", foreign load {foreign:.2f} cores" if foreign is not None else ""
-            print(f"  round {rnd + 1}/{args.rounds}  {cfg['name']:<28} {s['median_ms']:8.1f} ms/step  "
-                  f"(wall {time.perf_counter() - t0:5.1f} s{load})", flush=True)
-    wall = time.perf_counter() - t_start
-    commit_end = git_state()
-    if commit_end != commit_start:
-        print(f"WARNING: the phalanx checkout changed during the run ({commit_start} -> {commit_end}); run it again.")
+    rounds, failures, wall = interleaved_rounds(
+        configs, args, lambda cfg: run_config(workload, base, cfg, args.timeout), summarize_round,
+        lambda s: f"{s['median_ms']:8.1f} ms/step",
+    )
+    sources = source_record(start, source_state())
 
     # -------- aggregate
     rows = []
@@ -377,7 +343,7 @@ def bench_workload(workload: str, args: argparse.Namespace, ds: tuple[bool, str]
             "targets": {k: f"{v[0]} / {v[1]} {v[2]} <= {v[3]}" for k, v in TARGETS.items()},
             "setup_checks": f"first and final loss relative to torch DDP's: < {TOL_FIRST:g} and < {TOL_FINAL:g}",
         },
-        "phalanx_commit": commit_start if commit_start == commit_end else f"{commit_start} -> {commit_end} (changed)",
+        **sources,
         "targets": targets,
         "setup_checks": checks,
         "failures": failures,
@@ -396,7 +362,7 @@ def zero_param_count(workload: str, rows: list[dict[str, Any]]) -> int | None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", choices=["mlp", "gpt", "gpt20m", "all"], default="all")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (every configuration once per round)")
+    add_round_flags(p, rounds=5)
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (default: per workload)")
     p.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps per run (default: per workload)")
     p.add_argument("--global-batch", type=int, default=None, help="global batch (default: mlp 64, gpt 16, gpt20m 4)")
@@ -412,37 +378,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpt-data", choices=["stdlib", "random"], default="stdlib")
     p.add_argument("--adamw", choices=["default", "foreach", "fused"], default="default")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds one spawned run may take")
-    p.add_argument("--out", default=str(HERE / "results"), help="directory for zero-<workload>.json")
-    p.add_argument("--no-json", action="store_true")
-    p.add_argument("--tag", default="", help="write zero-<workload>-<tag>.json")
-    p.add_argument("--quiet-wait", type=float, default=30.0)
-    p.add_argument("--max-foreign", type=float, default=0.25)
-    p.add_argument("--retries", type=int, default=1)
-    p.add_argument("--quiet-threshold", type=float, default=0.15)
+    add_output_flags(p, HERE / "results", "zero-<workload>")
     args = p.parse_args(argv)
 
     ds = (False, "--no-deepspeed") if args.no_deepspeed else deepspeed_status()
-    env = {
-        "torch": torch.__version__, "phalanx": phalanx.__version__, "python": platform.python_version(),
-        "cpu_count": os.cpu_count(), "machine": platform.machine(), "platform": platform.platform(),
-        "deepspeed": ds[1], "phalanx_checkout": git_state(),
-        "driver_ru_maxrss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
-    }
-    print("environment:", ", ".join(f"{k}={v}" for k, v in env.items()))
+    env = {**environment(), "deepspeed": ds[1]}
     workloads = ["mlp", "gpt", "gpt20m"] if args.workload == "all" else [args.workload]
     ds_warm: dict[str, Any] = {}
     for wl in workloads:
-        result = bench_workload(wl, args, ds, ds_warm)
-        result["environment"] = env
-        result["argv"] = sys.argv[1:] if argv is None else argv
-        result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        if not args.no_json:
-            out = Path(args.out)
-            out.mkdir(parents=True, exist_ok=True)
-            path = out / (f"zero-{wl}-{args.tag}.json" if args.tag else f"zero-{wl}.json")
-            path.write_text(json.dumps(result, indent=1, default=str))
-            print(f"wrote {path}")
+        write_result(bench_workload(wl, args, ds, ds_warm), args, f"zero-{wl}", env, argv)
     return 0
 
 

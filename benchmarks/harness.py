@@ -4,10 +4,78 @@ in fresh processes after waiting for a quiet CPU, and run again once when other 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import os
+import platform
+import resource
+import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
-from bench_ddp import ForeignLoad, wait_quiet
+import torch
+
+import phalanx
+from bench_ddp import ForeignLoad, git_state, wait_quiet
+
+
+def src_digest() -> str:
+    """sha256 (12 hex) of every .py under the imported phalanx package: '+dirty' in git_state() does not say whether
+    uncommitted sources changed during a run, this does."""
+    root = Path(phalanx.__file__).resolve().parent
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def source_state() -> tuple[str, str]:
+    """(git checkout, source digest): taken before and after a run."""
+    return git_state(), src_digest()
+
+
+def source_record(start: tuple[str, str], end: tuple[str, str]) -> dict[str, str]:
+    """What the result file says of the sources; a warning is printed when they changed during the run."""
+    if start != end:
+        print(f"WARNING: the phalanx sources changed during the run ({start[0]} {start[1]} -> {end[0]} {end[1]}); "
+              "run it again.")  # fmt: skip
+    return {
+        "phalanx_commit": start[0] if start[0] == end[0] else f"{start[0]} -> {end[0]} (changed)",
+        "phalanx_src_sha256": start[1] if start[1] == end[1] else f"{start[1]} -> {end[1]} (changed)",
+    }
+
+
+def environment() -> dict[str, Any]:
+    """Versions and machine, printed at the start of a benchmark and stored with its results."""
+    env = {
+        "torch": torch.__version__, "phalanx": phalanx.__version__, "python": platform.python_version(),
+        "cpu_count": os.cpu_count(), "machine": platform.machine(), "platform": platform.platform(),
+        "phalanx_checkout": git_state(),
+        "driver_ru_maxrss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
+    }  # fmt: skip
+    print("environment:", ", ".join(f"{k}={v}" for k, v in env.items()))
+    return env
+
+
+def add_output_flags(p: argparse.ArgumentParser, out: Path, stem: str) -> None:
+    p.add_argument("--out", default=str(out), help=f"directory for {stem}.json")
+    p.add_argument("--no-json", action="store_true")
+    p.add_argument("--tag", default="", help=f"write {stem}-<tag>.json")
+
+
+def write_result(result: dict[str, Any], args: argparse.Namespace, stem: str, env: dict[str, Any],
+                 argv: list[str] | None) -> None:  # fmt: skip
+    """Add the environment, arguments and finish time, and write ``<out>/<stem>[-<tag>].json`` unless --no-json."""
+    result.update(environment=env, argv=sys.argv[1:] if argv is None else argv,
+                  finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"))  # fmt: skip
+    if args.no_json:
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / (f"{stem}-{args.tag}.json" if args.tag else f"{stem}.json")
+    path.write_text(json.dumps(result, indent=1, default=str))
+    print(f"wrote {path}")
 
 
 def add_round_flags(p: argparse.ArgumentParser, rounds: int) -> None:
