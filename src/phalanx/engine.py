@@ -20,7 +20,7 @@ import os
 import random
 from numbers import Number
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,9 @@ from phalanx.precision import Precision
 from phalanx.runtime import WorldInfo, detect_world, init_distributed, pick_device
 from phalanx.strategies import get_strategy_class
 from phalanx.topology import Topology
+
+if TYPE_CHECKING:
+    from phalanx.checkpoint import TrainingParts
 
 __all__ = ["Engine", "PreparedOptimizer", "PreparedScheduler"]
 
@@ -400,7 +403,7 @@ class Engine:
         agree(error, self.device, f"engine.save_model to {path}")
         return path
 
-    def _parts(self) -> Any:
+    def _parts(self) -> TrainingParts:
         from phalanx.checkpoint import TrainingParts
 
         return TrainingParts(
