@@ -202,9 +202,21 @@ def _pipe_run(root: str, save: bool, strategy: str, options: dict) -> list[float
 def test_pipeline_checkpoint_loads_under_other_splits_and_ddp(run_ranks, tmp_path):
     root = str(tmp_path / "pp")
     straight = run_ranks(_pipe_run, 2, root, True, "pipeline", {"pp_partition": "3", "pp_microbatches": 4})[0]
-    for world, strategy, options in ((3, "pipeline", {"pp_partition": "2,6", "pp_microbatches": 2}), (1, "ddp", {}), (2, "zero2", {})):
+    zero1 = {"pp_size": 2, "pp_zero_stage": 1, "pp_microbatches": 4}
+    for world, strategy, options in (
+        (3, "pipeline", {"pp_partition": "2,6", "pp_microbatches": 2}),
+        (1, "ddp", {}),
+        (2, "zero2", {}),
+        (4, "pipeline", {**zero1, "pp_partition": "5"}),  # each stage's optimizer state sharded over 2 replicas
+    ):
         for res in run_ranks(_pipe_run, world, root, False, strategy, options):
-            torch.testing.assert_close(torch.tensor(res), torch.tensor(straight[5:]), **TOL)
+            torch.testing.assert_close(torch.tensor(res), torch.tensor(straight[5:]), **TOL, msg=lambda m: f"{strategy} {options}: {m}")
+    # And the other way: saved with sharded stage optimizers, resumed with whole ones on another split.
+    root = str(tmp_path / "pp-zero1")
+    sharded = run_ranks(_pipe_run, 4, root, True, "pipeline", zero1)[0]
+    torch.testing.assert_close(torch.tensor(sharded), torch.tensor(straight), **TOL)
+    for res in run_ranks(_pipe_run, 3, root, False, "pipeline", {"pp_partition": "2,6", "pp_microbatches": 2}):
+        torch.testing.assert_close(torch.tensor(res), torch.tensor(straight[5:]), **TOL)
 
 
 # ------------------------------------------------------------------------------------- crash during a save

@@ -51,6 +51,9 @@ def _train(steps: int = STEPS, opt: str = "adamw", loss_fn=pipe_loss, model_fn=p
         "local": sorted(n for n, _ in model.named_parameters()),
         "peak_in_flight": engine.strategy.peak_in_flight,
         "calls": dict(engine.strategy.stats.calls),
+        # Elements of optimizer state this rank holds (AdamW: exp_avg and exp_avg_sq), and its stage's parameters.
+        "opt_elems": sum(t.numel() for st in optimizer.optimizer.state.values() for t in st.values() if t.dim() > 0),
+        "stage_elems": sum(p.numel() for p in model.parameters() if p.requires_grad),
     }
 
 
@@ -126,6 +129,39 @@ def test_pipeline_summed_loss_and_clipping(run_ranks):
             # The returned loss is each replica's sum / its items (replicas differ in items): parameters compare.
             for k in ref_state:
                 torch.testing.assert_close(res["state"][k], ref_state[k], **TOL, msg=f"{k}, {sched}, rank {rank}")
+
+
+# ------------------------------------------------------------------------------ zero1 across the replicas
+def _zero1_runs() -> dict:
+    runs = {sched: _train(pp_size=2, pp_schedule=sched, pp_microbatches=4, pp_zero_stage=1) for sched in ("gpipe", "1f1b")}
+    # The time partition splits at the first step, after the optimizer was prepared: it is sharded then.
+    runs["time"] = _train(pp_size=2, pp_microbatches=4, pp_zero_stage=1, pp_partition="time")
+    runs["clip"] = _train(pp_size=2, pp_microbatches=4, pp_zero_stage=1, loss_fn=pipe_loss_sum, max_grad_norm=0.3)
+    return runs
+
+
+def test_pipeline_zero1_matches_single_process(run_ranks):
+    """pp=2 x dp=2 with pp_zero_stage=1: each stage's optimizer state is split between its two replicas, and
+    losses and parameters still match one process (rtol = atol = 1e-5), clipped summed losses included."""
+    ref_losses, ref_state = pipe_reference_run(STEPS, GLOBAL_BATCH, "adamw")
+    _, clip_state = pipe_reference_run(STEPS, GLOBAL_BATCH, "adamw", sum_loss=True, clip=0.3)
+    results = run_ranks(_zero1_runs, 4)
+    for rank, per_rank in enumerate(results):
+        for run, res in per_rank.items():
+            where = f"{run}, rank {rank} of pp=2 x dp=2, pp_zero_stage=1"
+            assert res["desc"]["pp_zero_stage"] == 1
+            if run != "clip":
+                torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(ref_losses), **TOL, msg=f"losses, {where}")
+            expected = clip_state if run == "clip" else ref_state
+            for k in expected:
+                torch.testing.assert_close(res["state"][k], expected[k], **TOL, msg=f"{k}, {where}")
+    for run in ("gpipe", "1f1b", "time"):
+        for stage in (0, 1):
+            a, b = results[2 * stage][run], results[2 * stage + 1][run]  # the two replicas of the stage
+            assert a["stage_elems"] == b["stage_elems"]
+            # Together the replicas hold the stage's AdamW moments once; each holds half, up to the padding.
+            assert a["opt_elems"] + b["opt_elems"] == 2 * a["stage_elems"], (run, stage, a["opt_elems"], b["opt_elems"])
+            assert max(a["opt_elems"], b["opt_elems"]) <= a["stage_elems"] + 64, (run, stage)
 
 
 # ---------------------------------------------------------------------------------- against the torch peer
@@ -525,3 +561,7 @@ def test_pipeline_config_errors():
         EngineConfig(strategy="pipeline", pp_schedule="interleaved")
     with pytest.raises(ConfigError, match="cut points"):
         EngineConfig(strategy="pipeline", pp_partition="4,2")
+    with pytest.raises(ConfigError, match="pp_zero_stage=2 is not supported: use 0 .* or 1"):
+        EngineConfig(strategy="pipeline", pp_zero_stage=2)
+    with pytest.raises(ConfigError, match="pp_zero_stage=1 applies to strategy='pipeline' only; got strategy='zero1'"):
+        EngineConfig(strategy="zero1", pp_zero_stage=1)

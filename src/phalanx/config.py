@@ -68,6 +68,10 @@ class EngineConfig:
     """pipeline: how blocks are split into stages: ``parameters`` (balanced parameter counts), ``uniform``
     (balanced block counts), ``time`` (balanced forward+backward time, measured at the first step), or cut
     points such as ``"3,6"`` (stage 1 starts at block 3, stage 2 at block 6)."""
+    pp_zero_stage: int = 0
+    """pipeline: ``1`` shards each stage's optimizer state over its data-parallel replicas (ZeRO-1, as DeepSpeed's
+    pipeline engine allows); ``0`` keeps it whole on every replica. Stages 2 and 3 are refused: they would
+    reduce-scatter gradients or gather parameters once per micro-batch."""
     device: str = "auto"
     """``auto`` (CUDA of the local rank when there is one, else CPU), ``cpu`` or ``cuda``."""
     timeout_s: float = 1800.0
@@ -117,6 +121,12 @@ class EngineConfig:
                 parse_partition(self.pp_partition)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+            if self.pp_zero_stage not in (0, 1):
+                raise ConfigError(
+                    f"pp_zero_stage={self.pp_zero_stage!r} is not supported: use 0 (each stage's replicas hold its whole "
+                    "optimizer state) or 1 (they shard it). Stages 2 and 3 would reduce-scatter gradients or gather "
+                    "parameters on every micro-batch, which is why DeepSpeed's pipeline engine refuses them too"
+                )
             if self.grad_accum_steps > 1:
                 raise ConfigError(
                     f"grad_accum_steps={self.grad_accum_steps} does not apply to strategy='pipeline': its micro-batches "
@@ -133,6 +143,7 @@ class EngineConfig:
                 "pp_schedule": self.pp_schedule != "1f1b",
                 "pp_microbatches": self.pp_microbatches is not None,
                 "pp_partition": self.pp_partition != "parameters",
+                "pp_zero_stage": self.pp_zero_stage != 0,
             }
             for key, set_ in pipeline_only.items():
                 if set_:

@@ -66,7 +66,7 @@ class Engine:
         configure_logging(self.world.rank, self.config.log_all_ranks)
         self.device = pick_device(self.config.device, self.world.local_rank)
         init_distributed(self.world, self.device, self.config.timeout_s)
-        strategy_cls = get_strategy_class(self.config.strategy)
+        strategy_cls = get_strategy_class(self.config.strategy).variant(self.config)
         pp_size = self.config.pp_size
         if pp_size is None:  # a pipeline strategy puts one stage on each rank unless told otherwise
             pp_size = self.world.world_size if strategy_cls.supports_pipeline else 1

@@ -121,6 +121,12 @@ class Strategy(ABC):
         self.precision = precision
         self.stats = CommStats()
 
+    @classmethod
+    def variant(cls, config: EngineConfig) -> type[Strategy]:
+        """The class that runs ``config`` under this strategy's name (pipeline picks how its stages' replicas
+        reduce gradients); by default, this one."""
+        return cls
+
     def place_model(self, model: nn.Module) -> nn.Module:
         """Move ``model`` to the strategy's device before ``wrap_model`` (pipeline moves only its stage, later)."""
         return model.to(self.device)

@@ -19,8 +19,11 @@ and ``loss_fn`` computes the loss as usual.
 - Communication (``p2p.py``): ``isend``/``irecv`` between neighbouring stages. Shapes and dtypes cross once per distinct
   micro-batch signature and are cached. In 1F1B's steady state a send and the matching receive of the
   opposite direction are posted together (``batch_isend_irecv`` on NCCL), so neither side can block the other.
-- Data parallel: the ranks of one stage reduce its gradients with the ddp ``GradReducer`` once per step,
-  after the schedule; rank layout is pp-major (see ``topology.py``).
+- Data parallel: the ranks of one stage reduce its gradients once per step, after the schedule; rank layout
+  is pp-major (see ``topology.py``). ``PipelineStrategy`` all-reduces them with the ddp ``GradReducer``;
+  ``PipelineZero1Strategy`` (``pp_zero_stage: 1``) reduce-scatters them with zero1's buckets, so that each replica
+  keeps and steps the optimizer state of its slice only. ``super()`` in ``_Pipeline`` reaches that
+  data-parallel class.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from __future__ import annotations
 import math
 import time
 import weakref
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -37,8 +40,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from phalanx.comm import broadcast_coalesced
 from phalanx.logging import get_logger
-from phalanx.strategies.base import ShardEntry
+from phalanx.strategies.base import ShardEntry, Strategy
 from phalanx.strategies.ddp import DDPStrategy, _group_rank0
+from phalanx.strategies.zero import Zero1Strategy
 from phalanx.strategies.p2p import StageLink, boundary_tensors, decode_meta, encode_meta, flat_tensors, meta_of
 from phalanx.strategies.partition import (
     block_costs,
@@ -49,7 +53,10 @@ from phalanx.strategies.partition import (
     time_blocks,
 )
 
-__all__ = ["PipelineStrategy", "PipelineStage"]
+if TYPE_CHECKING:
+    from phalanx.config import EngineConfig
+
+__all__ = ["PipelineStrategy", "PipelineZero1Strategy", "PipelineStage"]
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -66,9 +73,9 @@ class PipelineStage(nn.Module):
     """This rank's blocks of the pipelined model. Parameter and buffer names are those of the whole model
     (``"4.fc.weight"``), so state dicts and checkpoints do not depend on the stage split."""
 
-    _runner: PipelineStrategy
+    _runner: _Pipeline
 
-    def __init__(self, blocks: list[tuple[str, nn.Module]], runner: PipelineStrategy) -> None:
+    def __init__(self, blocks: list[tuple[str, nn.Module]], runner: _Pipeline) -> None:
         super().__init__()
         for name, block in blocks:
             self.add_module(name, block)
@@ -117,8 +124,10 @@ class _MicroBatch:
 
 
 # ----------------------------------------------------------------------------------------- the strategy
-class PipelineStrategy(DDPStrategy):
-    """``strategy="pipeline"``: stages over ``pp_size`` ranks, each stage data-parallel over ``dp_size`` ranks."""
+class _Pipeline(Strategy):
+    """The stages and the schedules. A concrete pipeline strategy adds how a stage's data-parallel replicas
+    reduce its gradients: :class:`PipelineStrategy` (ddp buckets, every replica steps the whole stage) or
+    :class:`PipelineZero1Strategy` (``pp_zero_stage: 1``, each replica steps its slice of the stage)."""
 
     name = "pipeline"
     supports_pipeline = True
@@ -137,7 +146,7 @@ class PipelineStrategy(DDPStrategy):
         self.prev_rank = topo.rank - topo.dp_size if not self.is_first else None
         self.next_rank = topo.rank + topo.dp_size if not self.is_last else None
         self.last_rank = (self.pp_size - 1) * topo.dp_size + topo.dp_rank
-        self.stage: PipelineStage | None = None
+        self.stage_module: PipelineStage | None = None
         self.stage_starts: list[int] = []
         self.block_names: list[str] = []
         self.block_costs: list[float] = []
@@ -147,7 +156,7 @@ class PipelineStrategy(DDPStrategy):
         """The most micro-batches whose activations this stage held at once in the last train_step."""
         self._pending_partition: nn.Sequential | None = None  # pp_partition=time: split at the first step
         self._remote: dict[int, weakref.ref[torch.Tensor]] = {}
-        self._optimizers: list[torch.optim.Optimizer] = []
+        self._pp_optimizers: list[torch.optim.Optimizer] = []
         self._layout: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = []  # per stage: state_dict entries
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._sd_keys: dict[str, str] = {}
@@ -163,7 +172,7 @@ class PipelineStrategy(DDPStrategy):
         return model  # only this stage's blocks go to the device, once the model is split
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        if self.stage is not None or self._pending_partition is not None:
+        if self.stage_module is not None or self._pending_partition is not None:
             raise ValueError(
                 "strategy='pipeline' splits one model into stages; a second model was passed to engine.prepare "
                 "(prepare only the pipelined model with this Engine)"
@@ -192,7 +201,7 @@ class PipelineStrategy(DDPStrategy):
             model.to(self.device)
             self._pending_partition = model
             stage = PipelineStage(blocks, self)  # every block, until the first step has timed them
-            self.stage = stage
+            self.stage_module = stage
             return stage
         if isinstance(self.partition, list):
             starts = [0, *self.partition]
@@ -239,22 +248,22 @@ class PipelineStrategy(DDPStrategy):
                 for p in block.parameters():
                     self._remote[id(p)] = weakref.ref(p)
                 block.to("meta")  # this rank never holds another stage's parameters
-        if self.stage is not None:  # pp_partition=time: drop the blocks of the other stages from the timed stage
+        if self.stage_module is not None:  # pp_partition=time: drop the blocks of the other stages from the timed stage
             for name, _ in blocks[:lo] + blocks[hi:]:
-                delattr(self.stage, name)
-            stage = self.stage
+                delattr(self.stage_module, name)
+            stage = self.stage_module
         else:
             stage = PipelineStage(mine, self)
-        self.stage = stage
+        self.stage_module = stage
         self._pending_partition = None
-        for opt in self._optimizers:
-            self._drop_remote(opt)
         if any(p.requires_grad for p in stage.parameters()):
-            super().wrap_model(stage)  # broadcast from the stage's first replica; gradient buckets over its dp group
+            super().wrap_model(stage)  # type: ignore[safe-super]  # broadcast from the stage's first replica; gradient buckets over its dp group
         elif self.topology.dp_size > 1:
             # Nothing to train in this stage: its replicas only need the same weights and buffers.
             tensors = [t.data for t in stage.parameters()] + list(stage.buffers())
             broadcast_coalesced(tensors, src=_group_rank0(self.topology.dp_group), group=self.topology.dp_group)
+        for opt in self._pp_optimizers:  # pp_partition=time: the optimizers were prepared before the split
+            self._adopt_optimizer(opt)
         get_logger().debug(
             f"pipeline stage {self.stage_index}/{self.pp_size}: blocks {lo}..{hi - 1}, "
             f"{sum(p.numel() for p in stage.parameters())} parameters"
@@ -262,10 +271,15 @@ class PipelineStrategy(DDPStrategy):
         return stage
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        self._optimizers.append(optimizer)
+        self._pp_optimizers.append(optimizer)
         if self._pending_partition is None:
-            self._drop_remote(optimizer)
-        return optimizer
+            return self._adopt_optimizer(optimizer)
+        return optimizer  # pp_partition=time: adopted once the first step has split the model
+
+    def _adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Drop the other stages' parameters from ``optimizer``, then let the data-parallel side take it."""
+        self._drop_remote(optimizer)
+        return super().wrap_optimizer(optimizer)
 
     def _drop_remote(self, optimizer: torch.optim.Optimizer) -> None:
         def remote(p: torch.Tensor) -> bool:
@@ -281,28 +295,26 @@ class PipelineStrategy(DDPStrategy):
     def train_step(self, model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any]) -> torch.Tensor:
         """Forward and backward of every micro-batch of ``batch`` by the configured schedule; reduce gradients
         over the stage's data-parallel ranks. Returns the mean loss of the step on every stage."""
-        if model is not self.stage:
+        if model is not self.stage_module:
             raise ValueError("engine.train_step under strategy='pipeline' needs the model that engine.prepare returned")
         micro = _split_batch(batch, self.microbatches, self.topology.dp_size)
         if self._pending_partition is not None:
             self._partition_by_time(micro[0], loss_fn)
-        assert self.stage is not None
-        key = ("train", self.stage.training, _signature(micro[0]))
+        assert self.stage_module is not None
+        key = ("train", self.stage_module.training, _signature(micro[0]))
         self.link.idle_s, self.peak_in_flight, self._in_flight, self._items = 0.0, 0, 0, None
         if self.precision.scaler is not None and not self.is_last and not self._scale_ready:
             self.precision.scale_loss(torch.zeros((), device=self.device))  # creates the scale that unscale_ reads
             self._scale_ready = True
         t0 = time.perf_counter()
-        for r in self.reducers:
-            r.require_sync = False  # micro-batches only accumulate; the reduction runs once, below
+        self._hold_reduction(True)  # micro-batches only accumulate; the reduction runs once, below
         mbs: list[_MicroBatch] = []
         try:
             run = self._run_gpipe if self.schedule == "gpipe" else self._run_1f1b
             run(micro, mbs, loss_fn, key)
             self.link.wait_sends()
         finally:
-            for r in self.reducers:
-                r.require_sync = True
+            self._hold_reduction(False)
             self._active = None
         # The last stage knows the loss and whether loss_fn returned (loss_sum, items): every stage learns both.
         summary = torch.zeros(3, dtype=torch.float64, device=self.device)
@@ -322,8 +334,7 @@ class PipelineStrategy(DDPStrategy):
             self.set_grad_scale((1.0 / total).to(torch.float32))
         else:
             self.set_grad_scale(1.0 / self.topology.dp_size)  # each micro-batch's loss was already divided by m
-        for r in self.reducers:
-            r.launch_all()
+        self._reduce_gradients()
         self.last_step_timing = {"step_s": time.perf_counter() - t0, "idle_s": self.link.idle_s}
         return torch.tensor(loss_total / items, dtype=torch.float32, device=self.device)
 
@@ -356,12 +367,12 @@ class PipelineStrategy(DDPStrategy):
             link.send_backward(self._backward(mbs[k], link.recv_backward(mbs[k].outputs_flat)))
 
     def _forward(self, index: int, batch: Any, received: Any, loss_fn: Callable[..., Any], key: Any) -> _MicroBatch:
-        assert self.stage is not None
+        assert self.stage_module is not None
         mb = _MicroBatch(index, received)
         mb.inputs_flat = flat_tensors(received) if received is not None else []
         self._active = mb
         try:
-            result = loss_fn(self.stage, batch)
+            result = loss_fn(self.stage_module, batch)
         except _StageDone:
             result = None
         finally:
@@ -474,6 +485,96 @@ class PipelineStrategy(DDPStrategy):
         self._split(model, partition_blocks(self.block_costs, self.pp_size))
 
     # --------------------------------------------------------------------------- strategy interface
+    def grad_shard_group(self) -> Any:
+        return None  # the whole world: stages hold different gradients, replicas reduce theirs
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Every stage's tensors, broadcast along the pipeline, so that each rank returns the whole state dict."""
+        self._require_split("engine.get_state_dict")
+        if self.pp_size == 1:
+            return super().full_state_dict(model)  # type: ignore[safe-super]
+        assert self.stage_module is not None
+        out: dict[str, torch.Tensor] = {}
+        local = self.stage_module.state_dict()
+        for s, layout in enumerate(self._layout):
+            src = s * self.topology.dp_size + self.topology.dp_rank
+            by_dtype: dict[torch.dtype, list[tuple[str, tuple[int, ...]]]] = {}
+            for name, shape, dtype in layout:
+                by_dtype.setdefault(dtype, []).append((name, shape))
+            for dtype, entries in by_dtype.items():
+                if s == self.stage_index:
+                    flat = torch.cat([local[n].detach().reshape(-1).to(self.device) for n, _ in entries])
+                else:
+                    flat = torch.empty(sum(math.prod(sh) for _, sh in entries), dtype=dtype, device=self.device)
+                dist.broadcast(flat, src=src, group=self.topology.pp_group)
+                flat, offset = flat.cpu(), 0
+                for name, shape in entries:
+                    n = math.prod(shape)
+                    out[name] = flat[offset : offset + n].view(shape).clone()
+                    offset += n
+        order = [name for layout in self._layout for name, _, _ in layout]
+        return {k: out[k] for k in order}
+
+    def sharded_state(self, model: nn.Module, optimizers: Any = None) -> list[ShardEntry]:
+        self._require_split("saving the state")
+        return super().sharded_state(model, optimizers)  # type: ignore[safe-super]  # each stage's replicas split its blocks' bytes
+
+    def state_shapes(self, model: nn.Module) -> dict[str, tuple[int, ...]]:
+        self._require_split("checking a checkpoint against the model")
+        return dict(self._shapes)
+
+    def state_dict_keys(self, model: nn.Module) -> dict[str, str]:
+        self._require_split("saving the state")
+        return dict(self._sd_keys)
+
+    def _require_split(self, what: str) -> None:
+        if self._pending_partition is not None:
+            raise RuntimeError(
+                f"{what} needs the model split into stages, and pp_partition='time' splits it at the first "
+                "engine.train_step (run one first, or partition by parameters or cut points)"
+            )
+
+    def _hold_reduction(self, hold: bool) -> None:
+        """Hold (True) or allow (False) the data-parallel reduction in the backwards of the schedule."""
+        raise NotImplementedError
+
+    def _reduce_gradients(self) -> None:
+        """Reduce the stage's accumulated gradients over its data-parallel replicas, once per step."""
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        bounds = [*self.stage_starts, len(self.block_names)]
+        return {
+            **super().describe(),
+            "strategy": self.name,
+            "pp_size": self.pp_size,
+            "dp_size": self.topology.dp_size,
+            "stage": self.stage_index,
+            "schedule": self.schedule,
+            "microbatches": self.microbatches,
+            "partition": self.config.pp_partition,
+            "pp_zero_stage": self.config.pp_zero_stage,
+            "stage_blocks": [self.block_names[a:b] for a, b in zip(bounds, bounds[1:])] if self.stage_starts else None,
+            "stage_costs": [sum(self.block_costs[a:b]) for a, b in zip(bounds, bounds[1:])] if self.stage_starts else None,
+        }
+
+
+class PipelineStrategy(_Pipeline, DDPStrategy):
+    """``strategy="pipeline"``: stages over ``pp_size`` ranks, each stage data-parallel over ``dp_size`` ranks,
+    its gradients all-reduced in ddp buckets once per step."""
+
+    @classmethod
+    def variant(cls, config: EngineConfig) -> type[Strategy]:
+        return PipelineZero1Strategy if config.pp_zero_stage == 1 else cls
+
+    def _hold_reduction(self, hold: bool) -> None:
+        for r in self.reducers:
+            r.require_sync = not hold
+
+    def _reduce_gradients(self) -> None:
+        for r in self.reducers:
+            r.launch_all()
+
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
         params = [p for p in parameters if p.grad is not None]
         grads = [p.grad for p in params if p.grad is not None]
@@ -498,69 +599,28 @@ class PipelineStrategy(DDPStrategy):
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
 
-    def grad_shard_group(self) -> Any:
-        return None  # the whole world: stages hold different gradients, replicas reduce theirs
 
-    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Every stage's tensors, broadcast along the pipeline, so that each rank returns the whole state dict."""
-        self._require_split("engine.get_state_dict")
-        if self.pp_size == 1:
-            return super().full_state_dict(model)
-        assert self.stage is not None
-        out: dict[str, torch.Tensor] = {}
-        local = self.stage.state_dict()
-        for s, layout in enumerate(self._layout):
-            src = s * self.topology.dp_size + self.topology.dp_rank
-            by_dtype: dict[torch.dtype, list[tuple[str, tuple[int, ...]]]] = {}
-            for name, shape, dtype in layout:
-                by_dtype.setdefault(dtype, []).append((name, shape))
-            for dtype, entries in by_dtype.items():
-                if s == self.stage_index:
-                    flat = torch.cat([local[n].detach().reshape(-1).to(self.device) for n, _ in entries])
-                else:
-                    flat = torch.empty(sum(math.prod(sh) for _, sh in entries), dtype=dtype, device=self.device)
-                dist.broadcast(flat, src=src, group=self.topology.pp_group)
-                flat, offset = flat.cpu(), 0
-                for name, shape in entries:
-                    n = math.prod(shape)
-                    out[name] = flat[offset : offset + n].view(shape).clone()
-                    offset += n
-        order = [name for layout in self._layout for name, _, _ in layout]
-        return {k: out[k] for k in order}
+class PipelineZero1Strategy(_Pipeline, Zero1Strategy):
+    """``strategy="pipeline"`` with ``pp_zero_stage: 1``: as :class:`PipelineStrategy`, but each stage's optimizer
+    state is sharded over its data-parallel replicas (ZeRO-1, as DeepSpeed's pipeline engine allows). Once per
+    step the stage's gradients are reduce-scattered, each replica steps its slice, and the slices are gathered."""
 
-    def sharded_state(self, model: nn.Module, optimizers: Any = None) -> list[ShardEntry]:
-        self._require_split("saving the state")
-        return super().sharded_state(model, optimizers)  # each stage's replicas split its blocks' bytes
+    def _hold_reduction(self, hold: bool) -> None:
+        self.require_sync = not hold
 
-    def state_shapes(self, model: nn.Module) -> dict[str, tuple[int, ...]]:
-        self._require_split("checking a checkpoint against the model")
-        return dict(self._shapes)
+    def _reduce_gradients(self) -> None:
+        self.reduce_window()
 
-    def state_dict_keys(self, model: nn.Module) -> dict[str, str]:
-        self._require_split("saving the state")
-        return dict(self._sd_keys)
+    def _all_reduce_norm(self, total: torch.Tensor, op: Any) -> None:
+        # Slices differ across a stage's replicas and stages differ along the pipeline: sum over every rank.
+        if self.topology.world_size > 1:
+            dist.all_reduce(total, op=op)
 
-    def _require_split(self, what: str) -> None:
-        if self._pending_partition is not None:
-            raise RuntimeError(
-                f"{what} needs the model split into stages, and pp_partition='time' splits it at the first "
-                "engine.train_step (run one first, or partition by parameters or cut points)"
-            )
-
-    def describe(self) -> dict[str, Any]:
-        bounds = [*self.stage_starts, len(self.block_names)]
-        return {
-            **super().describe(),
-            "strategy": self.name,
-            "pp_size": self.pp_size,
-            "dp_size": self.topology.dp_size,
-            "stage": self.stage_index,
-            "schedule": self.schedule,
-            "microbatches": self.microbatches,
-            "partition": self.config.pp_partition,
-            "stage_blocks": [self.block_names[a:b] for a, b in zip(bounds, bounds[1:])] if self.stage_starts else None,
-            "stage_costs": [sum(self.block_costs[a:b]) for a, b in zip(bounds, bounds[1:])] if self.stage_starts else None,
-        }
+    def _no_sharding_hint(self) -> tuple[str, str]:
+        return (
+            f"strategy 'pipeline' with pp_zero_stage=1 and pp_size={self.topology.pp_size}",
+            f"launch a multiple of {2 * self.topology.pp_size} processes, or use pp_zero_stage=0",
+        )
 
 
 # ---------------------------------------------------------------------------------------------- helpers

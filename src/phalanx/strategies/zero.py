@@ -220,9 +220,9 @@ class _ZeroStrategy(Strategy):
         topo, cfg = self.topology, self.config
         self.group, self.world, self.rank = topo.dp_group, topo.dp_size, topo.dp_rank
         if self.world == 1:
+            what, fix = self._no_sharding_hint()
             warnings.warn(
-                f"strategy {self.name!r} on one data-parallel rank shards nothing: it trains correctly but saves no "
-                "memory (launch more processes, e.g. phalanx launch -n 2, or use strategy='ddp')",
+                f"{what} on one data-parallel rank shards nothing: it trains correctly but saves no memory ({fix})",
                 stacklevel=3,
             )
         mode = cfg.zero_collectives
@@ -250,6 +250,11 @@ class _ZeroStrategy(Strategy):
         self._missing: list[str] = []
         self._clean: set[int] = set()  # optimizers whose gradient ranges are zero since their last step
         self._early_gathers: dict[int, _Done] = {}  # segment index -> gather started by a pipelined step
+        self._window_seen: set[nn.Parameter] = set()  # zero1: parameters that got a gradient with require_sync off
+
+    def _no_sharding_hint(self) -> tuple[str, str]:
+        """What shards nothing on one data-parallel rank, and how to fix that, for the warning."""
+        return f"strategy {self.name!r}", "launch more processes, e.g. phalanx launch -n 2, or use strategy='ddp'"
 
     # -------------------------------------------------------------------- collectives
     def _reduce_scatter(self, seg: _Segment, flat: torch.Tensor) -> None:
@@ -612,19 +617,22 @@ class _ZeroStrategy(Strategy):
         local = [g.float() for g in slices if g.numel()]
         if math.isinf(norm_type):
             total = max((g.abs().max().to(self.device) for g in local), default=torch.zeros((), device=self.device))
-            if self.world > 1:
-                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
+            self._all_reduce_norm(total, dist.ReduceOp.MAX)
         else:
             total = torch.zeros((), device=self.device)
             for g in local:
                 total += (g.norm(norm_type) ** norm_type).to(self.device)
-            if self.world > 1:
-                dist.all_reduce(total, group=self.group)
+            self._all_reduce_norm(total, dist.ReduceOp.SUM)
             total = total ** (1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in slices:
             g.mul_(coef.to(g.device))
         return total
+
+    def _all_reduce_norm(self, total: torch.Tensor, op: Any) -> None:
+        """Combine the ranks' parts of the gradient norm (``total``: a max, or a sum of powers) in place."""
+        if self.world > 1:
+            dist.all_reduce(total, op=op, group=self.group)
 
     # -------------------------------------------------------------------- state
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -879,6 +887,7 @@ class _BucketedZero(_ZeroStrategy):
                 param.grad = view
             if not self.require_sync:
                 self._clean.clear()
+                self._window_seen.add(param)  # type: ignore[arg-type]
                 return
         else:
             if seg.grad_full is None:
@@ -935,6 +944,23 @@ class _BucketedZero(_ZeroStrategy):
             s.ready = [False] * len(s.params)
             s.pending = len(s.params)
         ms.next_segment = 0
+
+    def reduce_window(self) -> None:
+        """zero1 for a driver that ran every backward of the window with ``require_sync`` off (the pipeline
+        schedule): the window's gradients are complete in the bucket buffers, so reduce-scatter them all now.
+        Ends as the backward of a synced window would: reduced slices in place, unused parameters reported."""
+        assert self.stage == 1
+        for ms in self._models.values():
+            if ms.reduced:
+                raise RuntimeError(
+                    f"{self.name} already reduced this step's gradients; step or zero the optimizer before the next step"
+                )
+            for s in ms.segments:
+                s.ready = [p in self._window_seen for p in s.params]
+                s.pending = s.ready.count(False)
+            ms.touched = True
+        self._window_seen.clear()
+        self._finalize_backward()
 
     def _comm_buffer_bytes(self) -> int:
         if self.stage == 1 or not self.segments:
