@@ -1,0 +1,121 @@
+"""Worker functions for bench_pipeline_dp.py: one training run of a pipeline x data-parallel configuration (pp=2 x
+dp=2 on 4 ranks by default), in a process started by phalanx.spawn (gloo, 1 thread each).
+
+The workload is pipeline_workers.py's (residual MLP blocks, seeded build, per-step seeded global batch, MSE, AdamW),
+with one difference: the global batch is split between the data-parallel replicas, replica ``r`` of ``dp`` taking rows
+``r*B/dp .. (r+1)*B/dp - 1``, which it splits into ``m`` micro-batches. Ranks are pp-major in both phalanx and
+DeepSpeed (ranks ``0..dp-1`` are stage 0), so rank ``k`` holds the same blocks under both.
+
+Each run returns what pipeline_workers._train returns (per-step times, losses, checksum, memory) plus the bytes of
+optimizer state (AdamW's moments) the rank holds.
+
+Every function here is module-level so that the spawn start method can import it by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from pipeline_workers import _mse, _train, _world, build_model, make_batch, make_optimizer, stage_blocks
+
+
+def _replica_rows(spec: dict[str, Any], dp_rank: int) -> slice:
+    per = spec["global_batch"] // spec["dp"]
+    return slice(dp_rank * per, (dp_rank + 1) * per)
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return sum(t.numel() * t.element_size() for st in optimizer.state.values() for t in st.values()
+               if isinstance(t, torch.Tensor) and t.dim() > 0)  # fmt: skip
+
+
+def run_phalanx(spec: dict[str, Any]) -> dict[str, Any]:
+    """phalanx.Engine(strategy="pipeline", pp_size, pp_zero_stage, pp_schedule, pp_microbatches); train_step."""
+    import phalanx
+
+    rank, world = _world()
+    pp = world // spec["dp"]
+    engine = phalanx.Engine(strategy="pipeline", pp_size=pp, pp_zero_stage=spec["zero_stage"],
+                            pp_schedule=spec["schedule"], pp_microbatches=spec["microbatches"], seed=spec["seed"])  # fmt: skip
+    model = build_model(spec)
+    stage_idx, rows = engine.topology.pp_stage, _replica_rows(spec, engine.topology.dp_rank)
+    idx = stage_blocks(spec, stage_idx, pp)
+    expected = sorted(f"{i}.{n}" for i in idx for n, _ in model[i].named_parameters())
+    opt = make_optimizer(model.parameters(), spec)
+    model, opt = engine.prepare(model, opt)
+    kept = list(model.parameters())
+    if sorted(n for n, _ in model.named_parameters()) != expected:
+        raise RuntimeError(f"rank {rank}: phalanx kept {[n for n, _ in model.named_parameters()]}, not blocks {list(idx)}")
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:
+        loss = engine.train_step((x[rows], y[rows]), _mse)
+        t = engine.strategy.last_step_timing
+        return float(loss), float(t["step_s"]), float(t["idle_s"])
+
+    out = _train(spec, rank, step, kept)
+    out["optimizer_state_bytes"] = _state_bytes(opt.optimizer)
+    out["describe"] = engine.strategy.describe()
+    return out
+
+
+def run_deepspeed(spec: dict[str, Any]) -> dict[str, Any]:
+    """DeepSpeed's PipelineModule (uniform partition) and PipelineEngine.train_batch, ZeRO stage 0 or 1, fp32,
+    a torch AdamW with zero_allow_untested_optimizer, no gradient clipping."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    rank, world = _world()
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("LOCAL_RANK", str(rank)))
+    host, port = os.environ["PHALANX_INIT_METHOD"].removeprefix("tcp://").rsplit(":", 1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, port
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False, rank=rank,
+                               world_size=world, init_method=os.environ["PHALANX_INIT_METHOD"])  # fmt: skip
+    pp, m = world // spec["dp"], spec["microbatches"]
+    model = build_model(spec)
+    net = PipelineModule(layers=list(model), num_stages=pp, loss_fn=F.mse_loss, partition_method="uniform")
+    del model
+    opt = make_optimizer([p for p in net.parameters() if p.requires_grad], spec)
+    per_replica = spec["global_batch"] // spec["dp"]
+    config = {
+        "train_batch_size": spec["global_batch"],
+        "train_micro_batch_size_per_gpu": per_replica // m,
+        "gradient_accumulation_steps": m,
+        "zero_optimization": {"stage": spec["zero_stage"]},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    engine, _, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=config)
+    dp_rank = engine.grid.get_data_parallel_rank()
+    rows = _replica_rows(spec, dp_rank)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:
+        xs, ys = x[rows].chunk(m), y[rows].chunk(m)
+        loss = engine.train_batch(data_iter=iter(list(zip(xs, ys))))
+        return float(loss), float("nan"), float("nan")
+
+    params = [p for p in net.parameters()]
+    out = _train(spec, rank, step, params)
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    out["optimizer_state_bytes"] = _state_bytes(inner)
+    out["describe"] = {"zero_stage": engine.zero_optimization_stage(), "deepspeed": deepspeed.__version__,
+                       "stage": engine.grid.get_pipe_parallel_rank(), "dp_rank": dp_rank}  # fmt: skip
+    dist.barrier()
+    return out
+
+
+RUNNERS = {"phalanx": run_phalanx, "deepspeed": run_deepspeed}
+
+
+def run(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """The one entry point phalanx.spawn calls."""
+    return RUNNERS[kind](spec)
