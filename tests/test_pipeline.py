@@ -164,6 +164,54 @@ def test_pipeline_zero1_matches_single_process(run_ranks):
             assert max(a["opt_elems"], b["opt_elems"]) <= a["stage_elems"] + 64, (run, stage)
 
 
+def _frozen_stage_zero1(entries) -> dict:
+    engine = phalanx.Engine(strategy="pipeline", pp_size=2, pp_zero_stage=1, pp_partition="3", pp_microbatches=4, seed=0)
+    torch.manual_seed(100 if entries is None else 999)  # a load must bring back every tensor, the frozen stage's too
+    model = pipe_model()
+    for block in list(model)[:3]:
+        block.requires_grad_(False)  # stage 0 (blocks 0-2) has nothing to train: zero1 does not take it
+    optimizer = grouped_optimizer("adamw", model)
+    model, optimizer = engine.prepare(model, optimizer)
+    x, y = make_data(2 * GLOBAL_BATCH)
+    first, second = (x[:GLOBAL_BATCH], y[:GLOBAL_BATCH]), (x[GLOBAL_BATCH:], y[GLOBAL_BATCH:])
+    saved = []
+    if entries is None:  # step 1, save, step 2
+        engine.train_step(first, pipe_loss)
+        saved = [e._replace(data=e.data.clone()) for e in engine.strategy.sharded_state(model, optimizer.optimizer)]
+    else:  # load what was saved after step 1, step 2
+        engine.strategy.load_sharded_state(model, optimizer.optimizer, _Reader(entries))
+    last = engine.train_step(second, pipe_loss).item()
+    return {"entries": saved, "last": last, "state": engine.get_state_dict(model)}
+
+
+def _whole(entries) -> list:
+    """Slices of the same tensor from several ranks, merged; each element must come exactly once."""
+    from phalanx.strategies.base import ShardEntry
+
+    parts: dict = {}
+    for e in entries:
+        parts.setdefault(e.key, []).append(e)
+    out = []
+    for key, es in parts.items():
+        es.sort(key=lambda e: e.start)
+        assert [e.start for e in es] == [0] + [e.stop for e in es[:-1]] and es[-1].stop == es[0].data.new_empty(es[0].shape).numel(), key
+        out.append(ShardEntry(key, es[0].shape, 0, es[-1].stop, torch.cat([e.data.reshape(-1) for e in es])))
+    return out
+
+
+def test_pipeline_zero1_with_a_frozen_stage(run_ranks):
+    """A stage with nothing to train stays whole on its replicas; its tensors still save and load."""
+    first = run_ranks(_frozen_stage_zero1, 4, None)
+    entries = _whole([e for res in first for e in res["entries"]])
+    assert {e.key[len("model/"):] for e in entries if e.key.startswith("model/")} == set(first[0]["state"])
+    assert not any(e.key.startswith("optim/0.") for e in entries)  # the frozen stage has no optimizer state
+    # Loaded after step 1 into other initial weights, step 2 continues as the first run's step 2.
+    for res in run_ranks(_frozen_stage_zero1, 4, entries):
+        assert abs(res["last"] - first[0]["last"]) < 1e-5, (res["last"], first[0]["last"])
+        for k, v in first[0]["state"].items():
+            torch.testing.assert_close(res["state"][k], v, **TOL, msg=k)
+
+
 # ---------------------------------------------------------------------------------- against the torch peer
 def _peer_model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(13, 24), nn.Tanh(), nn.Linear(24, 16), Residual(16), Residual(16), nn.Linear(16, 3))
@@ -565,3 +613,6 @@ def test_pipeline_config_errors():
         EngineConfig(strategy="pipeline", pp_zero_stage=2)
     with pytest.raises(ConfigError, match="pp_zero_stage=1 applies to strategy='pipeline' only; got strategy='zero1'"):
         EngineConfig(strategy="zero1", pp_zero_stage=1)
+    EngineConfig(strategy="pipeline", pp_zero_stage=1, zero_allow_untested_optimizer=True, zero_collectives="native")
+    with pytest.raises(ConfigError, match="under strategy='pipeline' with pp_zero_stage=1, zero_collectives and"):
+        EngineConfig(strategy="pipeline", zero_allow_untested_optimizer=True)

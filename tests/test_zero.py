@@ -376,6 +376,30 @@ def test_disk_offload_same_result_lower_peak_rss(run_ranks, tmp_path, monkeypatc
         assert saved > 0.6 * state_bytes, (saved, state_bytes)
 
 
+def _scheduler_after_prepare(stage: str, offload: str, directory: str | None) -> list[float]:
+    engine = phalanx.Engine(strategy=stage, offload=offload, offload_dir=directory)
+    model = _MLP(width=8, depth=2)
+    model, optimizer = engine.prepare(model, torch.optim.AdamW(model.parameters(), lr=1.0))
+    # Built on the raw optimizer after zero replaced its step: torch wraps optimizer.step.__func__.
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer.optimizer, step_size=1, gamma=0.5)
+    lrs = []
+    for _ in range(3):
+        engine.backward(model(torch.randn(4, 8)).square().mean())
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        lrs.append(optimizer.optimizer.param_groups[0]["lr"])
+    return lrs
+
+
+@pytest.mark.parametrize("stage,offload", [("zero1", "none"), ("zero2", "disk")])
+def test_lr_scheduler_built_after_prepare(run_ranks, tmp_path, stage, offload):
+    """zero1/2 step in parts (and disk offload a chunk at a time) through a replaced optimizer.step, which an LR
+    scheduler built afterwards must still be able to wrap."""
+    for lrs in run_ranks(_scheduler_after_prepare, 2, stage, offload, str(tmp_path) if offload == "disk" else None):
+        assert lrs == [0.5, 0.25, 0.125]
+
+
 # ---------------------------------------------------------------------------------------------- bad input
 def _bad_inputs(tmp: str) -> dict:
     import warnings

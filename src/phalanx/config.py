@@ -176,11 +176,15 @@ class EngineConfig:
             "zero_collectives": self.zero_collectives != "auto",
             "zero_allow_untested_optimizer": self.zero_allow_untested_optimizer,
         }
+        pipeline_zero1 = ("zero_collectives", "zero_allow_untested_optimizer")  # also apply to pp_zero_stage=1
         for key, set_ in zero_only.items():
             if set_ and not self.strategy.startswith("zero"):
+                if self.strategy == "pipeline" and self.pp_zero_stage == 1 and key in pipeline_zero1:
+                    continue
                 raise ConfigError(
                     f"{key}={getattr(self, key)!r} applies to the zero strategies only; got strategy={self.strategy!r} "
-                    "(use zero1, zero2 or zero3, or leave it unset)"
+                    "(use zero1, zero2 or zero3, or leave it unset; under strategy='pipeline' with pp_zero_stage=1, "
+                    f"{' and '.join(pipeline_zero1)} apply)"
                 )
         if self.zero3_unit_classes is not None and self.strategy != "zero3":
             raise ConfigError(

@@ -40,9 +40,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from phalanx.comm import broadcast_coalesced
 from phalanx.logging import get_logger
-from phalanx.strategies.base import ShardEntry, Strategy
-from phalanx.strategies.ddp import DDPStrategy, _group_rank0
-from phalanx.strategies.zero import Zero1Strategy
+from phalanx.strategies.base import ShardEntry, StateReader, Strategy
+from phalanx.strategies.ddp import DDPStrategy, _balanced_slices, _group_rank0, _load_whole_tensors, _named_tensors
+from phalanx.strategies.zero import Zero1Strategy, check_optimizer
 from phalanx.strategies.p2p import StageLink, boundary_tensors, decode_meta, encode_meta, flat_tensors, meta_of
 from phalanx.strategies.partition import (
     block_costs,
@@ -479,8 +479,9 @@ class _Pipeline(Strategy):
         assert model is not None
         times = time_blocks(list(model.children()), batch, loss_fn, self.device)
         if dist.is_initialized() and self.topology.world_size > 1:
+            times = times.to(self.device)  # NCCL reduces device tensors only
             dist.all_reduce(times)  # every rank must cut at the same blocks: use the mean over ranks
-            times /= self.topology.world_size
+            times = times.cpu() / self.topology.world_size
         self.block_costs = times.tolist()
         self._split(model, partition_blocks(self.block_costs, self.pp_size))
 
@@ -605,6 +606,13 @@ class PipelineZero1Strategy(_Pipeline, Zero1Strategy):
     state is sharded over its data-parallel replicas (ZeRO-1, as DeepSpeed's pipeline engine allows). Once per
     step the stage's gradients are reduce-scattered, each replica steps its slice, and the slices are gathered."""
 
+    _whole_state_setting = "pp_zero_stage=0"
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        # Checked now even when pp_partition=time shards the optimizer only at the first step.
+        check_optimizer(optimizer, self.config.zero_allow_untested_optimizer, self._whole_state_setting)
+        return super().wrap_optimizer(optimizer)
+
     def _hold_reduction(self, hold: bool) -> None:
         self.require_sync = not hold
 
@@ -617,10 +625,34 @@ class PipelineZero1Strategy(_Pipeline, Zero1Strategy):
             dist.all_reduce(total, op=op)
 
     def _no_sharding_hint(self) -> tuple[str, str]:
-        return (
-            f"strategy 'pipeline' with pp_zero_stage=1 and pp_size={self.topology.pp_size}",
-            f"launch a multiple of {2 * self.topology.pp_size} processes, or use pp_zero_stage=0",
-        )
+        pp = self.topology.pp_size
+        if self.config.pp_size is None:
+            fix = (f"pp_size defaults to the world size, {pp}, which leaves one replica per stage: set pp_size so that "
+                   "the world size is 2 or more times pp_size, or use pp_zero_stage=0")  # fmt: skip
+        else:
+            fix = f"launch a multiple of {2 * pp} processes, or use pp_zero_stage=0"
+        return f"strategy 'pipeline' with pp_zero_stage=1 and pp_size={pp}", fix
+
+    # A stage with nothing to train is not given to zero1 (it would refuse it): its replicas hold it whole, as
+    # under ddp, and these give and take its tensors that way.
+    def _zero_holds(self, model: nn.Module) -> bool:
+        return self._pending_partition is not None or id(model) in self._models
+
+    def sharded_state(self, model: nn.Module, optimizers: Any = None) -> list[ShardEntry]:
+        if self._zero_holds(model):
+            return super().sharded_state(model, optimizers)
+        return _balanced_slices([(f"model/{k}", v) for k, v in _named_tensors(model)], self.topology.dp_rank, self.topology.dp_size)
+
+    def load_sharded_state(self, model: nn.Module, optimizers: Any, reader: StateReader) -> None:
+        if self._zero_holds(model):
+            super().load_sharded_state(model, optimizers, reader)
+        else:
+            _load_whole_tensors(model, reader)
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        if self._zero_holds(model) or self.pp_size > 1:
+            return super().full_state_dict(model)
+        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
 
 # ---------------------------------------------------------------------------------------------- helpers

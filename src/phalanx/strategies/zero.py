@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import types
 import warnings
 from typing import Any, Callable, ClassVar, Iterable, Iterator
 
@@ -73,11 +74,12 @@ _NOT_ELEMENTWISE = {
 }
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool) -> None:
-    """Refuse optimizers whose update is not elementwise: a shard's update would silently differ."""
+def check_optimizer(optimizer: torch.optim.Optimizer, allow_untested: bool, whole: str = "strategy='ddp'") -> None:
+    """Refuse optimizers whose update is not elementwise: a shard's update would silently differ. ``whole`` is the
+    setting that keeps the optimizer state whole, for the error."""
     cls = type(optimizer)
     name = cls.__name__
-    fix = f"use strategy='ddp' for {name}"
+    fix = f"use {whole} for {name}"
     if name in _NOT_ELEMENTWISE:
         raise ValueError(
             f"zero strategies cannot shard {name}: it {_NOT_ELEMENTWISE[name]}, but ZeRO steps each rank's "
@@ -252,6 +254,9 @@ class _ZeroStrategy(Strategy):
         self._early_gathers: dict[int, _Done] = {}  # segment index -> gather started by a pipelined step
         self._window_seen: set[nn.Parameter] = set()  # zero1: parameters that got a gradient with require_sync off
 
+    _whole_state_setting = "strategy='ddp'"
+    """The setting that trains without sharding optimizer state, for errors about optimizers."""
+
     def _no_sharding_hint(self) -> tuple[str, str]:
         """What shards nothing on one data-parallel rank, and how to fix that, for the warning."""
         return f"strategy {self.name!r}", "launch more processes, e.g. phalanx launch -n 2, or use strategy='ddp'"
@@ -425,7 +430,7 @@ class _ZeroStrategy(Strategy):
 
     # -------------------------------------------------------------------- optimizer
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        check_optimizer(optimizer, self.config.zero_allow_untested_optimizer)
+        check_optimizer(optimizer, self.config.zero_allow_untested_optimizer, self._whole_state_setting)
         if any(len(s) for s in optimizer.state.values()):
             raise ValueError(
                 f"{type(optimizer).__name__} already has state (it has stepped); {self.name} must shard it before the "
@@ -854,7 +859,7 @@ class _BucketedZero(_ZeroStrategy):
 
             return _step_in_parts(optimizer, lambda: step(*args, **kwargs), parts, gather)
 
-        optimizer.step = pipelined_step  # type: ignore[method-assign]
+        _replace_step(optimizer, pipelined_step)
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -1359,7 +1364,13 @@ def _chunk_steps(optimizer: torch.optim.Optimizer, store: StateStore, chunk_mb: 
         parts = [(chunk, [[p for cgi, p in chunk if cgi == gi] for gi in range(len(groups))]) for chunk in chunks]
         return _step_in_parts(optimizer, lambda: step(*args, **kwargs), parts, to_disk)
 
-    optimizer.step = chunked_step  # type: ignore[method-assign]
+    _replace_step(optimizer, chunked_step)
+
+
+def _replace_step(optimizer: torch.optim.Optimizer, step: Callable[..., Any]) -> None:
+    """Make ``step`` the optimizer's ``step``, bound to it as the original was: an LR scheduler built on this optimizer
+    later wraps ``optimizer.step.__func__``, which a plain function lacks."""
+    optimizer.step = types.MethodType(lambda _opt, *args, **kwargs: step(*args, **kwargs), optimizer)  # type: ignore[method-assign]
 
 
 def _step_in_parts(
