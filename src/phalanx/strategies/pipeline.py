@@ -19,6 +19,7 @@ and ``loss_fn`` computes the loss as usual.
 - Communication (``p2p.py``): ``isend``/``irecv`` between neighbouring stages. Shapes and dtypes cross once per distinct
   micro-batch signature and are cached. In 1F1B's steady state a send and the matching receive of the
   opposite direction are posted together (``batch_isend_irecv`` on NCCL), so neither side can block the other.
+- The stage module ``model(...)`` calls, micro-batch bookkeeping and batch splitting are in ``microbatch.py``.
 - Data parallel: the ranks of one stage reduce its gradients once per step, after the schedule; rank layout
   is pp-major (see ``topology.py``). ``PipelineStrategy`` all-reduces them with the ddp ``GradReducer``;
   ``PipelineZero1Strategy`` (``pp_zero_stage: 1``) reduce-scatters them with zero1's buckets, so that each replica
@@ -36,12 +37,20 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from phalanx.comm import broadcast_coalesced
 from phalanx.logging import get_logger
 from phalanx.strategies.base import ShardEntry, StateReader, Strategy
 from phalanx.strategies.ddp import DDPStrategy, _balanced_slices, _group_rank0, _load_whole_tensors, _named_tensors
+from phalanx.strategies.microbatch import (
+    MicroBatch,
+    NoBackward,
+    PipelineStage,
+    StageDone,
+    map_floats,
+    signature,
+    split_batch,
+)
 from phalanx.strategies.zero import Zero1Strategy, check_optimizer
 from phalanx.strategies.p2p import StageLink, boundary_tensors, decode_meta, encode_meta, flat_tensors, meta_of
 from phalanx.strategies.partition import (
@@ -59,68 +68,6 @@ if TYPE_CHECKING:
 __all__ = ["PipelineStrategy", "PipelineZero1Strategy", "PipelineStage"]
 
 SCHEDULES = ("gpipe", "1f1b")
-
-
-class _StageDone(BaseException):
-    """Raised by ``model(...)`` on a stage that is not the last: the rest of ``loss_fn`` is not this stage's work.
-
-    A BaseException, so that a user's ``except Exception`` inside ``loss_fn`` does not swallow it.
-    """
-
-
-# -------------------------------------------------------------------------------------------- the stage
-class PipelineStage(nn.Module):
-    """This rank's blocks of the pipelined model. Parameter and buffer names are those of the whole model
-    (``"4.fc.weight"``), so state dicts and checkpoints do not depend on the stage split."""
-
-    _runner: _Pipeline
-
-    def __init__(self, blocks: list[tuple[str, nn.Module]], runner: _Pipeline) -> None:
-        super().__init__()
-        for name, block in blocks:
-            self.add_module(name, block)
-        object.__setattr__(self, "_runner", runner)  # not a submodule: no parameters, not in state_dict
-
-    def run_blocks(self, *args: Any, **kwargs: Any) -> Any:
-        """This stage's blocks in order, as ``nn.Sequential`` runs them (the first may take several arguments)."""
-        x: Any = None
-        for i, block in enumerate(self._modules.values()):
-            assert block is not None
-            x = block(*args, **kwargs) if i == 0 else block(x)
-        return x
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._runner._model_call(self, args, kwargs)
-
-
-class _NoBackward(torch.autograd.Function):
-    """Marks an output of ``model(...)`` called outside ``train_step``: a backward through it would only reach
-    the last stage's parameters, so it raises instead."""
-
-    @staticmethod
-    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        raise RuntimeError(
-            "under strategy='pipeline' a backward through model(...) reaches only the last stage; train with "
-            "engine.train_step(batch, loss_fn), which runs forward and backward micro-batch by micro-batch on every stage"
-        )
-
-
-class _MicroBatch:
-    __slots__ = ("index", "input", "called", "output", "is_tuple", "inputs_flat", "outputs_flat", "loss")
-
-    def __init__(self, index: int, received: Any) -> None:
-        self.index = index
-        self.input = received
-        self.called = False
-        self.output: Any = None
-        self.is_tuple = False
-        self.inputs_flat: list[torch.Tensor] = []
-        self.outputs_flat: list[torch.Tensor] = []
-        self.loss: torch.Tensor | None = None
 
 
 # ----------------------------------------------------------------------------------------- the strategy
@@ -162,7 +109,7 @@ class _Pipeline(Strategy):
         self._sd_keys: dict[str, str] = {}
         self.link = StageLink(self.stage_index, self.prev_rank, self.next_rank, self.device, self.stats)
         self._out_meta: dict[Any, Any] = {}
-        self._active: _MicroBatch | None = None
+        self._active: MicroBatch | None = None
         self._in_flight = 0
         self._items: torch.Tensor | None = None  # loss_fn returned (loss_sum, items): the step's item count so far
         self._scale_ready = False
@@ -297,18 +244,18 @@ class _Pipeline(Strategy):
         over the stage's data-parallel ranks. Returns the mean loss of the step on every stage."""
         if model is not self.stage_module:
             raise ValueError("engine.train_step under strategy='pipeline' needs the model that engine.prepare returned")
-        micro = _split_batch(batch, self.microbatches, self.topology.dp_size)
+        micro = split_batch(batch, self.microbatches, self.topology.dp_size)
         if self._pending_partition is not None:
             self._partition_by_time(micro[0], loss_fn)
         assert self.stage_module is not None
-        key = ("train", self.stage_module.training, _signature(micro[0]))
+        key = ("train", self.stage_module.training, signature(micro[0]))
         self.link.idle_s, self.peak_in_flight, self._in_flight, self._items = 0.0, 0, 0, None
         if self.precision.scaler is not None and not self.is_last and not self._scale_ready:
             self.precision.scale_loss(torch.zeros((), device=self.device))  # creates the scale that unscale_ reads
             self._scale_ready = True
         t0 = time.perf_counter()
         self._hold_reduction(True)  # micro-batches only accumulate; the reduction runs once, below
-        mbs: list[_MicroBatch] = []
+        mbs: list[MicroBatch] = []
         try:
             run = self._run_gpipe if self.schedule == "gpipe" else self._run_1f1b
             run(micro, mbs, loss_fn, key)
@@ -338,7 +285,7 @@ class _Pipeline(Strategy):
         self.last_step_timing = {"step_s": time.perf_counter() - t0, "idle_s": self.link.idle_s}
         return torch.tensor(loss_total / items, dtype=torch.float32, device=self.device)
 
-    def _run_gpipe(self, micro: list[Any], mbs: list[_MicroBatch], loss_fn: Callable[..., Any], key: Any) -> None:
+    def _run_gpipe(self, micro: list[Any], mbs: list[MicroBatch], loss_fn: Callable[..., Any], key: Any) -> None:
         link = self.link
         for i in range(len(micro)):
             mbs.append(self._forward(i, micro[i], link.recv_forward(key), loss_fn, key))
@@ -346,7 +293,7 @@ class _Pipeline(Strategy):
         for i in range(len(micro)):
             link.send_backward(self._backward(mbs[i], link.recv_backward(mbs[i].outputs_flat)))
 
-    def _run_1f1b(self, micro: list[Any], mbs: list[_MicroBatch], loss_fn: Callable[..., Any], key: Any) -> None:
+    def _run_1f1b(self, micro: list[Any], mbs: list[MicroBatch], loss_fn: Callable[..., Any], key: Any) -> None:
         link, m = self.link, len(micro)
         warmup = min(self.pp_size - self.stage_index - 1, m)
         for i in range(warmup):
@@ -366,14 +313,14 @@ class _Pipeline(Strategy):
         for k in range(steady, m):
             link.send_backward(self._backward(mbs[k], link.recv_backward(mbs[k].outputs_flat)))
 
-    def _forward(self, index: int, batch: Any, received: Any, loss_fn: Callable[..., Any], key: Any) -> _MicroBatch:
+    def _forward(self, index: int, batch: Any, received: Any, loss_fn: Callable[..., Any], key: Any) -> MicroBatch:
         assert self.stage_module is not None
-        mb = _MicroBatch(index, received)
+        mb = MicroBatch(index, received)
         mb.inputs_flat = flat_tensors(received) if received is not None else []
         self._active = mb
         try:
             result = loss_fn(self.stage_module, batch)
-        except _StageDone:
+        except StageDone:
             result = None
         finally:
             self._active = None
@@ -407,7 +354,7 @@ class _Pipeline(Strategy):
             )
         return result.reshape(()) / self.microbatches
 
-    def _backward(self, mb: _MicroBatch, grads: list[torch.Tensor] | None) -> list[torch.Tensor]:
+    def _backward(self, mb: MicroBatch, grads: list[torch.Tensor] | None) -> list[torch.Tensor]:
         if self.is_last:
             assert mb.loss is not None
             self.precision.scale_loss(mb.loss).backward()
@@ -435,7 +382,7 @@ class _Pipeline(Strategy):
         mb.called = True
         mb.output = stage.run_blocks(*args, **kwargs) if self.is_first else stage.run_blocks(mb.input)
         if not self.is_last:
-            raise _StageDone
+            raise StageDone
         return mb.output
 
     def _forward_only(self, stage: PipelineStage, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -443,7 +390,7 @@ class _Pipeline(Strategy):
         output is returned on every stage. Every rank of the pipeline must make the call."""
         self._require_split("model(...) outside engine.train_step")
         grad = torch.is_grad_enabled()
-        key = ("forward", stage.training, _signature((args, kwargs)))
+        key = ("forward", stage.training, signature((args, kwargs)))
         with torch.no_grad():
             x = stage.run_blocks(*args, **kwargs) if self.is_first else stage.run_blocks(self.link.recv_forward(key))
             if not self.is_last:
@@ -451,7 +398,7 @@ class _Pipeline(Strategy):
                 self.link.wait_sends()
             out = self._broadcast_output(x if self.is_last else None, key)
         if grad:
-            return _map_floats(out, lambda t: _NoBackward.apply(t.requires_grad_(True)))
+            return map_floats(out, lambda t: NoBackward.apply(t.requires_grad_(True)))
         return out
 
     def _broadcast_output(self, out: Any, key: Any) -> Any:
@@ -653,38 +600,3 @@ class PipelineZero1Strategy(_Pipeline, Zero1Strategy):
         if self._zero_holds(model) or self.pp_size > 1:
             return super().full_state_dict(model)
         return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-
-
-# ---------------------------------------------------------------------------------------------- helpers
-def _split_batch(batch: Any, m: int, dp_size: int) -> list[Any]:
-    """``m`` micro-batches: every tensor split along dim 0; anything else (and 0-d tensors) given to each."""
-    leaves, spec = tree_flatten(batch)
-    sizes = {t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0}
-    if not sizes:
-        raise ValueError("engine.train_step under strategy='pipeline' needs a batch holding tensors to split into micro-batches")
-    for size in sizes:
-        if size % m:
-            raise ValueError(
-                f"a batch of {size} samples does not split into pp_microbatches={m} equal micro-batches (this is the "
-                f"batch of one data-parallel replica, dp_size={dp_size}); use a batch size divisible by {m} (and "
-                "drop_last=True, so that a DataLoader's last batch is not shorter), or change pp_microbatches"
-            )
-    parts = [
-        t.split(t.shape[0] // m) if isinstance(t, torch.Tensor) and t.dim() > 0 else [t] * m for t in leaves
-    ]
-    return [tree_unflatten([p[i] for p in parts], spec) for i in range(m)]
-
-
-def _signature(obj: Any) -> Any:
-    leaves, spec = tree_flatten(obj)
-    sig = [
-        (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor)
-        else (repr(x) if isinstance(x, (int, float, str, bool, type(None))) else type(x).__name__)
-        for x in leaves
-    ]  # fmt: skip
-    return (str(spec), tuple(sig))
-
-
-def _map_floats(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    leaves, spec = tree_flatten(x)
-    return tree_unflatten([fn(t) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in leaves], spec)

@@ -1,0 +1,112 @@
+"""What the pipeline schedules handle besides the schedule itself: the stage module that ``loss_fn`` calls, one
+micro-batch's bookkeeping, and splitting a batch into micro-batches (``pipeline.py`` runs them)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+__all__ = ["PipelineStage", "StageDone", "NoBackward", "MicroBatch", "split_batch", "signature", "map_floats"]
+
+
+class _Runner(Protocol):
+    def _model_call(self, stage: PipelineStage, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
+
+
+class StageDone(BaseException):
+    """Raised by ``model(...)`` on a stage that is not the last: the rest of ``loss_fn`` is not this stage's work.
+
+    A BaseException, so that a user's ``except Exception`` inside ``loss_fn`` does not swallow it.
+    """
+
+
+class PipelineStage(nn.Module):
+    """This rank's blocks of the pipelined model. Parameter and buffer names are those of the whole model
+    (``"4.fc.weight"``), so state dicts and checkpoints do not depend on the stage split."""
+
+    _runner: _Runner
+
+    def __init__(self, blocks: list[tuple[str, nn.Module]], runner: _Runner) -> None:
+        super().__init__()
+        for name, block in blocks:
+            self.add_module(name, block)
+        object.__setattr__(self, "_runner", runner)  # not a submodule: no parameters, not in state_dict
+
+    def run_blocks(self, *args: Any, **kwargs: Any) -> Any:
+        """This stage's blocks in order, as ``nn.Sequential`` runs them (the first may take several arguments)."""
+        x: Any = None
+        for i, block in enumerate(self._modules.values()):
+            assert block is not None
+            x = block(*args, **kwargs) if i == 0 else block(x)
+        return x
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._runner._model_call(self, args, kwargs)
+
+
+class NoBackward(torch.autograd.Function):
+    """Marks an output of ``model(...)`` called outside ``train_step``: a backward through it would only reach
+    the last stage's parameters, so it raises instead."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        raise RuntimeError(
+            "under strategy='pipeline' a backward through model(...) reaches only the last stage; train with "
+            "engine.train_step(batch, loss_fn), which runs forward and backward micro-batch by micro-batch on every stage"
+        )
+
+
+class MicroBatch:
+    __slots__ = ("index", "input", "called", "output", "is_tuple", "inputs_flat", "outputs_flat", "loss")
+
+    def __init__(self, index: int, received: Any) -> None:
+        self.index = index
+        self.input = received
+        self.called = False
+        self.output: Any = None
+        self.is_tuple = False
+        self.inputs_flat: list[torch.Tensor] = []
+        self.outputs_flat: list[torch.Tensor] = []
+        self.loss: torch.Tensor | None = None
+
+
+# ---------------------------------------------------------------------------------------------- batches
+def split_batch(batch: Any, m: int, dp_size: int) -> list[Any]:
+    """``m`` micro-batches: every tensor split along dim 0; anything else (and 0-d tensors) given to each."""
+    leaves, spec = tree_flatten(batch)
+    sizes = {t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if not sizes:
+        raise ValueError("engine.train_step under strategy='pipeline' needs a batch holding tensors to split into micro-batches")
+    for size in sizes:
+        if size % m:
+            raise ValueError(
+                f"a batch of {size} samples does not split into pp_microbatches={m} equal micro-batches (this is the "
+                f"batch of one data-parallel replica, dp_size={dp_size}); use a batch size divisible by {m} (and "
+                "drop_last=True, so that a DataLoader's last batch is not shorter), or change pp_microbatches"
+            )
+    parts = [
+        t.split(t.shape[0] // m) if isinstance(t, torch.Tensor) and t.dim() > 0 else [t] * m for t in leaves
+    ]
+    return [tree_unflatten([p[i] for p in parts], spec) for i in range(m)]
+
+
+def signature(obj: Any) -> Any:
+    leaves, spec = tree_flatten(obj)
+    sig = [
+        (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor)
+        else (repr(x) if isinstance(x, (int, float, str, bool, type(None))) else type(x).__name__)
+        for x in leaves
+    ]  # fmt: skip
+    return (str(spec), tuple(sig))
+
+
+def map_floats(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    leaves, spec = tree_flatten(x)
+    return tree_unflatten([fn(t) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in leaves], spec)
