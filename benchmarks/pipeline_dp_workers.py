@@ -14,15 +14,14 @@ Every function here is module-level so that the spawn start method can import it
 
 from __future__ import annotations
 
-import logging
-import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from pipeline_workers import _mse, _train, _world, build_model, make_batch, make_optimizer, stage_blocks
+from pipeline_workers import _mse, _train, _world, build_model, make_optimizer, stage_blocks
+from zero_workers import deepspeed_config, init_deepspeed
 
 
 def _replica_rows(spec: dict[str, Any], dp_rank: int) -> slice:
@@ -67,33 +66,17 @@ def run_phalanx(spec: dict[str, Any]) -> dict[str, Any]:
 def run_deepspeed(spec: dict[str, Any]) -> dict[str, Any]:
     """DeepSpeed's PipelineModule (uniform partition) and PipelineEngine.train_batch, ZeRO stage 0 or 1, fp32,
     a torch AdamW with zero_allow_untested_optimizer, no gradient clipping."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
+    deepspeed = init_deepspeed()
     from deepspeed.pipe import PipelineModule
 
-    deepspeed.utils.logger.setLevel(logging.WARNING)
     rank, world = _world()
-    os.environ.setdefault("LOCAL_RANK", os.environ.get("LOCAL_RANK", str(rank)))
-    host, port = os.environ["PHALANX_INIT_METHOD"].removeprefix("tcp://").rsplit(":", 1)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, port
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False, rank=rank,
-                               world_size=world, init_method=os.environ["PHALANX_INIT_METHOD"])  # fmt: skip
     pp, m = world // spec["dp"], spec["microbatches"]
     model = build_model(spec)
     net = PipelineModule(layers=list(model), num_stages=pp, loss_fn=F.mse_loss, partition_method="uniform")
     del model
     opt = make_optimizer([p for p in net.parameters() if p.requires_grad], spec)
     per_replica = spec["global_batch"] // spec["dp"]
-    config = {
-        "train_batch_size": spec["global_batch"],
-        "train_micro_batch_size_per_gpu": per_replica // m,
-        "gradient_accumulation_steps": m,
-        "zero_optimization": {"stage": spec["zero_stage"]},
-        "zero_allow_untested_optimizer": True,
-        "gradient_clipping": 0.0,
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
+    config = deepspeed_config(spec["global_batch"], per_replica // m, m, spec["zero_stage"])
     engine, _, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=config)
     dp_rank = engine.grid.get_data_parallel_rank()
     rows = _replica_rows(spec, dp_rank)

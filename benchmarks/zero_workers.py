@@ -253,8 +253,9 @@ def run_phalanx(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def run_deepspeed(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """DeepSpeed ZeRO stage 1/2/3, fp32, CPU accelerator, gloo, with a torch AdamW (zero_allow_untested_optimizer)."""
+def init_deepspeed() -> Any:
+    """Import DeepSpeed on its CPU accelerator, quiet, with its process group on gloo at phalanx.spawn's rendezvous
+    (no MPI discovery: there is no MPI, and no launcher's env://). Returns the module."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import logging
 
@@ -262,22 +263,33 @@ def run_deepspeed(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     rank, world = _world()
-    # phalanx.spawn's file:// rendezvous; no MPI discovery (there is no MPI, and no launcher's env://).
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False,
                                init_method=os.environ["PHALANX_INIT_METHOD"], rank=rank, world_size=world)
-    model = build_model(workload, spec["seed"])
-    opt = make_optimizer(model.parameters(), spec)
-    cfg = {
-        "train_batch_size": spec["global_batch"],
-        "train_micro_batch_size_per_gpu": spec["local_batch"],
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": spec["ds_stage"]},
+    return deepspeed
+
+
+def deepspeed_config(global_batch: int, micro_batch: int, accumulation: int, stage: int) -> dict[str, Any]:
+    """fp32, ZeRO ``stage``, a torch optimizer allowed, no clipping, no logging."""
+    return {
+        "train_batch_size": global_batch,
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": accumulation,
+        "zero_optimization": {"stage": stage},
         "zero_allow_untested_optimizer": True,
         # DeepSpeed 0.19's default is 1.0 (clip to global norm 1), which no other configuration does.
         "gradient_clipping": 0.0,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+
+
+def run_deepspeed(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """DeepSpeed ZeRO stage 1/2/3, fp32, CPU accelerator, gloo, with a torch AdamW (zero_allow_untested_optimizer)."""
+    deepspeed = init_deepspeed()
+    rank, world = _world()
+    model = build_model(workload, spec["seed"])
+    opt = make_optimizer(model.parameters(), spec)
+    cfg = deepspeed_config(spec["global_batch"], spec["local_batch"], 1, spec["ds_stage"])
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
