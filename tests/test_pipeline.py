@@ -26,7 +26,7 @@ from _common import (
 )
 from phalanx.config import ConfigError, EngineConfig
 from phalanx.launch import SpawnError
-from phalanx.strategies.partition import parse_partition, partition_blocks
+from phalanx.strategies.pipeline.partition import parse_partition, partition_blocks
 
 STEPS, GLOBAL_BATCH = 10, 16
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -186,7 +186,7 @@ def _frozen_stage_zero1(entries) -> dict:
 
 def _whole(entries) -> list:
     """Slices of the same tensor from several ranks, merged; each element must come exactly once."""
-    from phalanx.strategies.base import ShardEntry
+    from phalanx.shards import ShardEntry
 
     parts: dict = {}
     for e in entries:

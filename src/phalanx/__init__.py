@@ -8,9 +8,9 @@ Run with ``python train.py`` or ``phalanx launch -n 4 train.py``.
 """
 
 from phalanx import checkpoint
+from phalanx._version import __version__
 from phalanx.engine import Engine
-from phalanx.launch import spawn
+from phalanx.spawn import spawn
 
-__version__ = "0.1.0"
 
 __all__ = ["Engine", "spawn", "checkpoint", "__version__"]

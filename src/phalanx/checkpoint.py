@@ -39,7 +39,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -49,11 +49,9 @@ from phalanx.checkpoint_io import (
     FORMAT,
     MANIFEST,
     VERSION,
-    Checkpoint,
     CheckpointError,
     from_json,
     is_checkpoint,
-    latest_checkpoint,
     recover_interrupted_swap,
     rotate,
     save_model_file,
@@ -62,9 +60,14 @@ from phalanx.checkpoint_io import (
     write_json_durably,
     write_shard,
 )
+from phalanx._version import __version__
+from phalanx.checkpoint_read import Checkpoint, latest_checkpoint
 from phalanx.comm import all_gather_bytes
-from phalanx.strategies.base import ShardEntry, Strategy
+from phalanx.shards import ShardEntry
 from phalanx.topology import Topology
+
+if TYPE_CHECKING:
+    from phalanx.strategies.base import Strategy
 
 __all__ = [
     "CheckpointError",
@@ -201,8 +204,6 @@ def _global_state(parts: TrainingParts, strategy: Strategy, tensors: dict[str, t
 
 
 def _manifest(state: dict[str, Any], reports: list[dict[str, Any]], strategy: Strategy, topology: Topology) -> dict[str, Any]:
-    import phalanx
-
     files: list[dict[str, Any]] = []
     tensors: dict[str, dict[str, Any]] = {}
     for rank, rep in enumerate(reports):
@@ -226,7 +227,7 @@ def _manifest(state: dict[str, Any], reports: list[dict[str, Any]], strategy: St
         "format": FORMAT,
         "version": VERSION,
         "saved_at": time.time(),
-        "phalanx_version": phalanx.__version__,
+        "phalanx_version": __version__,
         "torch_version": torch.__version__,
         "world_size": topology.world_size,
         "pp_size": topology.pp_size,
@@ -404,3 +405,14 @@ def _compatibility(ck: Checkpoint, parts: TrainingParts, strategy: Strategy) -> 
     return problems
 
 
+def write_model_from_rank0(
+    state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None, is_main: bool, device: torch.device
+) -> None:
+    """Rank 0 writes ``state`` as one plain safetensors file; every rank raises if that failed (call it on all)."""
+    error = None
+    if is_main:
+        try:
+            save_model_file(state, path, metadata)
+        except Exception as e:  # noqa: BLE001 - the other ranks must not wait for rank 0 forever
+            error = f"{type(e).__name__}: {e}"
+    agree(error, device, f"engine.save_model to {path}")

@@ -16,39 +16,12 @@ import platform
 import sys
 from typing import Any, Sequence
 
+from phalanx._version import __version__
 from phalanx.config import ConfigError, resolve_config
+from phalanx.flags import add_engine_flags, add_launch_flags, cli_values
+from phalanx.launch import LaunchError, add_launch_command, launch
 
 __all__ = ["main"]
-
-
-def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine (override the config file and PHALANX_* variables)")
-    g.add_argument("--strategy", help="ddp")
-    g.add_argument("--precision", help="fp32, bf16-mixed or fp16-mixed")
-    g.add_argument("--grad-accum-steps", type=int, dest="grad_accum_steps")
-    g.add_argument("--seed", type=int)
-
-
-def _add_launch_flags(p: argparse.ArgumentParser, default_n: int | None = None) -> None:
-    g = p.add_argument_group("launch")
-    g.add_argument("-n", "--nproc-per-node", type=int, dest="nproc_per_node", default=default_n,
-                   help="processes on this node (default 1)")
-    g.add_argument("--nnodes", type=int)
-    g.add_argument("--node-rank", type=int, dest="node_rank")
-    g.add_argument("--master-addr", dest="master_addr", help="address of node 0 (default 127.0.0.1: this machine only)")
-    g.add_argument("--master-port", type=int, dest="master_port", help="rendezvous port (default: a free one)")
-    g.add_argument("--rdzv-endpoint", dest="rdzv_endpoint", help="HOST:PORT of a c10d rendezvous (elastic)")
-    g.add_argument("--max-restarts", type=int, dest="max_restarts")
-    p.add_argument("--config", help="phalanx YAML config file")
-
-
-def _cli_values(ns: argparse.Namespace) -> dict[str, Any]:
-    engine = {k: getattr(ns, k, None) for k in ("strategy", "precision", "grad_accum_steps", "seed")}
-    launch = {
-        f"launch.{k}": getattr(ns, k, None)
-        for k in ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint", "max_restarts")
-    }
-    return {**engine, **launch}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -56,15 +29,11 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("launch", help="run a training script on several processes (torchrun underneath)")
-    _add_launch_flags(p)
-    _add_engine_flags(p)
-    p.add_argument("-m", "--module", action="store_true", help="the script is a module name, as in python -m")
-    p.add_argument("script", help="training script (or module with -m)")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    add_launch_command(p)
 
     p = sub.add_parser("config", help="print the resolved config with the origin of every value")
-    _add_launch_flags(p)
-    _add_engine_flags(p)
+    add_launch_flags(p)
+    add_engine_flags(p)
 
     sub.add_parser("env", help="print versions, devices and backends")
 
@@ -80,8 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--model", type=int, default=0, help="which prepared model, in prepare order (default 0)")
 
     p = sub.add_parser("demo", help="train a small byte-level GPT on the Python standard library's source")
-    _add_launch_flags(p)
-    _add_engine_flags(p)
+    add_launch_flags(p)
+    add_engine_flags(p)
     p.epilog = "Demo options (e.g. --steps 50) follow the flags above, or come after --; see `phalanx demo -- --help`."
     return parser
 
@@ -90,10 +59,8 @@ def _env_report() -> str:
     import torch
     import torch.distributed as dist
 
-    import phalanx
-
     lines = [
-        f"phalanx {phalanx.__version__}",
+        f"phalanx {__version__}",
         f"python {platform.python_version()} on {platform.platform()}",
         f"torch {torch.__version__}",
         f"cpu cores {os.cpu_count()}",
@@ -152,12 +119,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if ns.command == "checkpoint":
             return _checkpoint_command(ns)
-        cfg = resolve_config(file=ns.config, cli=_cli_values(ns))
+        cfg = resolve_config(file=ns.config, cli=cli_values(ns))
         if ns.command == "config":
             print(cfg.describe())
             return 0
-        from phalanx.launch import LaunchError, launch
-
         try:
             if ns.command == "launch":
                 return launch(cfg, ns.script, ns.script_args, module=ns.module)

@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from phalanx.options import ConfigError, Options, option
 from phalanx.precision import PRECISIONS
-from phalanx.strategies import strategy_names
+from phalanx.strategies import DEFAULT_STRATEGY, accepting, accepts, option_groups, strategy_names
 
 __all__ = ["ConfigError", "EngineConfig", "LaunchConfig", "PhalanxConfig", "resolve_config", "ENV_CONFIG_JSON"]
 
@@ -31,171 +32,114 @@ _ENV_PREFIX = "PHALANX_"
 # Environment variables of ours that are not config fields.
 _ENV_NOT_FIELDS = {ENV_CONFIG_JSON, "PHALANX_INIT_METHOD"}
 
-
-class ConfigError(ValueError):
-    """A configuration value is wrong: the message names the key, the value, where it came from and the fix."""
+T = typing.TypeVar("T", bound=Options)
 
 
 @dataclass
-class EngineConfig:
-    """What the Engine does: strategy, precision, accumulation and the knobs of the strategy."""
+class GeneralOptions(Options):
+    """What every strategy reads: which strategy, precision, accumulation, seeds and the runtime."""
 
-    strategy: str = "ddp"
-    """How work is spread over ranks. ``ddp``: every rank holds the whole model, gradients are all-reduced."""
-    precision: str = "fp32"
-    """``fp32``, ``bf16-mixed`` (autocast to bfloat16) or ``fp16-mixed`` (autocast to float16, dynamic loss scaling)."""
-    grad_accum_steps: int = 1
-    """Micro-batches per optimizer step (the accumulation window) under ``engine.accumulate()``."""
-    seed: int = 0
-    """Seed for model init helpers and the data order; the global sample order depends only on seed and epoch."""
-    bucket_mb: float = 25.0
-    """Size of one gradient bucket (ddp) in MiB; a bucket is all-reduced as soon as its last gradient lands."""
-    broadcast_buffers: bool = True
-    """ddp: broadcast module buffers (e.g. BatchNorm statistics) from rank 0 before each training forward."""
-    find_unused_parameters: bool = False
-    """ddp: allow trainable parameters that get no gradient in a backward (they are reduced as zeros)."""
-    max_grad_norm: float | None = None
-    """``engine.train_step`` clips the global gradient norm to this value when set."""
-    pp_size: int | None = None
-    """Pipeline stages; the data-parallel size is world_size / pp_size. Default: the world size under
-    ``strategy: pipeline`` (one stage per rank), else 1."""
-    pp_schedule: str = "1f1b"
-    """pipeline: ``1f1b`` (warm-up, one forward one backward, cool-down: at most pp_size micro-batches of
-    activations held per stage) or ``gpipe`` (every forward, then every backward: all micro-batches held)."""
-    pp_microbatches: int | None = None
-    """pipeline: micro-batches each batch is split into (the bubble is (pp-1)/(m+pp-1)); default 2 x pp_size."""
-    pp_partition: str = "parameters"
-    """pipeline: how blocks are split into stages: ``parameters`` (balanced parameter counts), ``uniform``
-    (balanced block counts), ``time`` (balanced forward+backward time, measured at the first step), or cut
-    points such as ``"3,6"`` (stage 1 starts at block 3, stage 2 at block 6)."""
-    pp_zero_stage: int = 0
-    """pipeline: ``1`` shards each stage's optimizer state over its data-parallel replicas (ZeRO-1, as DeepSpeed's
-    pipeline engine allows); ``0`` keeps it whole on every replica. Stages 2 and 3 are refused: they would
-    reduce-scatter gradients or gather parameters once per micro-batch."""
-    device: str = "auto"
-    """``auto`` (CUDA of the local rank when there is one, else CPU), ``cpu`` or ``cuda``."""
-    timeout_s: float = 1800.0
-    """Timeout of collectives and of process-group start-up, in seconds."""
-    log_all_ranks: bool = False
-    """Log from every rank, not only rank 0."""
-    offload: str = "none"
-    """zero strategies: where optimizer state (and zero3's parameter shards) live: ``none`` (the device),
-    ``cpu`` (host memory, pinned on CUDA) or ``disk`` (memory-mapped files under ``offload_dir``)."""
-    offload_dir: str | None = None
-    """Directory for ``offload: disk`` (like DeepSpeed's ``nvme_path``); it must be writable."""
-    offload_chunk_mb: float = 64.0
-    """``offload: disk`` steps the optimizer this many MiB of parameters at a time, so one chunk of state is resident."""
-    comm_dtype: str | None = None
-    """zero strategies: dtype parameters and gradients travel in (``bf16``, ``fp16`` or ``fp32``); default: theirs."""
-    zero_collectives: str = "auto"
-    """``native`` (reduce-scatter / all-gather), ``allreduce`` (both emulated with all-reduce, faster on gloo),
-    or ``auto``: allreduce on gloo, native otherwise."""
-    zero3_unit_classes: str | None = None
-    """zero3: comma-separated module class names gathered as one unit (like Accelerate's
-    ``fsdp_transformer_layer_cls_to_wrap``); default: each child module with parameters."""
-    zero3_prefetch: bool = True
-    """zero3: all-gather the next unit while the current one computes (forward and backward)."""
-    zero_allow_untested_optimizer: bool = False
-    """zero strategies accept an optimizer outside torch.optim's elementwise ones (as DeepSpeed's option of that name)."""
+    title: typing.ClassVar[str] = "engine"
+    applies_to: typing.ClassVar[str] = "every strategy"
 
-    def __post_init__(self) -> None:
+    strategy: str = option(DEFAULT_STRATEGY, "How work is spread over ranks (see phalanx launch --help for each strategy).")
+    precision: str = option(
+        "fp32", "fp32, bf16-mixed (autocast to bfloat16) or fp16-mixed (autocast to float16, dynamic loss scaling)."
+    )
+    grad_accum_steps: int = option(
+        1, "Micro-batches per optimizer step (the accumulation window) under engine.accumulate().",
+        check=lambda v: v >= 1, fix="use 1 for no accumulation",
+    )  # fmt: skip
+    seed: int = option(0, "Seed for model init helpers and the data order; the sample order depends only on seed and epoch.")
+    max_grad_norm: float | None = option(
+        None, "engine.train_step clips the global gradient norm to this value when set.",
+        check=lambda v: v > 0, fix="use a positive norm, or leave it unset to not clip",
+    )  # fmt: skip
+    device: str = option(
+        "auto", "auto (CUDA of the local rank when there is one, else CPU), cpu or cuda.", choices=("auto", "cpu", "cuda")
+    )
+    timeout_s: float = option(
+        1800.0, "Timeout of collectives and of process-group start-up, in seconds.",
+        check=lambda v: v > 0, fix="use a positive number of seconds",
+    )  # fmt: skip
+    log_all_ranks: bool = option(False, "Log from every rank, not only rank 0.")
+
+
+def _groups() -> list[type[Options]]:
+    return [GeneralOptions, *option_groups()]
+
+
+def engine_fields() -> list[tuple[type[Options], dataclasses.Field[Any]]]:
+    """Every engine setting, with the group that declares it: the general ones, then each strategy's."""
+    return [(g, f) for g in _groups() for f in dataclasses.fields(g)]
+
+
+class EngineConfig(GeneralOptions):
+    """What the Engine does: the general settings (attributes of this class) and the option groups of every
+    strategy, readable flat by name (``config.bucket_mb``) or as the group (``config.options(ZeroOptions)``).
+
+    ``EngineConfig(**values)`` checks every value against its declaration, refuses a
+    setting that the chosen strategy does not accept, and runs each accepted group's own rules.
+    """
+
+    def __init__(self, **values: Any) -> None:
+        owner = {f.name: g for g, f in engine_fields()}
+        for key in values:
+            if key not in owner:
+                raise _unknown(key, list(owner), "EngineConfig")
+        general = {k: v for k, v in values.items() if owner[k] is GeneralOptions}
+        super().__init__(**general)
+        self._groups: dict[type[Options], Options] = {
+            g: g(**{k: v for k, v in values.items() if owner[k] is g}) for g in option_groups()
+        }
+        self._validate()
+
+    def options(self, group: type[T]) -> T:
+        """The settings of ``group`` (e.g. ``ZeroOptions``), typed."""
+        return typing.cast(T, self._groups[group])
+
+    def __getattr__(self, name: str) -> Any:
+        groups = self.__dict__.get("_groups", {})
+        for group in groups.values():
+            if name in group.__dataclass_fields__:
+                return getattr(group, name)
+        raise AttributeError(f"EngineConfig has no setting {name!r}")
+
+    def values(self) -> dict[str, Any]:
+        """Every setting by name."""
+        general = {f.name: getattr(self, f.name) for f in dataclasses.fields(GeneralOptions)}
+        return general | {f.name: getattr(g, f.name) for g in self._groups.values() for f in dataclasses.fields(g)}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, EngineConfig) and self.values() == other.values()
+
+    def __repr__(self) -> str:
+        return "EngineConfig(" + ", ".join(f"{k}={v!r}" for k, v in self.values().items()) + ")"
+
+    def _validate(self) -> None:
         names = strategy_names()
         if self.strategy not in names:
             raise ConfigError(f"unknown strategy {self.strategy!r}; valid strategies: {', '.join(names)}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"unknown precision {self.precision!r}; valid precisions: {', '.join(PRECISIONS)}")
-        _require(self.grad_accum_steps >= 1, "grad_accum_steps", self.grad_accum_steps, "use 1 for no accumulation")
-        _require(self.bucket_mb > 0, "bucket_mb", self.bucket_mb, "use a positive size such as 25")
-        _require(self.pp_size is None or self.pp_size >= 1, "pp_size", self.pp_size, "use 1 for no pipeline")
-        _require(self.pp_schedule in ("1f1b", "gpipe"), "pp_schedule", self.pp_schedule, "use 1f1b or gpipe")
-        _require(
-            self.pp_microbatches is None or self.pp_microbatches >= 1,
-            "pp_microbatches",
-            self.pp_microbatches,
-            "use 1 or more micro-batches per batch",
-        )
-        if self.strategy == "pipeline":
-            from phalanx.strategies.partition import parse_partition
-
-            try:
-                parse_partition(self.pp_partition)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-            if self.pp_zero_stage not in (0, 1):
+        GeneralOptions.check_fields(self)
+        for group in self._groups.values():
+            group.check_fields()
+        for cls, group in self._groups.items():
+            if accepts(self.strategy, cls):
+                continue
+            for key in group.set_fields():
+                value = getattr(group, key)
+                template = cls.__dataclass_fields__[key].metadata.get("elsewhere")
+                if template:
+                    raise ConfigError(template.format(key=key, value=value, strategy=self.strategy))
                 raise ConfigError(
-                    f"pp_zero_stage={self.pp_zero_stage!r} is not supported: use 0 (each stage's replicas hold its whole "
-                    "optimizer state) or 1 (they shard it). Stages 2 and 3 would reduce-scatter gradients or gather "
-                    "parameters on every micro-batch, which is why DeepSpeed's pipeline engine refuses them too"
+                    f"{key}={value!r} applies to {cls.applies_to} only; got strategy={self.strategy!r} (use "
+                    f"{' or '.join(accepting(cls))}, or leave it unset)"
                 )
-            if self.grad_accum_steps > 1:
-                raise ConfigError(
-                    f"grad_accum_steps={self.grad_accum_steps} does not apply to strategy='pipeline': its micro-batches "
-                    "already accumulate gradients within each engine.train_step (set pp_microbatches instead, e.g. "
-                    f"pp_microbatches={self.grad_accum_steps * (self.pp_microbatches or 1)}, with a batch that many times larger)"
-                )
-        else:
-            if self.pp_size is not None and self.pp_size > 1:
-                raise ConfigError(
-                    f"pp_size={self.pp_size} splits the model into pipeline stages, which needs strategy='pipeline'; "
-                    f"got strategy={self.strategy!r} (use strategy='pipeline', or pp_size=1)"
-                )
-            pipeline_only = {
-                "pp_schedule": self.pp_schedule != "1f1b",
-                "pp_microbatches": self.pp_microbatches is not None,
-                "pp_partition": self.pp_partition != "parameters",
-                "pp_zero_stage": self.pp_zero_stage != 0,
-            }
-            for key, set_ in pipeline_only.items():
-                if set_:
-                    raise ConfigError(
-                        f"{key}={getattr(self, key)!r} applies to strategy='pipeline' only; got strategy={self.strategy!r}"
-                    )
-        _require(self.timeout_s > 0, "timeout_s", self.timeout_s, "use a positive number of seconds")
-        _require(
-            self.max_grad_norm is None or self.max_grad_norm > 0,
-            "max_grad_norm",
-            self.max_grad_norm,
-            "use a positive norm, or leave it unset to not clip",
-        )
-        _require(
-            self.device in ("auto", "cpu", "cuda"), "device", self.device, "use one of: auto, cpu, cuda"
-        )
-        _require(self.offload in ("none", "cpu", "disk"), "offload", self.offload, "use one of: none, cpu, disk")
-        _require(self.offload_chunk_mb > 0, "offload_chunk_mb", self.offload_chunk_mb, "use a positive size such as 64")
-        _require(
-            self.comm_dtype in (None, "bf16", "fp16", "fp32"), "comm_dtype", self.comm_dtype, "use bf16, fp16 or fp32"
-        )
-        _require(
-            self.zero_collectives in ("auto", "native", "allreduce"),
-            "zero_collectives",
-            self.zero_collectives,
-            "use one of: auto, native, allreduce",
-        )
-        zero_only = {
-            "comm_dtype": self.comm_dtype is not None,
-            "zero_collectives": self.zero_collectives != "auto",
-            "zero_allow_untested_optimizer": self.zero_allow_untested_optimizer,
-        }
-        pipeline_zero1 = ("zero_collectives", "zero_allow_untested_optimizer")  # also apply to pp_zero_stage=1
-        for key, set_ in zero_only.items():
-            if set_ and not self.strategy.startswith("zero"):
-                if self.strategy == "pipeline" and self.pp_zero_stage == 1 and key in pipeline_zero1:
-                    continue
-                raise ConfigError(
-                    f"{key}={getattr(self, key)!r} applies to the zero strategies only; got strategy={self.strategy!r} "
-                    "(use zero1, zero2 or zero3, or leave it unset; under strategy='pipeline' with pp_zero_stage=1, "
-                    f"{' and '.join(pipeline_zero1)} apply)"
-                )
-        if self.zero3_unit_classes is not None and self.strategy != "zero3":
-            raise ConfigError(
-                f"zero3_unit_classes={self.zero3_unit_classes!r} applies to strategy='zero3' only; got strategy={self.strategy!r}"
-            )
-        if self.offload != "none" and not self.strategy.startswith("zero"):
-            raise ConfigError(
-                f"offload={self.offload!r} needs a zero strategy (zero1, zero2 or zero3); got strategy={self.strategy!r}"
-            )
-        if self.offload == "disk" and not self.offload_dir:
-            raise ConfigError("offload='disk' needs offload_dir: a writable directory for the memory-mapped files")
+        for cls, group in self._groups.items():
+            if accepts(self.strategy, cls):
+                group.check(self)
 
 
 @dataclass
@@ -250,12 +194,19 @@ class PhalanxConfig:
     """Where each value came from: ``default``, the file path, ``env PHALANX_X``, ``cli`` or ``argument``."""
 
     def describe(self) -> str:
-        """A printable table of every value and its origin."""
+        """A printable table of every value the chosen strategy reads, with its origin, then the launcher's."""
         lines = []
-        for section, obj in (("", self.engine), ("launch.", self.launch)):
-            for f in dataclasses.fields(obj):
-                key = section + f.name
-                lines.append(f"{key:<28} {getattr(obj, f.name)!r:<20} ({self.origins.get(key, 'default')})")
+        strategy = self.engine.strategy
+        for group, f in engine_fields():
+            if group is GeneralOptions or accepts(strategy, group):
+                value = getattr(self.engine, f.name)
+                lines.append(f"{f.name:<28} {value!r:<20} ({self.origins.get(f.name, 'default')})")
+        for f in dataclasses.fields(self.launch):
+            key = "launch." + f.name
+            lines.append(f"{key:<28} {getattr(self.launch, f.name)!r:<20} ({self.origins.get(key, 'default')})")
+        unused = [g.title for g in option_groups() if not accepts(strategy, g)]
+        if unused:
+            lines.append(f"# not read by strategy {strategy!r}: the settings of {'; '.join(unused)}")
         return "\n".join(lines)
 
 
@@ -267,6 +218,10 @@ def _require(ok: bool, key: str, value: Any, fix: str) -> None:
 def _field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.name != "origins"}
+
+
+def _engine_types() -> dict[str, Any]:
+    return {name: typ for g in _groups() for name, typ in _field_types(g).items()}
 
 
 def _coerce(value: Any, typ: Any, key: str, where: str) -> Any:
@@ -338,7 +293,7 @@ def resolve_config(
     base that the other layers override.
     """
     env = os.environ if env is None else env
-    engine_types, launch_types = _field_types(EngineConfig), _field_types(LaunchConfig)
+    engine_types, launch_types = _engine_types(), _field_types(LaunchConfig)
     values: dict[str, Any] = {}
     origins: dict[str, str] = {}
 

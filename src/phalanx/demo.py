@@ -259,13 +259,14 @@ def _forever(loader: Iterable[Any]) -> Iterator[Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import phalanx
+    from phalanx.checkpoint import latest_checkpoint
+    from phalanx.engine import Engine
     from phalanx.tracking import JsonlMetrics, ProgressBar, Throughput, format_count, gather_peak_memory
 
     parser = _parser()
     args = parse_args(argv)
 
-    engine = phalanx.Engine()
+    engine = Engine()
     cfg = engine.config
     accum = cfg.grad_accum_steps
     dp = engine.topology.dp_size
@@ -296,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     warmup = args.warmup if args.warmup is not None else max(1, min(100, args.steps // 10))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(args.steps, warmup))
     model, optimizer, loader, scheduler = engine.prepare(model, optimizer, loader, scheduler)
-    resumed_from = phalanx.checkpoint.latest_checkpoint(args.save_dir) if args.resume else None
+    resumed_from = latest_checkpoint(args.save_dir) if args.resume else None
     if resumed_from is not None:
         engine.load_state(resumed_from)  # model, optimizer, schedule, loader position and RNG, on any world size
         if engine.global_step >= args.steps:

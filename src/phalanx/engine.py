@@ -15,12 +15,11 @@ Run it with ``python train.py`` (one process) or ``phalanx launch -n 4 train.py`
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import random
 from numbers import Number
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -31,9 +30,10 @@ from torch.utils.data import DataLoader
 from phalanx.comm import REDUCE_OPS, all_gather_varlen, all_reduce
 from phalanx.comm import world_size as comm_world_size
 from phalanx.config import EngineConfig, resolve_config
-from phalanx.data import ActiveLoaders, PreparedDataLoader, map_tensors
+from phalanx.data import ActiveLoaders, PreparedDataLoader
 from phalanx.logging import configure_logging
 from phalanx.precision import Precision
+from phalanx.prepared import PreparedOptimizer, PreparedScheduler, autocast_forward, kind_of
 from phalanx.runtime import WorldInfo, detect_world, init_distributed, pick_device
 from phalanx.strategies import get_strategy_class
 from phalanx.topology import Topology
@@ -41,7 +41,7 @@ from phalanx.topology import Topology
 if TYPE_CHECKING:
     from phalanx.checkpoint import TrainingParts
 
-__all__ = ["Engine", "PreparedOptimizer", "PreparedScheduler"]
+__all__ = ["Engine", "PreparedOptimizer", "PreparedScheduler"]  # the last two live in prepared.py
 
 
 class Engine:
@@ -66,10 +66,8 @@ class Engine:
         configure_logging(self.world.rank, self.config.log_all_ranks)
         self.device = pick_device(self.config.device, self.world.local_rank)
         init_distributed(self.world, self.device, self.config.timeout_s)
-        strategy_cls = get_strategy_class(self.config.strategy).variant(self.config)
-        pp_size = self.config.pp_size
-        if pp_size is None:  # a pipeline strategy puts one stage on each rank unless told otherwise
-            pp_size = self.world.world_size if strategy_cls.supports_pipeline else 1
+        strategy_cls = get_strategy_class(self.config.strategy)
+        pp_size = strategy_cls.pipeline_stages(self.config, self.world.world_size)
         self.topology = Topology(self.world.world_size, self.world.rank, pp_size)
         self.topology.build_groups(self.device.type)
         self.precision = Precision(self.config.precision, self.device)
@@ -123,7 +121,7 @@ class Engine:
     # ---------------------------------------------------------------- prepare
     def prepare(self, *objects: Any) -> Any:
         """Prepare models, optimizers, DataLoaders and LR schedulers, returned in the order given."""
-        kinds = [_kind_of(o) for o in objects]
+        kinds = [kind_of(o) for o in objects]
         out: list[Any] = list(objects)
         for kind in ("model", "optimizer", "scheduler", "loader"):
             for i, obj in enumerate(objects):
@@ -137,7 +135,7 @@ class Engine:
         model = self.strategy.place_model(model)
         wrapped = self.strategy.wrap_model(model)
         if self.precision.compute_dtype is not None:
-            _autocast_forward(self.unwrap_model(wrapped), self.precision)
+            autocast_forward(self.unwrap_model(wrapped), self.precision)
         self._models.append(wrapped)
         return wrapped
 
@@ -222,6 +220,7 @@ class Engine:
         in_window = self._in_accumulate
         window_len = self._micro_steps if in_window else 1
         boundary = self.sync_gradients and self._no_sync_depth == 0  # this backward reduces the gradients
+        # The factors below follow the one gradient scale contract, written in strategies/_grads.py.
         if mode == "mean":
             # Averaging over the window and the replicas is folded into the loss: a scalar multiply here
             # instead of a pass over every gradient before the all-reduce.
@@ -381,7 +380,7 @@ class Engine:
         """``save_model(save_directory)`` or ``save_model(model, save_directory)``: the whole model as one plain
         ``model.safetensors`` (its ``state_dict()`` keys; load it with ``model.load_state_dict(safetensors.torch.
         load_file(path))``). Every rank must call it; rank 0 writes."""
-        from phalanx.checkpoint import agree, save_model_file
+        from phalanx.checkpoint import write_model_from_rank0
 
         if len(args) == 2 and isinstance(args[0], nn.Module):
             model, directory = args
@@ -392,15 +391,8 @@ class Engine:
                 f"use engine.save_model(save_directory) with one prepared model, or engine.save_model(model, "
                 f"save_directory); got {len(args)} argument(s) with {len(self._models)} prepared model(s)"
             )
-        state = self.get_state_dict(model)
         path = Path(directory) / "model.safetensors"
-        error = None
-        if self.is_main_process:
-            try:
-                save_model_file(state, path, metadata)
-            except Exception as e:  # noqa: BLE001 - the other ranks must not wait for rank 0 forever
-                error = f"{type(e).__name__}: {e}"
-        agree(error, self.device, f"engine.save_model to {path}")
+        write_model_from_rank0(self.get_state_dict(model), path, metadata, self.is_main_process, self.device)
         return path
 
     def _parts(self) -> TrainingParts:
@@ -487,153 +479,12 @@ class Engine:
 
     def precision_report(self) -> dict[str, str]:
         """The dtypes actually in use: parameters, gradients, optimizer state, compute and communication."""
-
-        def dtypes(tensors: Iterable[torch.Tensor]) -> str:
-            found = sorted({str(t.dtype).replace("torch.", "") for t in tensors})
-            return ", ".join(found) if found else "none yet"
-
-        params = [p for m in self._models for p in m.parameters()]
-        state = [
-            v for opt in self._optimizers for s in opt.optimizer.state.values() for v in s.values()
-            if isinstance(v, torch.Tensor) and v.dim() > 0
-        ]
-        comm = self.strategy.comm_dtype()
-        return {
-            "precision": self.precision.name,
-            "params": dtypes(params),
-            "grads": dtypes(
-                p.grad
-                for o in self._optimizers
-                for g in o.param_groups
-                for p in g["params"]
-                if p.grad is not None
-            ),
-            "optimizer_state": dtypes(state),
-            "compute": str(self.precision.compute_dtype or dtypes(params)).replace("torch.", ""),
-            "communication": str(comm).replace("torch.", "") if comm is not None else "none (one replica)",
-            "loss_scaling": "dynamic" if self.precision.scaler is not None else "none",
-        }
-
-
-class PreparedOptimizer(torch.optim.Optimizer):
-    """The user's optimizer, stepping only at the end of an accumulation window and through loss scaling."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, engine: Engine) -> None:
-        # Deliberately no super().__init__: state and param_groups stay the wrapped optimizer's own.
-        self.optimizer = optimizer
-        self._engine = engine
-        self.schedulers: list[PreparedScheduler] = []
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.optimizer.defaults
-
-    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
-        if closure is not None:
-            raise ValueError("phalanx optimizers do not take a closure (step without one; LBFGS is not supported)")
-        if self._engine.sync_gradients:
-            self._engine._optimizer_step(self.optimizer)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._engine.sync_gradients:
-            self._engine.strategy.zero_grad(self.optimizer, set_to_none)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
-
-    def register_step_pre_hook(self, hook: Callable[..., Any]) -> Any:
-        return self.optimizer.register_step_pre_hook(hook)
-
-    def register_step_post_hook(self, hook: Callable[..., Any]) -> Any:
-        return self.optimizer.register_step_post_hook(hook)
-
-    def __getattr__(self, name: str) -> Any:
-        # Anything else (custom optimizer attributes) comes from the wrapped optimizer.
-        if name == "optimizer":
-            raise AttributeError(name)
-        return getattr(self.optimizer, name)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise RuntimeError("add parameter groups before engine.prepare: the strategy has already laid out gradients")
-
-    def __repr__(self) -> str:
-        return f"PreparedOptimizer({self.optimizer!r})"
-
-
-class PreparedScheduler:
-    """The user's LR scheduler, stepping once per optimizer step that really happened.
-
-    Micro-batches inside an accumulation window and fp16 steps skipped for overflow do not count, and
-    the world size does not either: after K optimizer steps the LR is the same on 1 rank or 64.
-    """
-
-    def __init__(self, scheduler: LRScheduler, engine: Engine) -> None:
-        self.scheduler = scheduler
-        self._engine = engine
-        for opt in engine._optimizers:
-            if opt.optimizer is scheduler.optimizer:
-                opt.schedulers.append(self)
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        if self._engine._consume_step(self.scheduler.optimizer):
-            self.scheduler.step(*args, **kwargs)
-
-    def get_last_lr(self) -> list[Any]:
-        return self.scheduler.get_last_lr()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.scheduler.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state_dict)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.scheduler, name)
-
-
-def _kind_of(obj: Any) -> str:
-    if isinstance(obj, nn.Module):
-        return "model"
-    if isinstance(obj, (list, tuple)) and obj and all(isinstance(b, nn.Module) for b in obj):
-        return "model"  # a list of blocks (pipeline stages are cut between them)
-    if isinstance(obj, torch.optim.Optimizer):
-        return "optimizer"
-    if isinstance(obj, LRScheduler):
-        return "scheduler"
-    if isinstance(obj, DataLoader):
-        return "loader"
-    raise TypeError(
-        f"engine.prepare does not know what to do with a {type(obj).__name__}; it takes nn.Module, "
-        "torch.optim.Optimizer, torch.utils.data.DataLoader and LR schedulers"
-    )
-
-
-def _autocast_forward(module: nn.Module, precision: Precision) -> None:
-    """Run ``module.forward`` under autocast and hand back fp32 outputs, so losses are computed in fp32."""
-    forward = module.forward
-
-    @functools.wraps(forward)
-    def autocast_forward(*args: Any, **kwargs: Any) -> Any:
-        with precision.autocast():
-            out = forward(*args, **kwargs)
-        return map_tensors(out, lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t)
-
-    module.forward = autocast_forward  # type: ignore[method-assign]
+        return self.precision.report(
+            params=[p for m in self._models for p in m.parameters()],
+            grads=[p.grad for o in self._optimizers for g in o.param_groups for p in g["params"] if p.grad is not None],
+            optimizers=[o.optimizer for o in self._optimizers],
+            comm_dtype=self.strategy.comm_dtype(),
+        )
 
 
 def _seed_everything(seed: int) -> None:

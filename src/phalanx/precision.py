@@ -8,7 +8,7 @@ gradients do not underflow, and skips a step whose gradients overflowed, lowerin
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager
+from typing import Any, ContextManager, Iterable
 
 import torch
 
@@ -95,3 +95,27 @@ class Precision:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+
+    def report(
+        self, params: list[torch.Tensor], grads: list[torch.Tensor], optimizers: list[torch.optim.Optimizer],
+        comm_dtype: torch.dtype | None,
+    ) -> dict[str, str]:  # fmt: skip
+        """The dtypes in use (``engine.precision_report``)."""
+
+        def dtypes(tensors: Iterable[torch.Tensor]) -> str:
+            found = sorted({str(t.dtype).replace("torch.", "") for t in tensors})
+            return ", ".join(found) if found else "none yet"
+
+        state = [
+            v for opt in optimizers for s in opt.state.values() for v in s.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        ]  # fmt: skip
+        return {
+            "precision": self.name,
+            "params": dtypes(params),
+            "grads": dtypes(grads),
+            "optimizer_state": dtypes(state),
+            "compute": str(self.compute_dtype or dtypes(params)).replace("torch.", ""),
+            "communication": str(comm_dtype).replace("torch.", "") if comm_dtype is not None else "none (one replica)",
+            "loss_scaling": "dynamic" if self.scaler is not None else "none",
+        }

@@ -7,98 +7,21 @@ gradient norm, and gives the full and sharded state dicts. The Engine never asks
 from __future__ import annotations
 
 import contextlib
-import math
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator
 
 import torch
 from torch import nn
 
 from phalanx.comm import CommStats
+from phalanx.shards import ShardEntry, StateReader
 
 if TYPE_CHECKING:
     from phalanx.config import EngineConfig
     from phalanx.precision import Precision
     from phalanx.topology import Topology
 
-__all__ = ["Strategy", "ShardEntry", "StateReader", "optimizer_list", "read_into", "read_new", "read_optimizer_state"]
-
-
-def optimizer_list(optimizers: Any) -> list[torch.optim.Optimizer]:
-    """``None``, one optimizer or a sequence of them, as a list of the optimizers themselves (unwrapping the
-    Engine's ``PreparedOptimizer``)."""
-    if optimizers is None:
-        return []
-    if isinstance(optimizers, torch.optim.Optimizer):
-        optimizers = [optimizers]
-    return [getattr(o, "optimizer", o) for o in optimizers]
-
-
-class ShardEntry(NamedTuple):
-    """One rank's slice of one tensor of the training state, in a layout that does not depend on the strategy.
-
-    ``key`` is ``model/<parameter or buffer name>`` or ``optim/<parameter name>/<state name>`` (e.g.
-    ``exp_avg``, ``step``); ``data`` holds elements ``[start, stop)`` of the flattened tensor, whose whole
-    shape is ``shape``. Together, the entries of every rank cover each tensor exactly once.
-
-    ``data`` may be a view of live training state, on the training device: copy it before the next step
-    changes it (a checkpoint writes it out at once, without a copy on the CPU).
-    """
-
-    key: str
-    shape: tuple[int, ...]
-    start: int
-    stop: int
-    data: torch.Tensor
-
-
-class StateReader(Protocol):
-    """Where ``load_sharded_state`` reads from: a checkpoint on disk, or entries held in memory."""
-
-    def keys(self) -> Iterable[str]: ...
-
-    def shape(self, key: str) -> tuple[int, ...]: ...
-
-    def read(self, key: str, start: int, stop: int) -> torch.Tensor:
-        """Elements ``[start, stop)`` of the flattened tensor ``key`` (possibly a view of the reader's memory).
-        A reader may also have ``read_into(key, start, stop, out)`` and ``dtype(key)``: see :func:`read_into`."""
-        ...
-
-
-def read_into(reader: StateReader, key: str, start: int, stop: int, out: torch.Tensor) -> None:
-    """Elements ``[start, stop)`` of ``key`` into the 1-D tensor ``out``: straight into its memory when the reader
-    can (a checkpoint reads the file into it), else through ``read``."""
-    direct = getattr(reader, "read_into", None)
-    if direct is not None:
-        direct(key, start, stop, out)
-    else:
-        out.copy_(reader.read(key, start, stop))
-
-
-def read_new(reader: StateReader, key: str, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The whole tensor ``key`` in new memory of its own on ``device`` (never aliasing the reader's), in ``dtype``
-    (default: as saved)."""
-    shape = tuple(reader.shape(key))
-    n = math.prod(shape)
-    saved_dtype = getattr(reader, "dtype", None)
-    if saved_dtype is None:
-        return reader.read(key, 0, n).reshape(shape).to(device=device, dtype=dtype, copy=True)
-    out = torch.empty(n, dtype=dtype or saved_dtype(key), device=device)
-    read_into(reader, key, 0, n, out)
-    return out.view(shape)
-
-
-def read_optimizer_state(reader: StateReader, key: str, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
-    """Optimizer state ``key`` (``optim/<name>/<state>``) for ``param``, placed as torch's ``Optimizer.load_state_dict``
-    places it: ``step`` on the CPU (on the parameter's device for fused or capturable optimizers), floating state in
-    the parameter's dtype on its device (a zero checkpoint's fp32 moments onto bf16 parameters), the rest on its
-    device as saved."""
-    if key.rpartition("/")[2] == "step":
-        on_device = bool(group.get("fused") or group.get("capturable"))
-        return read_new(reader, key, param.device if on_device else torch.device("cpu"))
-    saved = getattr(reader, "dtype", None)
-    floating = saved(key).is_floating_point if saved is not None else reader.read(key, 0, 0).is_floating_point()
-    return read_new(reader, key, param.device, param.dtype if floating else None)
+__all__ = ["Strategy"]
 
 
 class Strategy(ABC):
@@ -109,8 +32,12 @@ class Strategy(ABC):
     drives_backward: ClassVar[bool] = False
     """True when the strategy runs forward and backward itself (pipeline): only ``train_step`` trains."""
 
-    def __init__(self, config: EngineConfig, topology: Topology, device: torch.device, precision: Precision) -> None:
-        if topology.pp_size > 1 and not self.supports_pipeline:
+    def __init__(
+        self, config: EngineConfig, topology: Topology, device: torch.device, precision: Precision, within_stage: bool = False
+    ) -> None:
+        """``within_stage``: this strategy reduces one pipeline stage's gradients over the stage's data-parallel
+        replicas, for the pipeline that holds it (see ``pipeline/sync.py``)."""
+        if topology.pp_size > 1 and not (self.supports_pipeline or within_stage):
             raise ValueError(
                 f"strategy {self.name!r} does not split the model into pipeline stages; got pp_size={topology.pp_size} "
                 "(use pp_size=1, or a pipeline strategy)"
@@ -120,12 +47,13 @@ class Strategy(ABC):
         self.device = device
         self.precision = precision
         self.stats = CommStats()
+        self.within_stage = within_stage
 
     @classmethod
-    def variant(cls, config: EngineConfig) -> type[Strategy]:
-        """The class that runs ``config`` under this strategy's name (pipeline picks how its stages' replicas
-        reduce gradients); by default, this one."""
-        return cls
+    def pipeline_stages(cls, config: EngineConfig, world_size: int) -> int:
+        """How many pipeline stages the ranks form under ``config`` (the topology's pp_size); 1 unless the
+        strategy splits the model."""
+        return 1
 
     def place_model(self, model: nn.Module) -> nn.Module:
         """Move ``model`` to the strategy's device before ``wrap_model`` (pipeline moves only its stage, later)."""
@@ -148,7 +76,7 @@ class Strategy(ABC):
 
     @abstractmethod
     def set_grad_scale(self, scale: float | torch.Tensor) -> None:
-        """The factor that the next gradient reduction multiplies by (1/dp for mean losses, 1/items for sums)."""
+        """The factor of the running window's reduced gradients: see the contract in ``strategies/_grads.py``."""
 
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """``optimizer`` stepped: the next backward starts a new step (zero strategies gather parameters here)."""

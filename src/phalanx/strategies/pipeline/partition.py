@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from phalanx.strategies.p2p import flat_tensors
+from phalanx.strategies.pipeline.p2p import flat_tensors
 
 __all__ = ["parse_partition", "partition_blocks", "block_costs", "time_blocks", "check_no_shared_parameters", "materialise"]
 

@@ -17,22 +17,22 @@ and ``loss_fn`` computes the loss as usual.
   under ``torch.device("meta")`` is materialised stage by stage (``reset_parameters`` of each submodule,
   seeded by block index), so no rank ever allocates the whole model.
 - Communication (``p2p.py``): ``isend``/``irecv`` between neighbouring stages. Shapes and dtypes cross once per distinct
-  micro-batch signature and are cached. In 1F1B's steady state a send and the matching receive of the
-  opposite direction are posted together (``batch_isend_irecv`` on NCCL), so neither side can block the other.
-- The stage module ``model(...)`` calls, micro-batch bookkeeping and batch splitting are in ``microbatch.py``.
-- Data parallel: the ranks of one stage reduce its gradients once per step, after the schedule; rank layout
-  is pp-major (see ``topology.py``). ``PipelineStrategy`` all-reduces them with the ddp ``GradReducer``;
-  ``PipelineZero1Strategy`` (``pp_zero_stage: 1``) reduce-scatters them with zero1's buckets, so that each replica
-  keeps and steps the optimizer state of its slice only. ``super()`` in ``_Pipeline`` reaches that
-  data-parallel class.
+  micro-batch signature and are cached.
+- The schedules (``schedules.py``) order each stage's forwards and backwards; this file runs one micro-batch's
+  forward or backward for them. The stage module ``model(...)`` calls, micro-batch bookkeeping and batch
+  splitting are in ``microbatch.py``.
+- Data parallel (``sync.py``): the ranks of one stage reduce its gradients once per step, after the schedule; rank
+  layout is pp-major (see ``topology.py``). The pipeline holds a sync object for that: ddp buckets, or zero1's with
+  ``pp_zero_stage: 1``, so that each replica keeps and steps the optimizer state of its slice only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -40,55 +40,49 @@ from torch import nn
 
 from phalanx.comm import broadcast_coalesced
 from phalanx.logging import get_logger
-from phalanx.strategies.base import ShardEntry, StateReader, Strategy
-from phalanx.strategies.ddp import DDPStrategy, _balanced_slices, _group_rank0, _load_whole_tensors, _named_tensors
-from phalanx.strategies.microbatch import (
-    MicroBatch,
-    NoBackward,
-    PipelineStage,
-    StageDone,
-    map_floats,
-    signature,
-    split_batch,
-)
-from phalanx.strategies.zero import Zero1Strategy, check_optimizer
-from phalanx.strategies.p2p import StageLink, boundary_tensors, decode_meta, encode_meta, flat_tensors, meta_of
-from phalanx.strategies.partition import (
-    block_costs,
-    check_no_shared_parameters,
-    materialise,
-    parse_partition,
-    partition_blocks,
-    time_blocks,
-)
+from phalanx.shards import ShardEntry, StateReader
+from phalanx.strategies._replicas import group_rank0
+from phalanx.strategies.base import Strategy
+from phalanx.strategies.pipeline.microbatch import MicroBatch, NoBackward, PipelineStage, StageDone, map_floats, signature, split_batch
+from phalanx.strategies.pipeline.options import PipelineOptions
+from phalanx.strategies.pipeline.p2p import StageLink, boundary_tensors, decode_meta, encode_meta, flat_tensors, meta_of
+from phalanx.strategies.pipeline.partition import (
+    block_costs, check_no_shared_parameters, materialise, parse_partition, partition_blocks, time_blocks,
+)  # fmt: skip
+from phalanx.strategies.pipeline.schedules import SCHEDULE_RUNS
+from phalanx.strategies.pipeline.sync import stage_sync
 
 if TYPE_CHECKING:
     from phalanx.config import EngineConfig
 
-__all__ = ["PipelineStrategy", "PipelineZero1Strategy", "PipelineStage"]
-
-SCHEDULES = ("gpipe", "1f1b")
+__all__ = ["PipelineStrategy", "PipelineStage"]
 
 
-# ----------------------------------------------------------------------------------------- the strategy
-class _Pipeline(Strategy):
-    """The stages and the schedules. A concrete pipeline strategy adds how a stage's data-parallel replicas
-    reduce its gradients: :class:`PipelineStrategy` (ddp buckets, every replica steps the whole stage) or
-    :class:`PipelineZero1Strategy` (``pp_zero_stage: 1``, each replica steps its slice of the stage)."""
+class PipelineStrategy(Strategy):
+    """``strategy="pipeline"``: stages over ``pp_size`` ranks, each stage data-parallel over ``dp_size`` ranks. How a
+    stage's replicas reduce its gradients is the sync object's business (``sync.py``): ddp buckets, or zero1 with
+    ``pp_zero_stage: 1``."""
 
     name = "pipeline"
     supports_pipeline = True
     shards_gradients = True  # each stage holds only its own gradients: an fp16 overflow anywhere skips every stage
     drives_backward = True
 
+    @classmethod
+    def pipeline_stages(cls, config: EngineConfig, world_size: int) -> int:
+        return config.options(PipelineOptions).pp_size or world_size  # one stage per rank unless told otherwise
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         topo = self.topology
+        self.opts = self.config.options(PipelineOptions)
+        self.sync = stage_sync(self.config, topo, self.device, self.precision)
+        self.sync.strategy.stats = self.stats  # one count of everything this rank sends
         self.pp_size, self.stage_index = topo.pp_size, topo.pp_stage
         self.is_first, self.is_last = self.stage_index == 0, self.stage_index == self.pp_size - 1
-        self.schedule = self.config.pp_schedule
-        self.microbatches = self.config.pp_microbatches or 2 * self.pp_size
-        self.partition = parse_partition(self.config.pp_partition)
+        self.schedule = self.opts.pp_schedule
+        self.microbatches = self.opts.pp_microbatches or 2 * self.pp_size
+        self.partition = parse_partition(self.opts.pp_partition)
         # pp-major layout: the same data-parallel column of the previous and next stage.
         self.prev_rank = topo.rank - topo.dp_size if not self.is_first else None
         self.next_rank = topo.rank + topo.dp_size if not self.is_last else None
@@ -154,7 +148,7 @@ class _Pipeline(Strategy):
             starts = [0, *self.partition]
             if len(starts) != self.pp_size or starts[-1] >= len(blocks):
                 raise ValueError(
-                    f"pp_partition={self.config.pp_partition!r} gives {len(starts)} stages over {len(blocks)} blocks; "
+                    f"pp_partition={self.opts.pp_partition!r} gives {len(starts)} stages over {len(blocks)} blocks; "
                     f"pp_size={self.pp_size} needs {self.pp_size - 1} cut points, each below {len(blocks)}"
                 )
             self.block_costs = block_costs("parameters", [b for _, b in blocks])
@@ -204,11 +198,11 @@ class _Pipeline(Strategy):
         self.stage_module = stage
         self._pending_partition = None
         if any(p.requires_grad for p in stage.parameters()):
-            super().wrap_model(stage)  # type: ignore[safe-super]  # broadcast from the stage's first replica; gradient buckets over its dp group
+            self.sync.wrap_stage(stage)  # broadcast from the stage's first replica; gradients over its dp group
         elif self.topology.dp_size > 1:
             # Nothing to train in this stage: its replicas only need the same weights and buffers.
             tensors = [t.data for t in stage.parameters()] + list(stage.buffers())
-            broadcast_coalesced(tensors, src=_group_rank0(self.topology.dp_group), group=self.topology.dp_group)
+            broadcast_coalesced(tensors, src=group_rank0(self.topology.dp_group), group=self.topology.dp_group)
         for opt in self._pp_optimizers:  # pp_partition=time: the optimizers were prepared before the split
             self._adopt_optimizer(opt)
         get_logger().debug(
@@ -218,6 +212,7 @@ class _Pipeline(Strategy):
         return stage
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        self.sync.check_optimizer(optimizer)  # now, even when pp_partition=time adopts it only at the first step
         self._pp_optimizers.append(optimizer)
         if self._pending_partition is None:
             return self._adopt_optimizer(optimizer)
@@ -226,7 +221,7 @@ class _Pipeline(Strategy):
     def _adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Drop the other stages' parameters from ``optimizer``, then let the data-parallel side take it."""
         self._drop_remote(optimizer)
-        return super().wrap_optimizer(optimizer)
+        return self.sync.strategy.wrap_optimizer(optimizer)
 
     def _drop_remote(self, optimizer: torch.optim.Optimizer) -> None:
         def remote(p: torch.Tensor) -> bool:
@@ -254,14 +249,13 @@ class _Pipeline(Strategy):
             self.precision.scale_loss(torch.zeros((), device=self.device))  # creates the scale that unscale_ reads
             self._scale_ready = True
         t0 = time.perf_counter()
-        self._hold_reduction(True)  # micro-batches only accumulate; the reduction runs once, below
+        self.sync.hold(True)  # micro-batches only accumulate; the reduction runs once, below
         mbs: list[MicroBatch] = []
         try:
-            run = self._run_gpipe if self.schedule == "gpipe" else self._run_1f1b
-            run(micro, mbs, loss_fn, key)
+            SCHEDULE_RUNS[self.schedule](self, micro, mbs, loss_fn, key)
             self.link.wait_sends()
         finally:
-            self._hold_reduction(False)
+            self.sync.hold(False)
             self._active = None
         # The last stage knows the loss and whether loss_fn returned (loss_sum, items): every stage learns both.
         summary = torch.zeros(3, dtype=torch.float64, device=self.device)
@@ -281,37 +275,9 @@ class _Pipeline(Strategy):
             self.set_grad_scale((1.0 / total).to(torch.float32))
         else:
             self.set_grad_scale(1.0 / self.topology.dp_size)  # each micro-batch's loss was already divided by m
-        self._reduce_gradients()
+        self.sync.reduce()
         self.last_step_timing = {"step_s": time.perf_counter() - t0, "idle_s": self.link.idle_s}
         return torch.tensor(loss_total / items, dtype=torch.float32, device=self.device)
-
-    def _run_gpipe(self, micro: list[Any], mbs: list[MicroBatch], loss_fn: Callable[..., Any], key: Any) -> None:
-        link = self.link
-        for i in range(len(micro)):
-            mbs.append(self._forward(i, micro[i], link.recv_forward(key), loss_fn, key))
-            link.send_forward(mbs[i].outputs_flat, mbs[i].is_tuple, key)
-        for i in range(len(micro)):
-            link.send_backward(self._backward(mbs[i], link.recv_backward(mbs[i].outputs_flat)))
-
-    def _run_1f1b(self, micro: list[Any], mbs: list[MicroBatch], loss_fn: Callable[..., Any], key: Any) -> None:
-        link, m = self.link, len(micro)
-        warmup = min(self.pp_size - self.stage_index - 1, m)
-        for i in range(warmup):
-            mbs.append(self._forward(i, micro[i], link.recv_forward(key), loss_fn, key))
-            link.send_forward(mbs[i].outputs_flat, mbs[i].is_tuple, key)
-        steady = m - warmup
-        received = link.recv_forward(key) if steady > 0 else None
-        for k in range(steady):
-            i = warmup + k
-            mbs.append(self._forward(i, micro[i], received, loss_fn, key))
-            grads = link.send_forward_recv_backward(mbs[i].outputs_flat, mbs[i].is_tuple, key, mbs[k].outputs_flat)
-            input_grads = self._backward(mbs[k], grads)
-            if k == steady - 1:
-                link.send_backward(input_grads)
-            else:
-                received = link.send_backward_recv_forward(input_grads, key)
-        for k in range(steady, m):
-            link.send_backward(self._backward(mbs[k], link.recv_backward(mbs[k].outputs_flat)))
 
     def _forward(self, index: int, batch: Any, received: Any, loss_fn: Callable[..., Any], key: Any) -> MicroBatch:
         assert self.stage_module is not None
@@ -440,7 +406,7 @@ class _Pipeline(Strategy):
         """Every stage's tensors, broadcast along the pipeline, so that each rank returns the whole state dict."""
         self._require_split("engine.get_state_dict")
         if self.pp_size == 1:
-            return super().full_state_dict(model)  # type: ignore[safe-super]
+            return self.sync.full_state_dict(model)
         assert self.stage_module is not None
         out: dict[str, torch.Tensor] = {}
         local = self.stage_module.state_dict()
@@ -465,7 +431,11 @@ class _Pipeline(Strategy):
 
     def sharded_state(self, model: nn.Module, optimizers: Any = None) -> list[ShardEntry]:
         self._require_split("saving the state")
-        return super().sharded_state(model, optimizers)  # type: ignore[safe-super]  # each stage's replicas split its blocks' bytes
+        return self.sync.sharded_state(model, optimizers)  # each stage's replicas split its blocks' bytes
+
+    def load_sharded_state(self, model: nn.Module, optimizers: Any, reader: StateReader) -> None:
+        self._require_split("loading the state")
+        self.sync.load_sharded_state(model, optimizers, reader)
 
     def state_shapes(self, model: nn.Module) -> dict[str, tuple[int, ...]]:
         self._require_split("checking a checkpoint against the model")
@@ -482,121 +452,45 @@ class _Pipeline(Strategy):
                 "engine.train_step (run one first, or partition by parameters or cut points)"
             )
 
-    def _hold_reduction(self, hold: bool) -> None:
-        """Hold (True) or allow (False) the data-parallel reduction in the backwards of the schedule."""
-        raise NotImplementedError
+    # The gradients, the optimizer and the memory are the data-parallel side's (sync.py).
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with self.sync.strategy.no_sync():
+            yield
 
-    def _reduce_gradients(self) -> None:
-        """Reduce the stage's accumulated gradients over its data-parallel replicas, once per step."""
-        raise NotImplementedError
+    def set_grad_scale(self, scale: float | torch.Tensor) -> None:
+        self.sync.strategy.set_grad_scale(scale)
+
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        self.sync.strategy.after_optimizer_step(optimizer)
+
+    def finish_gradient_sync(self) -> None:
+        self.sync.strategy.finish_gradient_sync()
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        self.sync.strategy.zero_grad(optimizer, set_to_none)
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
+        return self.sync.clip_grad_norm_(parameters, max_norm, norm_type)
+
+    def memory_report(self, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+        return self.sync.strategy.memory_report(optimizers)
+
+    def comm_dtype(self) -> torch.dtype | None:
+        return self.sync.strategy.comm_dtype()
 
     def describe(self) -> dict[str, Any]:
         bounds = [*self.stage_starts, len(self.block_names)]
         return {
-            **super().describe(),
+            **self.sync.strategy.describe(),
             "strategy": self.name,
             "pp_size": self.pp_size,
             "dp_size": self.topology.dp_size,
             "stage": self.stage_index,
             "schedule": self.schedule,
             "microbatches": self.microbatches,
-            "partition": self.config.pp_partition,
-            "pp_zero_stage": self.config.pp_zero_stage,
+            "partition": self.opts.pp_partition,
+            "pp_zero_stage": self.opts.pp_zero_stage,
             "stage_blocks": [self.block_names[a:b] for a, b in zip(bounds, bounds[1:])] if self.stage_starts else None,
             "stage_costs": [sum(self.block_costs[a:b]) for a, b in zip(bounds, bounds[1:])] if self.stage_starts else None,
         }
-
-
-class PipelineStrategy(_Pipeline, DDPStrategy):
-    """``strategy="pipeline"``: stages over ``pp_size`` ranks, each stage data-parallel over ``dp_size`` ranks,
-    its gradients all-reduced in ddp buckets once per step."""
-
-    @classmethod
-    def variant(cls, config: EngineConfig) -> type[Strategy]:
-        return PipelineZero1Strategy if config.pp_zero_stage == 1 else cls
-
-    def _hold_reduction(self, hold: bool) -> None:
-        for r in self.reducers:
-            r.require_sync = not hold
-
-    def _reduce_gradients(self) -> None:
-        for r in self.reducers:
-            r.launch_all()
-
-    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
-        params = [p for p in parameters if p.grad is not None]
-        grads = [p.grad for p in params if p.grad is not None]
-        norm_type = float(norm_type)
-        if grads:
-            local = torch.nn.utils.get_total_norm(grads, norm_type).to(torch.float64)
-        else:
-            local = torch.zeros((), dtype=torch.float64, device=self.device)
-        if self.pp_size > 1:
-            # Every stage holds different gradients (identical across its dp replicas after the reduction).
-            if math.isinf(norm_type):
-                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.topology.pp_group)
-                total = local
-            else:
-                powered = local**norm_type
-                dist.all_reduce(powered, group=self.topology.pp_group)
-                total = powered ** (1.0 / norm_type)
-        else:
-            total = local
-        total = total.to(grads[0].dtype if grads else torch.float32)
-        if params:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-        return total
-
-
-class PipelineZero1Strategy(_Pipeline, Zero1Strategy):
-    """``strategy="pipeline"`` with ``pp_zero_stage: 1``: as :class:`PipelineStrategy`, but each stage's optimizer
-    state is sharded over its data-parallel replicas (ZeRO-1, as DeepSpeed's pipeline engine allows). Once per
-    step the stage's gradients are reduce-scattered, each replica steps its slice, and the slices are gathered."""
-
-    _whole_state_setting = "pp_zero_stage=0"
-
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        # Checked now even when pp_partition=time shards the optimizer only at the first step.
-        check_optimizer(optimizer, self.config.zero_allow_untested_optimizer, self._whole_state_setting)
-        return super().wrap_optimizer(optimizer)
-
-    def _hold_reduction(self, hold: bool) -> None:
-        self.require_sync = not hold
-
-    def _reduce_gradients(self) -> None:
-        self.reduce_window()
-
-    def _all_reduce_norm(self, total: torch.Tensor, op: Any) -> None:
-        # Slices differ across a stage's replicas and stages differ along the pipeline: sum over every rank.
-        if self.topology.world_size > 1:
-            dist.all_reduce(total, op=op)
-
-    def _no_sharding_hint(self) -> tuple[str, str]:
-        pp = self.topology.pp_size
-        if self.config.pp_size is None:
-            fix = (f"pp_size defaults to the world size, {pp}, which leaves one replica per stage: set pp_size so that "
-                   "the world size is 2 or more times pp_size, or use pp_zero_stage=0")  # fmt: skip
-        else:
-            fix = f"launch a multiple of {2 * pp} processes, or use pp_zero_stage=0"
-        return f"strategy 'pipeline' with pp_zero_stage=1 and pp_size={pp}", fix
-
-    # A stage with nothing to train is not given to zero1 (it would refuse it): its replicas hold it whole, as
-    # under ddp, and these give and take its tensors that way.
-    def _zero_holds(self, model: nn.Module) -> bool:
-        return self._pending_partition is not None or id(model) in self._models
-
-    def sharded_state(self, model: nn.Module, optimizers: Any = None) -> list[ShardEntry]:
-        if self._zero_holds(model):
-            return super().sharded_state(model, optimizers)
-        return _balanced_slices([(f"model/{k}", v) for k, v in _named_tensors(model)], self.topology.dp_rank, self.topology.dp_size)
-
-    def load_sharded_state(self, model: nn.Module, optimizers: Any, reader: StateReader) -> None:
-        if self._zero_holds(model):
-            super().load_sharded_state(model, optimizers, reader)
-        else:
-            _load_whole_tensors(model, reader)
-
-    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        if self._zero_holds(model) or self.pp_size > 1:
-            return super().full_state_dict(model)
-        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}

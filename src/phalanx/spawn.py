@@ -1,0 +1,150 @@
+"""``phalanx.spawn``: run a function on N processes of this machine, from a notebook or a test, and get each rank's
+result back.
+
+    results = phalanx.spawn(train, nprocs=2, args=(config,))
+
+The ranks rendezvous through a ``file://`` store (no port is opened) and use gloo on loopback. A rank that raises
+ends the others and raises :class:`SpawnError` naming it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable, Sequence
+
+__all__ = ["spawn", "SpawnError", "gloo_on_loopback"]
+
+
+class SpawnError(RuntimeError):
+    """A spawned rank failed; ``rank`` is the first that did."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+# ------------------------------------------------------------------------------------------- launch
+def gloo_on_loopback(env: Any) -> None:
+    """A one-machine job: gloo's pair sockets listen on loopback too, not on the hostname's address."""
+    if sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+def _spawn_entry(
+    fn: Callable[..., Any], rank: int, nprocs: int, init_method: str, args: tuple[Any, ...], threads: int, conn: Connection
+) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs),
+        PHALANX_INIT_METHOD=init_method, OMP_NUM_THREADS=str(threads),
+    )
+    gloo_on_loopback(os.environ)
+    import torch
+
+    torch.set_num_threads(threads)
+    try:
+        result = fn(*args)
+    except BaseException:
+        conn.send_bytes(pickle.dumps((False, traceback.format_exc())))
+        conn.close()
+        # Leave at once: peers may wait in a collective, and a clean teardown would wait with them.
+        os._exit(1)
+    from phalanx.runtime import teardown
+
+    teardown()
+    # Plain pickle copies tensors by value; Connection.send would share them by file descriptor, which
+    # dies with this process before the parent reads it.
+    conn.send_bytes(pickle.dumps((True, result)))
+    conn.close()
+
+
+def spawn(
+    fn: Callable[..., Any],
+    nprocs: int = 2,
+    args: Sequence[Any] = (),
+    threads_per_proc: int | None = None,
+    timeout: float | None = None,
+) -> list[Any]:
+    """Run ``fn(*args)`` on ranks 0..nprocs-1 and return their results in rank order.
+
+    ``fn`` must be importable by name (defined in a module, not in a notebook cell), because the spawn
+    start method starts fresh interpreters. When a rank raises, the others are stopped and
+    :class:`SpawnError` names the rank and shows its traceback.
+    """
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be >= 1; got {nprocs}")
+    module = sys.modules.get(getattr(fn, "__module__", ""), None)
+    if getattr(fn, "__module__", None) == "__main__" and not hasattr(module, "__file__") or getattr(fn, "__name__", "") == "<lambda>":
+        raise ValueError(
+            f"phalanx.spawn needs a function that new processes can import; {fn!r} lives in an interactive "
+            "session or is a lambda. Put it in a .py file next to the notebook and import it from there"
+        )
+    try:
+        pickle.dumps(fn)
+    except Exception as e:
+        raise ValueError(f"phalanx.spawn cannot send {fn!r} to new processes: {e}") from None
+    threads = threads_per_proc or max(1, (os.cpu_count() or 1) // nprocs)
+    ctx = mp.get_context("spawn")
+    tmpdir = tempfile.mkdtemp(prefix="phalanx-spawn-")
+    init_method = f"file://{tmpdir}/store"
+    procs, readers = [], []
+    try:
+        for rank in range(nprocs):
+            reader, writer = ctx.Pipe(duplex=False)
+            p = ctx.Process(
+                target=_spawn_entry, args=(fn, rank, nprocs, init_method, tuple(args), threads, writer), daemon=False
+            )
+            p.start()
+            writer.close()
+            procs.append(p)
+            readers.append(reader)
+        return _collect(procs, readers, timeout)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _collect(procs: list[Any], readers: list[Connection], timeout: float | None) -> list[Any]:
+    results: dict[int, Any] = {}
+    deadline = None if timeout is None else time.monotonic() + timeout
+    open_readers = dict(enumerate(readers))
+    while len(results) < len(procs):
+        if deadline is not None and time.monotonic() >= deadline:
+            running = [r for r in range(len(procs)) if r not in results]
+            raise TimeoutError(f"spawned ranks {running} did not finish within {timeout} s")
+        wait([*open_readers.values(), *(p.sentinel for p in procs)], timeout=1.0)
+        for rank, reader in list(open_readers.items()):
+            if not reader.poll():
+                continue
+            del open_readers[rank]
+            try:
+                # Our own child's return value over an anonymous pipe we created: no file, no peer, no checkpoint.
+                ok, payload = pickle.loads(reader.recv_bytes())
+            except EOFError:
+                continue  # closed without a word: the exit code below tells what happened
+            if not ok:
+                raise SpawnError(rank, f"rank {rank} failed:\n{payload}")
+            results[rank] = payload
+        for rank, p in enumerate(procs):
+            # A rank sends its result before it exits, so an exited rank with nothing left to read has failed.
+            pending = rank in open_readers and open_readers[rank].poll()
+            if rank not in results and p.exitcode is not None and not pending:
+                raise SpawnError(rank, f"rank {rank} exited with code {p.exitcode} before returning a result")
+    return [results[r] for r in range(len(procs))]
+
+

@@ -1,0 +1,102 @@
+"""Gradients across replicas: the one contract for scaling them, the bucket layout, and the errors.
+
+The gradient scale contract
+---------------------------
+A reduction *sums* gradients over the data-parallel group. What turns that sum into the gradient the user
+meant is one factor per accumulation window, held by a :class:`GradScale` that every strategy owns:
+
+- Whoever drives backward sets the factor before the window's last backward (``strategy.set_grad_scale``):
+  - the Engine, for a mean loss, multiplies every micro-batch's loss by ``1/(grad_accum_steps x dp)`` (a
+    scalar multiply instead of a pass over every gradient) and sets the factor to
+    ``grad_accum_steps / micro-batches in this window`` (1, except for a short last window);
+  - the Engine, for ``backward(loss_sum, items=n)``, leaves the loss alone and sets the factor to
+    ``1 / (items summed over the window and the data-parallel group)``;
+  - the pipeline schedule divides each micro-batch's mean loss by the number of micro-batches and sets the
+    factor to ``1/dp`` (or, for summed losses, to ``1 / items over all micro-batches and replicas``).
+- Left unset, the factor is ``1/dp``: a plain ``loss.backward()`` through a prepared model averages over the
+  replicas, as torch DDP does.
+- A strategy applies the factor exactly once per window, then it returns to ``1/dp``:
+  - *before* the reduction where the whole window's gradient is in the buffer when the reduction starts
+    (ddp, zero1: the bucket is scaled, then all-reduced or reduce-scattered);
+  - *after* it where each backward's share is reduced as it comes (zero2, zero3: the shares add up unscaled in
+    the reduced fp32 slice, which is multiplied once at the window's end).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["GradScale", "build_buckets", "second_backward_error", "unused_parameters_error", "frozen_after_prepare_error"]
+
+
+class GradScale:
+    """The factor of the running window (see the module's contract); ``1/dp`` unless a driver set it."""
+
+    __slots__ = ("default", "value")
+
+    def __init__(self, dp_size: int) -> None:
+        self.default = 1.0 / dp_size
+        self.value: float | torch.Tensor = self.default
+
+    def set(self, value: float | torch.Tensor) -> None:
+        self.value = value
+
+    def reset(self) -> None:
+        """The window is reduced: the next one starts from the default."""
+        self.value = self.default
+
+    @property
+    def is_one(self) -> bool:
+        return isinstance(self.value, float) and self.value == 1.0
+
+    def apply_(self, tensor: torch.Tensor) -> None:
+        """Multiply ``tensor`` by the factor in place (nothing when it is 1)."""
+        if self.is_one:
+            return
+        value = self.value
+        tensor.mul_(value.to(tensor.device) if isinstance(value, torch.Tensor) else value)
+
+
+def build_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    """Consecutive runs of ``params`` of at most ``bucket_bytes`` each (one parameter may exceed it alone), never
+    mixing dtypes or devices: what one collective reduces at once."""
+    out: list[list[nn.Parameter]] = []
+    current: list[nn.Parameter] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if current and (size + nbytes > bucket_bytes or p.dtype != current[0].dtype or p.device != current[0].device):
+            out.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    if current:
+        out.append(current)
+    return out
+
+
+def second_backward_error(strategy: str, parameter: str | None = None) -> RuntimeError:
+    where = f" (parameter {parameter!r})" if parameter else ""
+    return RuntimeError(
+        f"a second backward reached gradients that {strategy} already reduced in this step{where}. Step or zero the "
+        "optimizer between backwards, put the earlier backwards under engine.no_sync() (or engine.accumulate()), and "
+        "use activation checkpointing with use_reentrant=False (reentrant checkpointing runs a nested backward that "
+        "would reduce some gradients twice)"
+    )
+
+
+def unused_parameters_error(strategy: str, names: list[str], when: str = "in this backward pass") -> RuntimeError:
+    return RuntimeError(
+        f"these trainable parameters received no gradient {when}: {', '.join(names)}. {strategy} reduces every "
+        "parameter with requires_grad=True on every step. Make sure the forward uses them and the loss depends on "
+        "them, freeze them with requires_grad_(False) before engine.prepare, or set find_unused_parameters=True to "
+        "reduce them as zeros"
+    )
+
+
+def frozen_after_prepare_error(strategy: str, names: list[str]) -> RuntimeError:
+    return RuntimeError(
+        f"parameters frozen after engine.prepare: {', '.join(names)}. {strategy} lays out gradient buffers at prepare "
+        "time; set requires_grad_(False) before engine.prepare"
+    )

@@ -1,0 +1,499 @@
+"""What the zero strategies share: a model's segments, the optimizer's pieces, the end of backward, clipping,
+the state hooks and memory accounting.
+
+The user's optimizer is kept: its param groups are given the rank's pieces of the fp32 master slices that
+belong to each group (see ``layout.py``), so each group keeps its own lr and weight decay. This is exact for
+elementwise optimizers (SGD, Adam, AdamW, ...), which are the ones accepted (``optimizers.py``). The stages
+(``bucketed.py``: zero1/zero2; ``zero3.py``) add how gradients are reduced during backward, and zero3 how
+parameters are gathered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+
+from phalanx.shards import ShardEntry, StateReader, named_tensors
+from phalanx.strategies._grads import GradScale, second_backward_error, unused_parameters_error
+from phalanx.strategies._memory import memory_report_dict, nbytes, state_bytes_per_element, state_tensors
+from phalanx.strategies._replicas import (
+    check_prepared_once, check_trainable, group_rank0, optimizer_list, replicate_from_first,
+)  # fmt: skip
+from phalanx.strategies.base import Strategy
+from phalanx.strategies.options import DataParallelOptions
+from phalanx.strategies.zero.collectives import DTYPES, Done, SegmentComm, resolve_collectives
+from phalanx.strategies.zero.layout import Segment, merge_runs
+from phalanx.strategies.zero.offload import StateStore
+from phalanx.strategies.zero.optimizers import check_optimizer
+from phalanx.strategies.zero.options import ZeroOptions, ZeroShardOptions
+from phalanx.strategies.zero import state
+from phalanx.strategies.zero.stepping import chunk_steps
+
+if TYPE_CHECKING:
+    from phalanx.strategies.zero.zero3 import Unit
+
+__all__ = ["ZeroStrategy", "ModelState"]
+
+
+class ModelState:
+    """One prepared model: its segments (and zero3 units), and where its running backward stands."""
+
+    def __init__(self, model: nn.Module, params: list[nn.Parameter], segments: list[Segment]) -> None:
+        self.model, self.params, self.segments = model, params, segments
+        self.units: list[Unit] = []
+        self.next_segment = 0  # zero1/2: the next bucket to launch, in order
+        self.touched = False  # got gradients in the running backward
+        self.reduced = False  # reduced at a window's end, and not yet consumed by a step or zero_grad
+        self.order: list[Unit] = []  # zero3: units in the order the first forward ran them (for prefetch)
+        self.order_fixed = False
+
+
+# ---------------------------------------------------------------------------------------------- strategy
+class ZeroStrategy(Strategy):
+    """What zero1, zero2 and zero3 share: the segments, the optimizer's pieces, the end of backward, clipping,
+    state and memory. A stage differs from the others by two flags and a few hooks, not by branches."""
+
+    stage: ClassVar[int]
+    shards_gradients: ClassVar[bool] = True
+    params_whole: ClassVar[bool] = True
+    """Parameters stay whole between steps (zero1/2); zero3 keeps only the rank's slice at rest."""
+    grads_whole: ClassVar[bool] = False
+    """Whole gradients accumulate over the window and are reduced once at its end (zero1); otherwise every
+    backward reduces its share and only the rank's fp32 slice is kept (zero2/3)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        topo = self.topology
+        self.dp_opts = self.config.options(DataParallelOptions)
+        self.shard_opts = self.config.options(ZeroShardOptions)
+        self.opts = cfg = self.config.options(ZeroOptions)
+        self.group, self.world, self.rank = topo.dp_group, topo.dp_size, topo.dp_rank
+        if self.world == 1:
+            what, fix = self._no_sharding_hint()
+            warnings.warn(
+                f"{what} on one data-parallel rank shards nothing: it trains correctly but saves no memory ({fix})",
+                stacklevel=3,
+            )
+        self.comm_dtype_ = DTYPES[cfg.comm_dtype] if cfg.comm_dtype else None
+        self.comm = SegmentComm(
+            self.group, self.world, resolve_collectives(self.shard_opts.zero_collectives, self.group), self.comm_dtype_,
+            self.stats, accumulates=not self.grads_whole,
+        )  # fmt: skip
+        if cfg.offload != "none" and self.device.type == "cuda" and self.precision.scaler is not None:
+            raise ValueError(
+                f"offload={cfg.offload!r} with precision='fp16-mixed' on CUDA is not supported: the loss scaler checks "
+                "gradients on the GPU, and offloaded gradient shards live on the host. Use precision='bf16-mixed' "
+                "(no loss scaling needed) with offload, or offload='none' with fp16"
+            )
+        self.store = StateStore(cfg.offload, self.device, cfg.offload_dir, rank=topo.rank)
+        self.segments: list[Segment] = []
+        self.units: list[Any] = []  # zero3's units
+        self._loc: dict[nn.Parameter, tuple[Segment, int]] = {}
+        self._names: dict[nn.Parameter, str] = {}
+        self._models: dict[int, ModelState] = {}
+        self._optimizers: list[tuple[torch.optim.Optimizer, list[list[tuple[Segment, int, int]]], set[nn.Parameter]]] = []
+        self.require_sync = True
+        self.scale = GradScale(self.world)  # applied after the reduction when it accumulates, before it otherwise
+        self._callback_queued = False
+        self._missing: list[str] = []
+        self._clean: set[int] = set()  # optimizers whose gradient ranges are zero since their last step
+        self._early_gathers: dict[int, Done] = {}  # segment index -> gather started by a pipelined step
+        self._window_seen: set[nn.Parameter] = set()  # zero1: parameters that got a gradient with require_sync off
+
+    whole_state_setting = "strategy='ddp'"
+    """The setting that trains without sharding optimizer state, for errors about optimizers."""
+
+    def _no_sharding_hint(self) -> tuple[str, str]:
+        """What shards nothing on one data-parallel rank, and how to fix that, for the warning."""
+        return f"strategy {self.name!r}", "launch more processes, e.g. phalanx launch -n 2, or use strategy='ddp'"
+
+    # -------------------------------------------------------------------- model
+    def _prepare_common(self, model: nn.Module, sharded: set[nn.Parameter]) -> list[nn.Parameter]:
+        """Checks, and rank 0's buffers and unsharded parameters; sharded ones are broadcast flat, in place."""
+        check_prepared_once(model, self._models)
+        if self.world > 1:
+            replicate_from_first(model, self.group, self.device, self.stats, self.dp_opts.broadcast_buffers, skip=sharded)
+        for name, p in model.named_parameters():
+            self._names.setdefault(p, name)
+        check_trainable(model, "shard")
+        return list(model.parameters())
+
+    def _add_segments(self, segments: list[Segment]) -> None:
+        for s in segments:
+            if self.world > 1:  # every replica starts from rank 0's values: one in-place broadcast per flat buffer
+                self.stats.record("broadcast", s.full)
+                dist.broadcast(s.full, src=group_rank0(self.group), group=self.group)
+            s.index = len(self.segments)
+            self.segments.append(s)
+            for i, p in enumerate(s.params):
+                self._loc[p] = (s, i)
+            if s.has_trainable:
+                self._make_master(s)
+
+    def _register(self, model: nn.Module, params: list[nn.Parameter], segments: list[Segment]) -> ModelState:
+        state = ModelState(model, params, segments)
+        for s in segments:
+            s.owner = state
+        self._models[id(model)] = state
+        model.register_forward_pre_hook(self._check_model_unchanged)
+        # model.zero_grad() must also clear the reduced slices, which are not any parameter's .grad.
+        original = model.zero_grad
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            original(set_to_none)
+            self._zero_ranges([(seg, 0, seg.shard_numel) for seg in segments], None, state.params)
+            state.reduced = False
+
+        model.zero_grad = zero_grad  # type: ignore[method-assign]
+        return state
+
+    def _make_master(self, seg: Segment) -> None:
+        master_dtype = torch.promote_types(seg.dtype, torch.float32)
+        alias = (
+            self.params_whole and master_dtype == seg.dtype and self.store.mode == "none" and self.comm_dtype_ is None
+        )
+        if alias:
+            seg.master, seg.master_is_full_slice = seg.full[seg.lo : seg.hi], True
+        else:
+            seg.master = self.store.zeros(seg.shard_numel, master_dtype)
+            seg.master.copy_(seg.full[seg.lo : seg.hi])
+        if self.grads_whole and alias and self.comm.mode == "allreduce":
+            seg.grad_full = torch.zeros(seg.padded, dtype=seg.dtype, device=seg.device)
+            seg.master_grad = seg.grad_full[seg.lo : seg.hi]  # the all-reduce leaves the slice in place
+        else:
+            seg.master_grad = torch.zeros(seg.shard_numel, dtype=master_dtype, device=seg.master.device)
+            if self.grads_whole:
+                seg.grad_full = torch.zeros(seg.padded, dtype=seg.dtype, device=seg.device)
+        if seg.grad_full is not None:
+            seg.grad_views = [seg.view_of(i, seg.grad_full) for i in range(len(seg.params))]
+
+    def _check_model_unchanged(self, module: nn.Module, args: Any) -> None:
+        params = self._models[id(module)].params
+        now = list(module.parameters())
+        if len(now) != len(params) or any(a is not b for a, b in zip(now, params)):
+            known = set(params)
+            added = [n for n, p in module.named_parameters() if p not in known]
+            raise RuntimeError(
+                f"the model changed after engine.prepare (parameters added or replaced: {', '.join(added) or 'none'}; "
+                f"{len(params)} parameters at prepare, {len(now)} now). {self.name} laid out flat shards at prepare "
+                "time: build the whole model, then call engine.prepare"
+            )
+        if self.params_whole:
+            for s in self._models[id(module)].segments:
+                for p, ptr in zip(s.params, s.pointers):
+                    if p.data_ptr() != ptr:
+                        raise RuntimeError(
+                            f"parameter {self._names.get(p, '?')!r} was given new storage after engine.prepare "
+                            f"(e.g. param.data = ...); {self.name} keeps parameters in flat buffers: update them "
+                            "in place with param.data.copy_(...) under torch.no_grad()"
+                        )
+
+    # -------------------------------------------------------------------- optimizer
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        check_optimizer(optimizer, self.shard_opts.zero_allow_untested_optimizer, self.whole_state_setting)
+        if any(len(s) for s in optimizer.state.values()):
+            raise ValueError(
+                f"{type(optimizer).__name__} already has state (it has stepped); {self.name} must shard it before the "
+                "first step: call engine.prepare before optimizer.step()"
+            )
+        max_piece = int(self.opts.offload_chunk_mb * 2**20 / 4) if self.store.mode == "disk" else None
+        layout: list[list[tuple[Segment, int, int]]] = []
+        seen: set[nn.Parameter] = set()
+        for gi, group in enumerate(optimizer.param_groups):
+            group_params: set[nn.Parameter] = set()
+            for p in group["params"]:
+                if p in seen:
+                    raise ValueError(f"parameter {self._names.get(p, '?')!r} is in two param groups of the optimizer")
+                seen.add(p)
+                if p not in self._loc:
+                    if p.requires_grad:
+                        raise ValueError(
+                            f"a trainable parameter in param group {gi} of {type(optimizer).__name__} (shape "
+                            f"{tuple(p.shape)}) is not in any model passed to engine.prepare; pass the model to "
+                            "engine.prepare together with its optimizer"
+                        )
+                    continue
+                group_params.add(p)
+            pieces: list[tuple[Segment, int, int]] = []
+            for seg in self.segments:
+                for _, a, b in merge_runs(seg.local_runs(group_params)):
+                    step = max_piece or (b - a)
+                    pieces.extend((seg, x, min(x + step, b)) for x in range(a, b, step))
+            layout.append(pieces)
+            group["params"] = [self._piece(seg, a, b) for seg, a, b in pieces]
+        if not any(layout):
+            # This rank's slices hold none of this optimizer's elements. A zero-size piece keeps the rank in
+            # step with the others (fp16 overflow checks are all-reduced per optimizer).
+            placeholder = nn.Parameter(torch.zeros(0, device=self.store.device))
+            placeholder.grad = torch.zeros(0, device=self.store.device)
+            optimizer.param_groups[0]["params"] = [placeholder]
+        optimizer.state.clear()
+        self._optimizers.append((optimizer, layout, seen))
+        if self.store.mode == "disk":
+            chunk_steps(optimizer, self.store, self.opts.offload_chunk_mb)
+        return optimizer
+
+    @staticmethod
+    def _piece(seg: Segment, a: int, b: int) -> nn.Parameter:
+        assert seg.master is not None and seg.master_grad is not None
+        piece = nn.Parameter(seg.master[a:b])
+        piece.grad = seg.master_grad[a:b]
+        return piece
+
+    def _entry(self, optimizer: torch.optim.Optimizer) -> tuple[list[tuple[Segment, int, int]], set[nn.Parameter]]:
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        for opt, layout, params in self._optimizers:
+            if opt is optimizer:
+                return [piece for pieces in layout for piece in pieces], params
+        return [], set()
+
+    def _attach_piece_grads(self) -> None:
+        for opt, layout, _ in self._optimizers:
+            for group, pieces in zip(opt.param_groups, layout):
+                for piece, (seg, a, b) in zip(group["params"], pieces):
+                    if piece.grad is None:
+                        assert seg.master_grad is not None
+                        piece.grad = seg.master_grad[a:b]
+
+    def _zero_ranges(
+        self, ranges: list[tuple[Segment, int, int]], optimizer: torch.optim.Optimizer | None, params: Iterable[nn.Parameter]
+    ) -> None:
+        """Zero the reduced slices in ``ranges`` and, for zero1, the whole gradients of ``params``."""
+        for seg, a, b in ranges:
+            if seg.master_grad is not None:
+                seg.master_grad[a:b].zero_()
+        if self.grads_whole:
+            # Drop rather than zero: the next backward's hook copies autograd's fresh gradient into the bucket
+            # view (as ddp does after zero_grad(set_to_none=True)), which saves a pass over the whole buffer.
+            for p in params:
+                if p in self._loc:
+                    p.grad = None
+        # Decided from the parameters, not from this rank's slices, so that every rank agrees.
+        for p in params:
+            if p in self._loc and self._loc[p][0].owner is not None:
+                self._loc[p][0].owner.reduced = False  # type: ignore[union-attr]
+        if optimizer is not None:
+            self._clean.add(id(optimizer))
+
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Gather the updated parameters, and consume the gradients this optimizer stepped with.
+
+        Consuming (zeroing) them here means a backward after ``optimizer.step()`` starts afresh, whether or
+        not ``zero_grad`` is called, and a bucket shared by two optimizers keeps the other one's gradients.
+        """
+        if optimizer is None:
+            return
+        ranges, params = self._entry(optimizer)
+        self._zero_ranges(ranges, optimizer, params)
+        # From the parameters, not from this rank's pieces: a rank that holds none of a segment must still
+        # take part in gathering it.
+        segments = sorted({id(seg): seg for seg, _ in (self._loc[p] for p in params if p in self._loc)}.values(), key=lambda seg: seg.index)
+        self._publish_params(segments)
+        self.store.release()
+
+    def _publish_params(self, segments: list[Segment]) -> None:
+        """The optimizer updated the masters of ``segments``: make every rank's parameters see the new values
+        (zero1/2 all-gather them into the whole parameters; zero3 overrides this)."""
+        early, self._early_gathers = self._early_gathers, {}
+        if self.comm_dtype_ is None:
+            works = [early.pop(seg.index) if seg.index in early else self.comm.gather(seg, async_op=True) for seg in segments]
+            for w in works + list(early.values()):
+                w.wait()
+        else:  # one full-size conversion buffer at a time
+            for seg in segments:
+                self.comm.gather(seg)
+
+    # -------------------------------------------------------------------- gradients
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        previous = self.require_sync
+        self.require_sync = False
+        try:
+            yield
+        finally:
+            self.require_sync = previous
+
+    def set_grad_scale(self, scale: float | torch.Tensor) -> None:
+        self.scale.set(scale)
+
+    def _queue_final_callback(self, ms: ModelState) -> None:
+        if ms.reduced:
+            raise second_backward_error(self.name)
+        ms.touched = True
+        self._clean.clear()
+        if not self._callback_queued:
+            self._callback_queued = True
+            Variable._execution_engine.queue_callback(self._finalize_backward)
+
+    def _finalize_backward(self) -> None:
+        self._callback_queued = False
+        touched = [ms for ms in self._models.values() if ms.touched]
+        for ms in touched:
+            self._finish_backward_reductions(ms)
+        self.comm.wait_inflight()
+        if self.require_sync:
+            if self.comm.accumulates:
+                # Each backward's reduced share was added up unscaled; the window's factor applies once, here.
+                for ms in touched:
+                    for seg in ms.segments:
+                        if seg.master_grad is not None:
+                            self.scale.apply_(seg.master_grad)
+            self.scale.reset()
+            for ms in touched:
+                ms.reduced = True
+        for ms in touched:
+            ms.touched = False
+        missing, self._missing = self._missing, []
+        if missing and not self.dp_opts.find_unused_parameters:
+            raise unused_parameters_error(self.name, missing)
+
+    def _finish_backward_reductions(self, ms: ModelState) -> None:
+        """Reduce what this backward left unreduced in ``ms`` (the stages differ here)."""
+        raise NotImplementedError
+
+    def finish_gradient_sync(self) -> None:
+        self.comm.wait_inflight()
+        self._attach_piece_grads()
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        if id(getattr(optimizer, "optimizer", optimizer)) in self._clean:
+            return  # already zeroed when it stepped, and no backward since
+        ranges, params = self._entry(optimizer)
+        self._zero_ranges(ranges, getattr(optimizer, "optimizer", optimizer), params)
+        self._attach_piece_grads()
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
+        # Each rank holds the reduced gradient of its slices only: combine the local norms over the ranks.
+        self.finish_gradient_sync()
+        wanted: set[Any] = set(parameters)
+        slices = []
+        for s in self.segments:
+            if s.master_grad is not None:
+                slices += [s.master_grad[a:b] for _, a, b in s.local_runs(wanted)]
+        norm_type = float(norm_type)
+        local = [g.float() for g in slices if g.numel()]
+        if math.isinf(norm_type):
+            total = max((g.abs().max().to(self.device) for g in local), default=torch.zeros((), device=self.device))
+            self._all_reduce_norm(total, dist.ReduceOp.MAX)
+        else:
+            total = torch.zeros((), device=self.device)
+            for g in local:
+                total += (g.norm(norm_type) ** norm_type).to(self.device)
+            self._all_reduce_norm(total, dist.ReduceOp.SUM)
+            total = total ** (1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in slices:
+            g.mul_(coef.to(g.device))
+        return total
+
+    def _all_reduce_norm(self, total: torch.Tensor, op: Any) -> None:
+        """Combine the ranks' parts of the gradient norm (``total``: a max, or a sum of powers) in place."""
+        if self.world > 1:
+            dist.all_reduce(total, op=op, group=self.group)
+
+    # -------------------------------------------------------------------- state
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        self.finish_gradient_sync()
+        gathered = self._gathered_cpu_params(model)
+        out = {}
+        for k, v in model.state_dict(keep_vars=True).items():
+            out[k] = gathered[v] if v in gathered else v.detach().to("cpu", copy=True)
+        return out
+
+    def sharded_state(self, model: nn.Module, optimizers: Any = None) -> list[ShardEntry]:
+        """Each rank gives its own slice of every parameter and optimizer state tensor; rank 0 the replicated rest."""
+        return state.sharded_state(self, model, optimizers)
+
+    def load_sharded_state(self, model: nn.Module, optimizers: Any, reader: StateReader) -> None:
+        """Read exactly this rank's slices: no rank ever holds more than its shard plus one slice in transit."""
+        state.load_sharded_state(self, model, optimizers, reader)
+
+    def _pieces_of(self, model: nn.Module, optimizers: Any) -> Iterator[tuple[torch.optim.Optimizer, dict[str, Any], nn.Parameter, tuple[Segment, int, int]]]:
+        """(optimizer, param group, piece, (segment, start, stop)) of every piece of ``optimizers`` in ``model``'s segments."""
+        wanted, owner = optimizer_list(optimizers), self._models[id(model)]
+        for opt, layout, _ in self._optimizers:
+            if not any(opt is o for o in wanted):
+                continue
+            for group, pieces in zip(opt.param_groups, layout):
+                for piece, where in zip(group["params"], pieces):
+                    if where[0].owner is owner:
+                        yield opt, group, piece, where
+
+    def state_shapes(self, model: nn.Module) -> dict[str, tuple[int, ...]]:
+        shapes = {self._names[p]: tuple(s.shapes[i]) for s in self._models[id(model)].segments for i, p in enumerate(s.params)}
+        return {name: shapes.get(name, tuple(t.shape)) for name, t in named_tensors(model)}
+
+    def _at_rest(self, s: Segment) -> torch.Tensor:
+        """This rank's slice of the segment's parameter values, in their dtype (zero3 overrides this)."""
+        return s.full[s.lo : s.hi]
+
+    def _gathered_cpu_params(self, model: nn.Module) -> dict[torch.Tensor, torch.Tensor]:
+        segments = self._models[id(model)].segments
+        return {p: p.detach().to("cpu", copy=True) for s in segments for p in s.params}
+
+    def comm_dtype(self) -> torch.dtype | None:
+        if self.world == 1 or not self.segments:
+            return None
+        return self.comm_dtype_ or self.segments[0].dtype
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "strategy": self.name,
+            "segments": len(self.segments),
+            "segment_numel": [s.numel for s in self.segments],
+            "padded_numel": [s.padded for s in self.segments],
+            "units": [u.name for u in self.units],
+            "collectives": self.comm.mode,
+            "offload": self.store.mode,
+        }
+
+    # -------------------------------------------------------------------- memory
+    def memory_report(self, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+        trainable = sum(s.shapes[i].numel() for s in self.segments for i in range(len(s.params)) if s.trainable[i])
+        state = state_tensors(optimizers)
+        in_ram = [t for t in state if not self.store.owns(t)]
+        masters = [s.master for s in self.segments if s.master is not None and not s.master_is_full_slice]
+        held = {
+            "params": self._param_bytes(),
+            "grads": self._grad_bytes(),
+            "optimizer_state": nbytes(in_ram) + nbytes(m for m in masters if not self.store.owns(m)),
+            "comm_buffers": self._comm_buffer_bytes(),
+            "offloaded_to_disk": nbytes(t for t in state if self.store.owns(t)) + nbytes(m for m in masters if self.store.owns(m)),
+        }
+        p = self.segments[0].full.element_size() if self.segments else 4
+        k = state_bytes_per_element(optimizers, state, sum(s.shard_numel for s in self.segments if s.has_trainable))
+        k += 4 if p < 4 else 0  # fp32 master copies of low-precision parameters
+        n = self.world
+        # Reduced gradient slices are kept in fp32 (g = 4) even for bf16/fp16 parameters, so that accumulation
+        # over micro-batches does not round; the paper counts them at the parameters' width (2Ψ/N).
+        g = max(p, 4)
+        predicted = self._predicted(p, g, trainable, n)
+        predicted["optimizer_state"] = k * trainable / n
+        return memory_report_dict(self.name, trainable, n, p, k, held, predicted, self.store.mode)
+
+    def _predicted(self, p: int, g: int, psi: int, n: int) -> dict[str, float]:
+        """The ZeRO paper's bytes per rank for parameters and gradients (p, g: bytes per element; psi: trainable
+        elements; n: ranks)."""
+        raise NotImplementedError
+
+    def _param_bytes(self) -> int:
+        return sum(s.full.numel() * s.full.element_size() for s in self.segments)
+
+    def _grad_bytes(self) -> int:
+        total = 0
+        for s in self.segments:
+            if s.grad_full is not None:
+                total += s.grad_full.numel() * s.grad_full.element_size()
+            if s.master_grad is not None and not (s.grad_full is not None and s.master_grad.data_ptr() == s.grad_full[s.lo :].data_ptr()):
+                total += s.master_grad.numel() * s.master_grad.element_size()
+        return total
+
+    def _comm_buffer_bytes(self) -> int:
+        return 0

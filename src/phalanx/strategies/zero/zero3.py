@@ -1,0 +1,377 @@
+"""zero3: parameters, gradients and optimizer state all sharded; units gathered on demand.
+
+A unit (by default each child module that holds parameters, looking inside ModuleList/Sequential/ModuleDict) is
+all-gathered before its forward and freed after it, gathered again when backward reaches it and freed when its
+backward is done, when its gradients are reduce-scattered. The next unit is prefetched. Parameters shared by two
+units (tied embeddings) and those of no unit belong to the root unit, which stays gathered from the forward to the
+end of backward. Reduce-scatters happen on every backward, as for zero2.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from phalanx.strategies.zero.base import ModelState, ZeroStrategy
+from phalanx.strategies.zero.collectives import Done, SegmentComm
+from phalanx.strategies.zero.layout import Segment, by_dtype, padded_empty
+from phalanx.strategies.zero.offload import StateStore
+from phalanx.strategies.zero.options import Zero3Options
+
+__all__ = ["Zero3Strategy", "Unit", "UnitState", "unit_modules_of"]
+
+
+class UnitState(enum.IntEnum):
+    FREE = 0
+    """Only this rank's slice exists; the parameters are empty tensors."""
+    GATHERING = 1
+    """The all-gathers are in flight; the parameters view buffers that are being filled."""
+    GATHERED = 2
+    """The parameters are whole."""
+
+
+class Unit:
+    """A module whose parameters are gathered together around its forward and its backward. It owns its state:
+    ``gather`` starts the all-gathers (FREE -> GATHERING), ``wait`` finishes them (-> GATHERED), ``free`` drops the
+    whole parameters (-> FREE). Each is a no-op in a state where it has nothing to do."""
+
+    def __init__(
+        self, index: int, module: nn.Module, name: str, segments: list[Segment], is_root: bool, comm: SegmentComm,
+        store: StateStore, empty: dict[tuple[torch.dtype, torch.device], torch.Tensor],
+    ) -> None:  # fmt: skip
+        self.index, self.module, self.name, self.segments, self.is_root = index, module, name, segments, is_root
+        self.comm, self.store, self._empty = comm, store, empty
+        self.state = UnitState.FREE
+        self.works: list[Done] = []
+        self.touched = False  # backward reached it in the running backward pass
+        self.owner: ModelState | None = None
+
+    @property
+    def full_bytes(self) -> int:
+        return sum(s.padded * s.full.element_size() for s in self.segments)
+
+    def gather(self) -> None:
+        if self.state == UnitState.FREE:
+            for s in self.segments:
+                s.full.untyped_storage().resize_(s.padded * s.full.element_size())
+                s.attach_views()
+            self.works = [self.comm.gather(s, async_op=True) for s in self.segments]
+            self.state = UnitState.GATHERING
+
+    def wait(self) -> None:
+        self.gather()
+        if self.state == UnitState.GATHERING:
+            for w in self.works:
+                w.wait()
+            self.works = []
+            self.state = UnitState.GATHERED
+            self.store.release()
+
+    def free(self) -> None:
+        if self.state == UnitState.GATHERING:
+            for w in self.works:
+                w.wait()
+            self.works = []
+        for s in self.segments:
+            empty = self._empty.setdefault((s.dtype, s.device), torch.empty(0, dtype=s.dtype, device=s.device))
+            for p in s.params:
+                p.data = empty
+            s.full.untyped_storage().resize_(0)
+        self.state = UnitState.FREE
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once backward has passed through the whole unit."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Callable[[], None], *inputs: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.callback = callback
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.callback()
+        return (None, *grads)
+
+
+class Zero3Strategy(ZeroStrategy):
+    """``strategy="zero3"``: parameters, gradients and optimizer state all sharded; units gathered on demand."""
+
+    name = "zero3"
+    stage = 3
+    params_whole = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.unit_opts = self.config.options(Zero3Options)
+        self._empty: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        params = self._prepare_common(model, set(model.parameters()))
+        unit_modules = unit_modules_of(model, self.unit_opts.zero3_unit_classes)
+        owners: dict[nn.Parameter, set[int]] = {}
+        for ui, (_, m) in enumerate(unit_modules):
+            for p in m.parameters():
+                owners.setdefault(p, set()).add(ui)
+        members: list[list[nn.Parameter]] = [[] for _ in unit_modules]
+        root_params: list[nn.Parameter] = []
+        for p in params:
+            where = owners.get(p, set())
+            (members[next(iter(where))] if len(where) == 1 else root_params).append(p)
+        units: list[Unit] = []
+        all_segments: list[Segment] = []
+        # One unit at a time: lay out, take rank 0's values, keep this rank's slice, free the rest. Only one
+        # unit is ever whole here, beside the not yet sharded parameters the user built.
+        for (name, module), ps in [(("<root>", model), root_params)] + list(zip(unit_modules, members)):
+            segs = [Segment(0, group, self.world, self.rank) for group in by_dtype(ps)]
+            self._add_segments(segs)
+            for seg in segs:
+                # The at-rest slice is the fp32 master itself when the dtypes agree (on the host with offload);
+                # otherwise a copy in the parameters' dtype, in the offload tier when there is one.
+                keeps_slice = seg.master is not None and seg.master.dtype == seg.dtype
+                seg.shard_param = None if keeps_slice else self.store.copy_of(seg.full[seg.lo : seg.hi])
+            all_segments += segs
+            unit = Unit(len(self.units) + len(units), module, name, segs, module is model, self.comm, self.store, self._empty)
+            unit.free()
+            if segs or unit.is_root:
+                units.append(unit)
+        state = self._register(model, params, all_segments)
+        state.units = units
+        root = units[0]
+        for u in units:
+            u.owner = state
+            self.units.append(u)
+            if not u.is_root:
+                u.module.register_forward_pre_hook(self._make_pre_forward(u), with_kwargs=True, prepend=True)
+                u.module.register_forward_hook(self._make_post_forward(u))
+        model.register_forward_pre_hook(self._make_root_pre_forward(root), prepend=True)
+        model.register_forward_hook(self._make_root_post_forward(root))
+        forward = model.forward
+
+        @functools.wraps(forward)
+        def explained_forward(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return forward(*args, **kwargs)
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"{e}\n(zero3: outside its own module's forward, a parameter of a zero3 unit is an empty tensor. "
+                    "If this forward uses another module's parameter directly, e.g. F.linear(h, self.wte.weight), "
+                    "make it a parameter of the module that uses it (self.head.weight = self.wte.weight), or choose "
+                    "units with zero3_unit_classes so that both modules sit in one unit)"
+                ) from e
+
+        model.forward = explained_forward  # type: ignore[method-assign]
+        return model
+
+    def _prefetch(self, unit: Unit, step: int) -> None:
+        """Start gathering the unit ``step`` places after ``unit`` in the order the first forward ran them."""
+        ms = unit.owner
+        if ms is None or not (ms.order_fixed and self.unit_opts.zero3_prefetch):
+            return
+        try:
+            pos = ms.order.index(unit)
+        except ValueError:
+            return
+        nxt = pos + step
+        if 0 <= nxt < len(ms.order):
+            ms.order[nxt].gather()
+
+    # ---- hooks
+    def _make_root_pre_forward(self, root: Unit) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            ms = root.owner
+            if ms is not None and ms.order and not ms.order_fixed:
+                ms.order_fixed = True  # the second forward on: the first one recorded the order
+            root.wait()
+
+        return hook
+
+    def _make_root_post_forward(self, root: Unit) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            if not torch.is_grad_enabled():
+                root.free()
+                return output
+            return self._hook_outputs(root, output)
+
+        return hook
+
+    def _make_pre_forward(self, unit: Unit) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
+            if _in_backward():  # activation checkpointing recomputes this forward: gather, nothing else
+                unit.wait()
+                return None
+            ms = unit.owner
+            if ms is not None and not ms.order_fixed and unit not in ms.order:
+                ms.order.append(unit)
+            unit.wait()
+            self._prefetch(unit, +1)
+            if not torch.is_grad_enabled():
+                return None
+            flat, spec = pytree.tree_flatten((args, kwargs))
+            idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if not idx:
+                return None
+            passed = _PostBackward.apply(lambda: self._post_backward(unit), *[flat[i] for i in idx])
+            for i, t in zip(idx, passed):
+                flat[i] = t
+            return pytree.tree_unflatten(flat, spec)
+
+        return hook
+
+    def _make_post_forward(self, unit: Unit) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            if _in_backward():  # a recomputation: the unit's own backward is about to use it
+                return output
+            unit.free()
+            if not torch.is_grad_enabled():
+                return output
+            return self._hook_outputs(unit, output)
+
+        return hook
+
+    def _hook_outputs(self, unit: Unit, output: Any) -> Any:
+        for t in pytree.tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda grad, u=unit: self._pre_backward(u))
+        return output
+
+    def _pre_backward(self, unit: Unit) -> None:
+        assert unit.owner is not None
+        self._queue_final_callback(unit.owner)
+        unit.touched = True
+        if unit.state != UnitState.GATHERED:
+            unit.wait()
+        self._prefetch(unit, -1)
+
+    def _post_backward(self, unit: Unit) -> None:
+        """Backward is done with ``unit``: reduce-scatter the gradients it got, and free its parameters.
+
+        It may run more than once in a backward (a module called twice, a retained graph): each share of
+        the gradient is reduced when it is complete, and the shares add up in the reduced slices.
+        """
+        grads = [p.grad for s in unit.segments for p in s.params]
+        if any(g is not None for g in grads):
+            for s in unit.segments:
+                if not s.has_trainable:
+                    continue
+                flat = padded_empty(s)
+                for i, p in enumerate(s.params):
+                    if p.grad is not None:
+                        s.view_of(i, flat).copy_(p.grad)
+                        p.grad = None
+                    else:
+                        s.view_of(i, flat).zero_()
+                        if s.trainable[i]:
+                            self._missing.append(self._names.get(p, "?"))
+                self.comm.reduce_scatter(s, flat)
+                self.comm.wait_inflight(keep=1)
+        if not unit.is_root:
+            unit.free()
+
+    def _finish_backward_reductions(self, ms: ModelState) -> None:
+        # Units whose post-backward did not fire (their inputs needed no gradient), then the root, in a fixed
+        # order; a unit with no gradients communicates nothing, on every rank alike.
+        for u in sorted(ms.units, key=lambda u: -u.index):
+            if u.is_root or u.touched or any(p.grad is not None for s in u.segments for p in s.params):
+                self._post_backward(u)
+        for u in ms.units:
+            u.touched = False
+            if u.state != UnitState.FREE:
+                u.free()
+
+    # ---- state
+    def _at_rest(self, s: Segment) -> torch.Tensor:
+        return s.shard_param if s.shard_param is not None else s.master  # type: ignore[return-value]
+
+    def _publish_params(self, segments: list[Segment]) -> None:
+        # At rest each rank holds only its slice: the next forward gathers the new values.
+        for seg in segments:
+            if seg.shard_param is not None and seg.master is not None:
+                seg.shard_param.copy_(seg.master)
+
+    def _predicted(self, p: int, g: int, psi: int, n: int) -> dict[str, float]:
+        return {"params": p * psi / n, "grads": g * psi / n}
+
+    def _gathered_cpu_params(self, model: nn.Module) -> dict[torch.Tensor, torch.Tensor]:
+        out: dict[torch.Tensor, torch.Tensor] = {}
+        for u in self._models[id(model)].units:  # one unit whole at a time
+            was_free = u.state == UnitState.FREE
+            u.wait()
+            for s in u.segments:
+                for p in s.params:
+                    out[p] = p.detach().to("cpu", copy=True)
+            if was_free:
+                u.free()
+        return out
+
+    def _param_bytes(self) -> int:
+        total = 0
+        for s in self.segments:
+            at_rest = s.shard_param if s.shard_param is not None else s.master
+            if at_rest is not None and not self.store.owns(at_rest):
+                total += at_rest.numel() * at_rest.element_size()
+        return total
+
+    def _comm_buffer_bytes(self) -> int:
+        sizes = sorted((u.full_bytes for u in self.units if not u.is_root), reverse=True)
+        root = sum(u.full_bytes for u in self.units if u.is_root)
+        # Gathered during a step: the root, the unit computing and the one prefetched, and a gradient in flight.
+        return root + sum(sizes[:2]) + (sizes[0] if sizes else 0)
+
+    def memory_report(self, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+        report = super().memory_report(optimizers)
+        # zero3's fp32 master is the at-rest parameter slice itself: count it once, under params.
+        for s in self.segments:
+            if s.shard_param is None and s.master is not None and not self.store.owns(s.master):
+                report["held"]["optimizer_state"] -= s.master.numel() * s.master.element_size()
+        report["held_total"] = sum(v for k, v in report["held"].items() if k not in ("comm_buffers", "offloaded_to_disk"))
+        return report
+
+
+def _in_backward() -> bool:
+    """True while the autograd engine runs a backward pass (e.g. when checkpointing recomputes a forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def unit_modules_of(model: nn.Module, classes: str | None) -> list[tuple[str, nn.Module]]:
+    """The modules zero3 gathers one at a time, outermost first, in registration order."""
+    if classes:
+        wanted = {c.strip() for c in classes.split(",") if c.strip()}
+        found: list[tuple[str, nn.Module]] = []
+        taken: list[str] = []
+        for name, m in model.named_modules():
+            if m is model or type(m).__name__ not in wanted:
+                continue
+            if any(name.startswith(t + ".") for t in taken):
+                continue
+            taken.append(name)
+            found.append((name, m))
+        present = {type(m).__name__ for _, m in found}
+        unknown = wanted - present
+        if unknown:
+            raise ValueError(
+                f"zero3_unit_classes names {', '.join(sorted(unknown))}, but the model has no module of that class; "
+                f"module classes in the model: {', '.join(sorted({type(m).__name__ for m in model.modules()}))}"
+            )
+        return found
+
+    out: list[tuple[str, nn.Module]] = []
+
+    def walk(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            full = f"{prefix}{name}"
+            if isinstance(child, _CONTAINERS):
+                walk(full + ".", child)
+            elif any(True for _ in child.parameters()):
+                out.append((full, child))
+
+    walk("", model)
+    return out

@@ -1,0 +1,164 @@
+"""The house rules that keep phalanx easy to change, checked on the source itself.
+
+- No import cycle anywhere in src/phalanx. Every explicit import counts, also one inside a function (an import
+  moved into a function to dodge a cycle is still a cycle); imports under ``if TYPE_CHECKING:`` do not run and
+  do not count. Strategies loaded by name through the registry (``importlib``) are not edges.
+- No module over 500 lines: a module that grows past that is telling us it holds two things.
+- config.py names no strategy: it composes the strategies' own option groups from the registry.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "phalanx"
+MAX_LINES = 500
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(SRC.rglob("*.py"))}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
+    """The phalanx modules that ``path`` imports when it runs (its own package for relative imports)."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in modules:
+                    found.add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            if base in modules:
+                found.add(base)
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                if sub in modules:
+                    found.add(sub)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    found.discard(name)
+    return found
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    sys.setrecursionlimit(max(1000, 10 * len(graph)))
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return out
+
+
+def test_no_import_cycles():
+    modules = _modules()
+    graph = {name: _imports(path, name, modules) for name, path in modules.items()}
+    assert len(graph) > 30, "the walk found the package"
+    assert "phalanx.strategies.zero.base" in graph["phalanx.strategies.zero.bucketed"], "edges are read"
+    assert _cycles(graph) == [], "import cycles (each list is one strongly connected group of modules)"
+
+
+def test_the_cycle_check_finds_a_cycle():
+    # The checker itself: a graph with a cycle through a function-level import must be reported.
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def test_no_module_over_500_lines():
+    long = {name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert long == {}, f"modules over {MAX_LINES} lines hold two things: split them"
+
+
+def test_config_names_no_strategy():
+    from phalanx.strategies import strategy_names
+
+    tree = ast.parse((SRC / "config.py").read_text())
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and node.body
+        and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
+    }  # fmt: skip
+    names = set(strategy_names())
+    literals = [
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+    ]
+    named = [s for s in literals if s in names or any(s.startswith(n) for n in ("zero", "pipeline", "pp_"))]
+    assert named == [], "config.py must compose the strategies' option groups, not name strategies or their knobs"
+
+
+def test_help_and_errors_list_the_real_strategies_and_their_knobs():
+    from phalanx.config import ConfigError, EngineConfig
+    from phalanx.strategies import strategy_names
+
+    names = strategy_names()
+    assert {"ddp", "zero1", "zero2", "zero3", "pipeline"} <= set(names)
+    with pytest.raises(ConfigError) as info:
+        EngineConfig(strategy="nope")
+    assert ", ".join(names) in str(info.value)
+    out = subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", "launch", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    for name in names:
+        assert name in out, f"launch --help does not list strategy {name}"
+    for knob in ("--bucket-mb", "--offload", "--zero3-unit-classes", "--pp-schedule", "--pp-zero-stage"):
+        assert knob in out, f"launch --help does not list {knob}"
+    assert "1f1b" in out and "gpipe" in out, "the help lists each knob's choices"
