@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Sets up .venv and runs the whole test suite. Extra arguments go to pytest (e.g. -k ddp).
+# PHALANX_ISOLATED_VENV=1 builds .venv without system packages (see scripts/setup.sh); .ci/run sets it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
