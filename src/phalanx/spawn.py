@@ -119,15 +119,25 @@ def spawn(
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-def _collect(procs: list[Any], readers: list[Connection], timeout: float | None) -> list[Any]:
+def _collect(procs: list[Any], readers: list[Connection], timeout: float | None, grace_s: float = 3.0) -> list[Any]:
+    """Each rank's result, in rank order. When ranks fail, the one named is the cause: a rank that died without a
+    word (killed, ``os._exit``, a crash) before one that raised, since its peers then fail in their collectives
+    with errors of their own ("Connection reset by peer"). Failures are gathered for ``grace_s`` after the first,
+    so that a dead rank's exit is seen even when a peer's error arrives first."""
     results: dict[int, Any] = {}
+    raised: dict[int, str] = {}
+    died: dict[int, int] = {}
     deadline = None if timeout is None else time.monotonic() + timeout
+    first_failure: float | None = None
     open_readers = dict(enumerate(readers))
-    while len(results) < len(procs):
-        if deadline is not None and time.monotonic() >= deadline:
+    while len(results) + len(raised) + len(died) < len(procs):
+        now = time.monotonic()
+        if first_failure is not None and now - first_failure >= grace_s:
+            break
+        if deadline is not None and now >= deadline:
             running = [r for r in range(len(procs)) if r not in results]
             raise TimeoutError(f"spawned ranks {running} did not finish within {timeout} s")
-        wait([*open_readers.values(), *(p.sentinel for p in procs)], timeout=1.0)
+        wait([*open_readers.values(), *(p.sentinel for p in procs)], timeout=0.2 if first_failure else 1.0)
         for rank, reader in list(open_readers.items()):
             if not reader.poll():
                 continue
@@ -137,14 +147,23 @@ def _collect(procs: list[Any], readers: list[Connection], timeout: float | None)
                 ok, payload = pickle.loads(reader.recv_bytes())
             except EOFError:
                 continue  # closed without a word: the exit code below tells what happened
-            if not ok:
-                raise SpawnError(rank, f"rank {rank} failed:\n{payload}")
-            results[rank] = payload
+            if ok:
+                results[rank] = payload
+            else:
+                raised[rank] = payload
         for rank, p in enumerate(procs):
             # A rank sends its result before it exits, so an exited rank with nothing left to read has failed.
             pending = rank in open_readers and open_readers[rank].poll()
-            if rank not in results and p.exitcode is not None and not pending:
-                raise SpawnError(rank, f"rank {rank} exited with code {p.exitcode} before returning a result")
+            if rank not in results and rank not in raised and p.exitcode is not None and not pending:
+                died[rank] = p.exitcode
+        if (raised or died) and first_failure is None:
+            first_failure = time.monotonic()
+    if died:
+        rank = min(died)
+        others = sorted(set(died) - {rank}) + sorted(raised)
+        also = f" (then ranks {others} failed too)" if others else ""
+        raise SpawnError(rank, f"rank {rank} exited with code {died[rank]} before returning a result{also}")
+    if raised:
+        rank = next(iter(raised))  # the first to report: the others may only echo it
+        raise SpawnError(rank, f"rank {rank} failed:\n{raised[rank]}")
     return [results[r] for r in range(len(procs))]
-
-
