@@ -25,9 +25,9 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))  # so that spawned processes (which inherit sys.path) import the workers
 
 import checkpoint_workers  # noqa: E402
-import phalanx  # noqa: E402
 from harness import (  # noqa: E402
-    add_output_flags, add_round_flags, environment, interleaved_rounds, source_record, source_state, write_result,
+    add_output_flags, add_round_flags, environment, interleaved_rounds, source_record, source_state, spawn_ranks,
+    write_result,
 )
 
 NRANKS = 2
@@ -69,8 +69,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     def run(cfg: dict[str, Any]) -> Any:
         s = dict(spec, path=str(workdir / f"{cfg['key']}{'.pt' if cfg['kind'] == 'torch_save' else ''}"),
                  **{k: v for k, v in cfg.items() if k in ("strategy", "fsdp2")})  # fmt: skip
-        return phalanx.spawn(checkpoint_workers.run, nprocs=NRANKS, args=(cfg["kind"], s), threads_per_proc=1,
-                             timeout=args.timeout)  # fmt: skip
+        return spawn_ranks(checkpoint_workers.run, NRANKS, (cfg["kind"], s), args.timeout)
 
     def headline(s: dict[str, Any]) -> str:
         return f"save {s['save_s']:6.2f} s  load {s['load_s']:6.2f} s  {s['bytes'] / 2**20:7.1f} MiB"

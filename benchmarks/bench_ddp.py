@@ -12,14 +12,8 @@ background load hits all of them alike. See benchmarks/README.md for what the co
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import resource
-import socket
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +21,11 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))  # so that spawned processes (which inherit sys.path) import ddp_workers
 
-import torch  # noqa: E402
-
 import ddp_workers  # noqa: E402
-import phalanx  # noqa: E402
+from harness import (  # noqa: E402
+    RANK_THREADS, add_output_flags, add_round_flags, environment, free_port, git_state, interleaved_rounds, mean_over_ranks,
+    per_rank_median, slowest_rank, spawn_ranks, write_result,
+)
 
 WORKLOADS: dict[str, dict[str, Any]] = {
     # 8 x Linear(1024, 1024): 8.4M parameters, 33.6 MB of fp32 gradients per step.
@@ -38,87 +33,6 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     # phalanx.demo.TinyGPT(GPTConfig()): 0.84M parameters, 128-token byte sequences.
     "gpt": {"global_batch": 16, "lr": 1e-3, "warmup": 3, "steps": 15},
 }
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _cpu_times() -> tuple[int, int, int]:
-    """(busy, total, steal) jiffies of all cores since boot, from /proc/stat."""
-    with open("/proc/stat") as f:
-        vals = [int(v) for v in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
-    vals += [0] * (8 - len(vals))
-    total = sum(vals)  # guest time is already inside user, so the guest columns are left out
-    steal = vals[7]
-    return total - vals[3] - vals[4] - steal, total, steal
-
-
-def cpu_busy(interval: float = 0.5) -> float | None:
-    """Fraction of all cores busy over ``interval`` (this benchmark is idle meanwhile); None off Linux."""
-    try:
-        b0, t0, _ = _cpu_times()
-        time.sleep(interval)
-        b1, t1, _ = _cpu_times()
-    except (OSError, ValueError, IndexError):
-        return None
-    return (b1 - b0) / max(1, t1 - t0)
-
-
-class ForeignLoad:
-    """CPU time that processes other than this benchmark used during a run, as an average number of busy cores.
-
-    Also the hypervisor's steal time over the run (cores' worth of time the VM wanted but did not get).
-    """
-
-    def __init__(self) -> None:
-        try:
-            self.busy0, _, self.steal0 = _cpu_times()
-        except (OSError, ValueError, IndexError):
-            self.busy0 = None
-        self.ours0 = self._ours()
-        self.t0 = time.monotonic()
-        self.steal_cores: float | None = None
-
-    @staticmethod
-    def _ours() -> float:
-        c, me = resource.getrusage(resource.RUSAGE_CHILDREN), resource.getrusage(resource.RUSAGE_SELF)
-        return c.ru_utime + c.ru_stime + me.ru_utime + me.ru_stime
-
-    def stop(self) -> float | None:
-        if self.busy0 is None:
-            return None
-        busy1, _, steal1 = _cpu_times()
-        wall = max(time.monotonic() - self.t0, 1e-9)
-        hz = os.sysconf("SC_CLK_TCK")
-        self.steal_cores = (steal1 - self.steal0) / hz / wall
-        return max(0.0, ((busy1 - self.busy0) / hz - (self._ours() - self.ours0)) / wall)
-
-
-def git_state() -> str:
-    """The commit of the checkout phalanx is imported from, with '+dirty' when src/ has uncommitted changes."""
-    import subprocess
-
-    root = Path(phalanx.__file__).resolve().parents[2]
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=root, capture_output=True, text=True,
-                               timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (head or "unknown") + ("+dirty" if dirty else "")
-
-
-def wait_quiet(max_wait: float, threshold: float) -> float | None:
-    """Wait (up to ``max_wait`` s) until other processes leave the CPU mostly idle; returns the last busy fraction."""
-    deadline = time.monotonic() + max_wait
-    busy = cpu_busy()
-    while busy is not None and busy > threshold and time.monotonic() < deadline:
-        busy = cpu_busy(1.0)
-    return busy
 
 
 def accelerate_status() -> tuple[bool, str]:
@@ -137,19 +51,19 @@ def configurations(args: argparse.Namespace, gb: int, nranks: int) -> list[dict[
         {"name": "1 proc, 2 threads", "kind": "single", "nprocs": 1, "threads": 2, "local_batch": gb},
         {"name": "1 proc, 1 thread, per-rank batch", "kind": "single", "nprocs": 1, "threads": 1, "local_batch": per_rank,
          "trains_subset": True},
-        {"name": "torch DDP", "kind": "torch_ddp", "nprocs": nranks, "threads": 1, "local_batch": per_rank},
-        {"name": "phalanx ddp", "kind": "phalanx_ddp", "nprocs": nranks, "threads": 1, "local_batch": per_rank},
+        {"name": "torch DDP", "kind": "torch_ddp", "nprocs": nranks, "threads": RANK_THREADS, "local_batch": per_rank},
+        {"name": "phalanx ddp", "kind": "phalanx_ddp", "nprocs": nranks, "threads": RANK_THREADS, "local_batch": per_rank},
     ]
     if args.torch_bucket_view:
-        configs.append({"name": "torch DDP gradient_as_bucket_view", "kind": "torch_ddp", "nprocs": nranks, "threads": 1,
+        configs.append({"name": "torch DDP gradient_as_bucket_view", "kind": "torch_ddp", "nprocs": nranks, "threads": RANK_THREADS,
                         "local_batch": per_rank, "ddp_kwargs": {"gradient_as_bucket_view": True}})
     for mb in args.bucket_mb:
-        configs.append({"name": f"phalanx ddp bucket_mb={mb:g}", "kind": "phalanx_ddp", "nprocs": nranks, "threads": 1,
+        configs.append({"name": f"phalanx ddp bucket_mb={mb:g}", "kind": "phalanx_ddp", "nprocs": nranks, "threads": RANK_THREADS,
                         "local_batch": per_rank, "bucket_mb": mb})
     if not args.no_accelerate:
         ok, why = accelerate_status()
         if ok:
-            configs.append({"name": "accelerate", "kind": "accelerate", "nprocs": nranks, "threads": 1, "local_batch": per_rank})
+            configs.append({"name": "accelerate", "kind": "accelerate", "nprocs": nranks, "threads": RANK_THREADS, "local_batch": per_rank})
         else:
             print(f"[skip] accelerate: {why}")
     else:
@@ -173,15 +87,12 @@ def run_config(
     if profile_dir:
         slug = "".join(ch if ch.isalnum() else "_" for ch in cfg["name"]).strip("_")
         spec["profile"] = str(Path(profile_dir) / f"{workload}-{slug}")
-    return phalanx.spawn(ddp_workers.run, nprocs=cfg["nprocs"], args=(cfg["kind"], workload, spec),
-                         threads_per_proc=cfg["threads"], timeout=timeout)
+    return spawn_ranks(ddp_workers.run, cfg["nprocs"], (cfg["kind"], workload, spec), timeout, threads=cfg["threads"])
 
 
 def summarize_round(results: list[dict[str, Any]]) -> dict[str, Any]:
-    # A step is as slow as its slowest rank; the collectives keep the ranks in lock-step anyway.
-    per_step = [max(r["times"][i] for r in results) for i in range(len(results[0]["times"]))]
-    nsteps = len(results[0]["losses"])
-    losses = [statistics.fmean(r["losses"][i] for r in results) for i in range(nsteps)]  # equal local batches
+    per_step = slowest_rank(results)
+    losses = mean_over_ranks(results)  # equal local batches
     return {
         "median_ms": 1e3 * statistics.median(per_step),
         "step_ms": [1e3 * t for t in per_step],
@@ -196,52 +107,35 @@ def summarize_round(results: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def bench_workload(workload: str, args: argparse.Namespace) -> dict[str, Any]:
+def base_spec(workload: str, args: argparse.Namespace, nranks: int = 2) -> dict[str, Any]:
+    """What every configuration of ``workload`` trains: seed, global batch, lr, warm-up and timed steps, data, AdamW."""
     w = WORKLOADS[workload]
     gb = args.global_batch or w["global_batch"]
-    nranks = 2
-    base = {
+    if gb % nranks:
+        raise SystemExit(f"--global-batch {gb} must be divisible by {nranks}")
+    return {
         "seed": args.seed, "global_batch": gb, "lr": w["lr"],
         "warmup": args.warmup if args.warmup is not None else w["warmup"],
         "steps": args.steps if args.steps is not None else w["steps"],
         "gpt_data": args.gpt_data,
         "adamw": args.adamw,
-    }
-    if gb % nranks:
-        raise SystemExit(f"--global-batch {gb} must be divisible by {nranks}")
+    }  # fmt: skip
+
+
+def bench_workload(workload: str, args: argparse.Namespace) -> dict[str, Any]:
+    nranks = 2
+    base = base_spec(workload, args, nranks)
+    gb = base["global_batch"]
     configs = configurations(args, gb, nranks)
     print(f"\n=== workload {workload}: global batch {gb}, {nranks} ranks on gloo, {base['warmup']} warm-up + "
           f"{base['steps']} timed steps, {args.rounds} rounds, {len(configs)} configurations, AdamW {args.adamw} ===",
           flush=True)
-    rounds: dict[str, list[dict[str, Any]]] = {c["name"]: [] for c in configs}
     commit_start = git_state()
     print(f"phalanx checkout: {commit_start}", flush=True)
-    t_start = time.perf_counter()
-    for rnd in range(args.rounds):
-        order = configs[rnd % len(configs):] + configs[: rnd % len(configs)]  # rotate the order every round
-        for cfg in order:
-            for attempt in range(args.retries + 1):
-                busy = wait_quiet(args.quiet_wait, args.quiet_threshold) if args.quiet_wait > 0 else None
-                probe = ForeignLoad()
-                t0 = time.perf_counter()
-                res = run_config(workload, base, cfg, args.timeout, args.profile)
-                foreign = probe.stop()
-                if foreign is None or foreign <= args.max_foreign or attempt == args.retries:
-                    break
-                print(f"  round {rnd + 1}/{args.rounds}  {cfg['name']:<34} discarded: other processes used "
-                      f"{foreign:.2f} cores meanwhile (> --max-foreign {args.max_foreign}); running it again", flush=True)
-            s = summarize_round(res)
-            s["cpu_busy_before"] = busy
-            s["foreign_load_cores"] = foreign
-            s["steal_cores"] = probe.steal_cores
-            s["attempts"] = attempt + 1
-            rounds[cfg["name"]].append(s)
-            load = f", busy before {100 * busy:3.0f}%" if busy is not None else ""
-            load += f", foreign load {foreign:.2f} cores" if foreign is not None else ""
-            load += f", steal {probe.steal_cores:.2f}" if probe.steal_cores else ""
-            print(f"  round {rnd + 1}/{args.rounds}  {cfg['name']:<34} {s['median_ms']:8.1f} ms/step  "
-                  f"(wall {time.perf_counter() - t0:5.1f} s{load})", flush=True)
-    wall = time.perf_counter() - t_start
+    rounds, _, wall = interleaved_rounds(
+        configs, args, lambda cfg: run_config(workload, base, cfg, args.timeout, args.profile), summarize_round,
+        lambda s: f"{s['median_ms']:8.1f} ms/step", keep_going=False,
+    )
     commit_end = git_state()
     if commit_end != commit_start:
         print(f"WARNING: the phalanx checkout changed during the run ({commit_start} -> {commit_end}); "
@@ -253,9 +147,9 @@ def bench_workload(workload: str, args: argparse.Namespace) -> dict[str, Any]:
         rs = rounds[cfg["name"]]
         meds = [r["median_ms"] for r in rs]
         nproc = cfg["nprocs"]
-        rss = [statistics.median(r["peak_rss_mib"][k] for r in rs) for k in range(nproc)]
-        cpu = [statistics.median(r["cpu_ms_per_step"][k] for r in rs) for k in range(nproc)]
-        faults = [statistics.median(r["minor_faults_per_step"][k] for r in rs) for k in range(nproc)]
+        rss = per_rank_median(rs, "peak_rss_mib", nproc)
+        cpu = per_rank_median(rs, "cpu_ms_per_step", nproc)
+        faults = per_rank_median(rs, "minor_faults_per_step", nproc)
         rows.append({
             **{k: v for k, v in cfg.items()},
             "median_ms": statistics.median(meds),
@@ -368,10 +262,10 @@ def bench_workload(workload: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", choices=["mlp", "gpt", "all"], default="all")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (every configuration once per round)")
+    add_round_flags(p, rounds=5, timeout=600.0)
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (default: per workload)")
     p.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps per run (default: per workload)")
     p.add_argument("--global-batch", type=int, default=None, help="global batch (default: mlp 64, gpt 16)")
@@ -389,40 +283,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="record the timed steps with torch.profiler: DIR/<workload>-<config>.rank<r>.{txt,json} "
                         "(slows the steps down; use with --rounds 1 and --no-json)")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds one spawned run may take")
-    p.add_argument("--out", default=str(HERE / "results"), help="directory for ddp-<workload>.json")
-    p.add_argument("--no-json", action="store_true", help="do not write the JSON results")
-    p.add_argument("--tag", default="", help="write ddp-<workload>-<tag>.json instead of ddp-<workload>.json")
-    p.add_argument("--quiet-wait", type=float, default=30.0,
-                   help="before each run, wait up to this many seconds for the machine to be quiet (0: never wait)")
-    p.add_argument("--max-foreign", type=float, default=0.25,
-                   help="a run during which other processes used more than this many cores is run again (see --retries)")
-    p.add_argument("--retries", type=int, default=1, help="how often a run disturbed by other processes is run again")
-    p.add_argument("--quiet-threshold", type=float, default=0.15,
-                   help="'quiet' means at most this fraction of all cores busy (from /proc/stat)")
-    args = p.parse_args(argv)
+    add_output_flags(p, HERE / "results", "ddp-<workload>")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
 
-    env = {
-        "torch": torch.__version__, "phalanx": phalanx.__version__, "python": platform.python_version(),
-        "cpu_count": os.cpu_count(), "machine": platform.machine(), "platform": platform.platform(),
-        "accelerate": accelerate_status()[1],
-        "phalanx_checkout": git_state(),
-    }
-    print("environment:", ", ".join(f"{k}={v}" for k, v in env.items()))
+    env = environment(accelerate=accelerate_status()[1])
     workloads = ["mlp", "gpt"] if args.workload == "all" else [args.workload]
     for wl in workloads:
-        result = bench_workload(wl, args)
-        result["environment"] = env
-        result["argv"] = sys.argv[1:] if argv is None else argv
-        result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        if not args.no_json:
-            out = Path(args.out)
-            out.mkdir(parents=True, exist_ok=True)
-            path = out / (f"ddp-{wl}-{args.tag}.json" if args.tag else f"ddp-{wl}.json")
-            path.write_text(json.dumps(result, indent=1))
-            print(f"wrote {path}")
+        write_result(bench_workload(wl, args), args, f"ddp-{wl}", env, argv)
     return 0
 
 

@@ -23,10 +23,10 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))  # so that spawned processes (which inherit sys.path) import pipeline_workers
 
-import phalanx  # noqa: E402
 import pipeline_workers  # noqa: E402
 from harness import (  # noqa: E402
-    add_output_flags, add_round_flags, environment, interleaved_rounds, source_record, source_state, write_result,
+    add_output_flags, add_round_flags, environment, interleaved_rounds, per_rank_median, slowest_rank, source_record,
+    source_state, spawn_ranks, write_result,
 )
 
 WORKLOAD = "mlp"
@@ -59,13 +59,11 @@ def configurations(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def run_config(base: dict[str, Any], cfg: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
     spec = dict(base, schedule=cfg["schedule"])
-    return phalanx.spawn(pipeline_workers.run, nprocs=NSTAGES, args=(cfg["kind"], spec), threads_per_proc=1,
-                         timeout=timeout)
+    return spawn_ranks(pipeline_workers.run, NSTAGES, (cfg["kind"], spec), timeout)
 
 
 def summarize_round(results: list[dict[str, Any]]) -> dict[str, Any]:
-    nsteps = len(results[0]["times"])
-    per_step = [max(r["times"][i] for r in results) for i in range(nsteps)]
+    per_step = slowest_rank(results)
     last = results[-1]  # the last stage knows the loss under every configuration
     return {
         "median_ms": 1e3 * statistics.median(per_step),
@@ -92,7 +90,8 @@ def _fmt(vals: list[Any], fmt: str = "{:.0f}") -> str:
     return "/".join("-" if v is None else fmt.format(v) for v in vals)
 
 
-def bench(args: argparse.Namespace) -> dict[str, Any]:
+def base_spec(args: argparse.Namespace) -> dict[str, Any]:
+    """What every configuration trains: the workload's size, seed, batches, warm-up and timed steps, AdamW."""
     base = dict(DEFAULTS, seed=args.seed, adamw=args.adamw)
     for k in ("d", "n_blocks", "global_batch", "microbatches", "warmup", "steps"):
         v = getattr(args, k)
@@ -102,6 +101,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"global batch {base['global_batch']} is not divisible by {base['microbatches']} micro-batches")
     if base["n_blocks"] % NSTAGES:
         raise SystemExit(f"{base['n_blocks']} blocks do not split evenly over {NSTAGES} stages")
+    return base
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    base = base_spec(args)
     p, m = NSTAGES, base["microbatches"]
     theory = (p - 1) / (m + p - 1)
     d, nb = base["d"], base["n_blocks"]
@@ -130,25 +134,20 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             rows.append({**cfg, "failed": failures.get(cfg["name"], "no result")})
             continue
         meds = [r["median_ms"] for r in rs]
-
-        def med(key: str, k: int, rs: list[dict[str, Any]] = rs) -> float | None:
-            vals = [r[key][k] for r in rs if r[key][k] is not None]
-            return statistics.median(vals) if vals else None
-
-        bubble = [med("bubble", k) for k in range(NSTAGES)]
+        bubble = per_rank_median(rs, "bubble", NSTAGES)
         rows.append({
             **cfg,
             "median_ms": statistics.median(meds),
             "min_ms": min(meds),
             "round_medians_ms": meds,
-            "schedule_ms_per_stage": [med("schedule_ms", k) for k in range(NSTAGES)],
-            "wait_ms_per_stage": [med("wait_ms", k) for k in range(NSTAGES)],
+            "schedule_ms_per_stage": per_rank_median(rs, "schedule_ms", NSTAGES),
+            "wait_ms_per_stage": per_rank_median(rs, "wait_ms", NSTAGES),
             "bubble_per_stage": bubble,
             "bubble_max": max(b for b in bubble if b is not None) if any(b is not None for b in bubble) else None,
-            "peak_rss_mib_per_rank": [med("peak_rss_mib", k) for k in range(NSTAGES)],
-            "ru_maxrss_mib_per_rank": [med("ru_maxrss_mib", k) for k in range(NSTAGES)],
-            "setup_peak_rss_mib_per_rank": [med("setup_peak_rss_mib", k) for k in range(NSTAGES)],
-            "cpu_ms_per_step_per_rank": [med("cpu_ms_per_step", k) for k in range(NSTAGES)],
+            "peak_rss_mib_per_rank": per_rank_median(rs, "peak_rss_mib", NSTAGES),
+            "ru_maxrss_mib_per_rank": per_rank_median(rs, "ru_maxrss_mib", NSTAGES),
+            "setup_peak_rss_mib_per_rank": per_rank_median(rs, "setup_peak_rss_mib", NSTAGES),
+            "cpu_ms_per_step_per_rank": per_rank_median(rs, "cpu_ms_per_step", NSTAGES),
             "foreign_load_cores": [r["foreign_load_cores"] for r in rs],
             "first_loss": rs[0]["losses"][0],
             "final_loss": rs[0]["losses"][-1],
@@ -274,7 +273,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_round_flags(p, rounds=5)
     p.add_argument("--steps", type=int, default=None, help=f"timed steps per run ({DEFAULTS['steps']})")
@@ -290,7 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--adamw", choices=["default", "foreach", "fused"], default="default")
     p.add_argument("--seed", type=int, default=1234)
     add_output_flags(p, HERE / "results", f"pipeline-{WORKLOAD}")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     env = environment()
     result = bench(args)

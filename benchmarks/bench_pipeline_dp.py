@@ -24,10 +24,10 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))  # so that spawned processes (which inherit sys.path) import the workers
 
-import phalanx  # noqa: E402
 import pipeline_dp_workers  # noqa: E402
 from harness import (  # noqa: E402
-    add_output_flags, add_round_flags, environment, interleaved_rounds, source_record, source_state, write_result,
+    add_output_flags, add_round_flags, environment, interleaved_rounds, mean_over_ranks, slowest_rank, source_record,
+    source_state, spawn_ranks, write_result,
 )
 
 STEM = "pipeline-dp-mlp"
@@ -51,10 +51,8 @@ def configurations(only: str) -> list[dict[str, Any]]:
 
 
 def summarize(results: list[dict[str, Any]], dp: int) -> dict[str, Any]:
-    n = len(results[0]["times"])
-    per_step = [max(r["times"][i] for r in results) for i in range(n)]
-    last = results[-dp:]  # the last stage's replicas: the mean of their losses is the step's loss
-    losses = [statistics.fmean(r["losses"][i] for r in last) for i in range(len(last[0]["losses"]))]
+    per_step = slowest_rank(results)
+    losses = mean_over_ranks(results[-dp:])  # the last stage's replicas: the mean of their losses is the step's loss
     return {
         "median_ms": 1e3 * statistics.median(per_step),
         "losses": losses,
@@ -81,8 +79,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 
     def run(cfg: dict[str, Any]) -> list[dict[str, Any]]:
         spec = dict(base, zero_stage=cfg["zero_stage"])
-        return phalanx.spawn(pipeline_dp_workers.run, nprocs=world, args=(cfg["kind"], spec), threads_per_proc=1,
-                             timeout=args.timeout)  # fmt: skip
+        return spawn_ranks(pipeline_dp_workers.run, world, (cfg["kind"], spec), args.timeout)
 
     def headline(s: dict[str, Any]) -> str:
         opt = "/".join(f"{v:.1f}" for v in s["optimizer_state_mib"])

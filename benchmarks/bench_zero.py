@@ -27,10 +27,10 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))  # so that spawned processes (which inherit sys.path) import zero_workers
 
 
-import phalanx  # noqa: E402
 import zero_workers  # noqa: E402
 from harness import (  # noqa: E402
-    add_output_flags, add_round_flags, environment, interleaved_rounds, source_record, source_state, write_result,
+    RANK_THREADS, add_output_flags, add_round_flags, environment, interleaved_rounds, mean_over_ranks, per_rank_median,
+    slowest_rank, source_record, source_state, spawn_ranks, write_result,
 )
 
 WORKLOADS: dict[str, dict[str, Any]] = {
@@ -97,7 +97,7 @@ def configurations(args: argparse.Namespace, gb: int, nranks: int, ds_ok: bool, 
     else:
         c += ds
     for cfg in c:
-        cfg.update(nprocs=nranks, threads=1, local_batch=per_rank)
+        cfg.update(nprocs=nranks, threads=RANK_THREADS, local_batch=per_rank)
     if args.only:
         keep = {s.strip() for s in args.only.split(",") if s.strip()}
         if "deepspeed" in keep and not ds_ok:
@@ -112,14 +112,12 @@ def run_config(workload: str, base: dict[str, Any], cfg: dict[str, Any], timeout
     for k in ("strategy", "engine_kwargs", "ds_stage"):
         if k in cfg:
             spec[k] = cfg[k]
-    return phalanx.spawn(zero_workers.run, nprocs=cfg["nprocs"], args=(cfg["kind"], workload, spec),
-                         threads_per_proc=cfg["threads"], timeout=timeout)
+    return spawn_ranks(zero_workers.run, cfg["nprocs"], (cfg["kind"], workload, spec), timeout, threads=cfg["threads"])
 
 
 def summarize_round(results: list[dict[str, Any]]) -> dict[str, Any]:
-    per_step = [max(r["times"][i] for r in results) for i in range(len(results[0]["times"]))]
-    nsteps = len(results[0]["losses"])
-    losses = [statistics.fmean(r["losses"][i] for r in results) for i in range(nsteps)]
+    per_step = slowest_rank(results)
+    losses = mean_over_ranks(results)
     out = {
         "median_ms": 1e3 * statistics.median(per_step),
         "step_ms": [1e3 * t for t in per_step],
@@ -149,18 +147,24 @@ def _fmt_pair(vals: list[Any], fmt: str = "{:.0f}") -> str:
     return "/".join("-" if v is None else fmt.format(v) for v in vals)
 
 
-def bench_workload(workload: str, args: argparse.Namespace, ds: tuple[bool, str], ds_warm: dict[str, Any]) -> dict[str, Any]:
+def base_spec(workload: str, args: argparse.Namespace, nranks: int = 2) -> dict[str, Any]:
+    """What every configuration of ``workload`` trains: seed, global batch, lr, warm-up and timed steps, data, AdamW."""
     w = WORKLOADS[workload]
     gb = args.global_batch or w["global_batch"]
-    nranks = 2
     if gb % nranks:
         raise SystemExit(f"--global-batch {gb} must be divisible by {nranks}")
-    base = {
+    return {
         "seed": args.seed, "global_batch": gb, "lr": w["lr"],
         "warmup": args.warmup if args.warmup is not None else w["warmup"],
         "steps": args.steps if args.steps is not None else w["steps"],
         "gpt_data": args.gpt_data, "adamw": args.adamw,
     }
+
+
+def bench_workload(workload: str, args: argparse.Namespace, ds: tuple[bool, str], ds_warm: dict[str, Any]) -> dict[str, Any]:
+    nranks = 2
+    base = base_spec(workload, args, nranks)
+    gb = base["global_batch"]
     configs = configurations(args, gb, nranks, *ds)
     print(f"\n=== workload {workload}: global batch {gb}, {nranks} ranks on gloo x 1 thread, {base['warmup']} warm-up + "
           f"{base['steps']} timed steps, {args.rounds} rounds, {len(configs)} configurations, AdamW {args.adamw} ===",
@@ -195,22 +199,17 @@ def bench_workload(workload: str, args: argparse.Namespace, ds: tuple[bool, str]
             continue
         meds = [r["median_ms"] for r in rs]
         n = cfg["nprocs"]
-
-        def med(key: str, k: int, rs: list[dict[str, Any]] = rs) -> float | None:
-            vals = [r[key][k] for r in rs if r[key][k] is not None]
-            return statistics.median(vals) if vals else None
-
         row = {
             **cfg,
             "median_ms": statistics.median(meds),
             "min_ms": min(meds),
             "round_medians_ms": meds,
-            "peak_rss_mib_per_rank": [med("peak_rss_mib", k) for k in range(n)],
-            "ru_maxrss_mib_per_rank": [med("ru_maxrss_mib", k) for k in range(n)],
-            "setup_peak_rss_mib_per_rank": [med("setup_peak_rss_mib", k) for k in range(n)],
-            "rss_end_mib_per_rank": [med("rss_end_mib", k) for k in range(n)],
-            "cpu_ms_per_step_per_rank": [med("cpu_ms_per_step", k) for k in range(n)],
-            "minor_faults_per_step_per_rank": [med("minor_faults_per_step", k) for k in range(n)],
+            "peak_rss_mib_per_rank": per_rank_median(rs, "peak_rss_mib", n),
+            "ru_maxrss_mib_per_rank": per_rank_median(rs, "ru_maxrss_mib", n),
+            "setup_peak_rss_mib_per_rank": per_rank_median(rs, "setup_peak_rss_mib", n),
+            "rss_end_mib_per_rank": per_rank_median(rs, "rss_end_mib", n),
+            "cpu_ms_per_step_per_rank": per_rank_median(rs, "cpu_ms_per_step", n),
+            "minor_faults_per_step_per_rank": per_rank_median(rs, "minor_faults_per_step", n),
             "foreign_load_cores": [r["foreign_load_cores"] for r in rs],
             "first_loss": rs[0]["losses"][0],
             "final_loss": rs[0]["losses"][-1],
@@ -359,7 +358,7 @@ def zero_param_count(workload: str, rows: list[dict[str, Any]]) -> int | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", choices=["mlp", "gpt", "gpt20m", "all"], default="all")
     add_round_flags(p, rounds=5)
@@ -379,7 +378,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--adamw", choices=["default", "foreach", "fused"], default="default")
     p.add_argument("--seed", type=int, default=1234)
     add_output_flags(p, HERE / "results", "zero-<workload>")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     ds = (False, "--no-deepspeed") if args.no_deepspeed else deepspeed_status()
     env = {**environment(), "deepspeed": ds[1]}

@@ -24,8 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp_workers import _world
-from zero_workers import memory_now
+from harness import init_gloo, memory_now, world
 
 
 def build_model(spec: dict[str, Any], seed: int) -> nn.Sequential:
@@ -131,16 +130,10 @@ def _measure(spec: dict[str, Any], rank: int, save: Callable[[], Any], loader: L
     return {"rank": rank, **times, "bytes": nbytes, "checksum_before": before, "memory": memory_now()}
 
 
-def _init_gloo() -> tuple[int, int]:
-    rank, world = _world()
-    dist.init_process_group("gloo", init_method=os.environ["PHALANX_INIT_METHOD"], rank=rank, world_size=world)
-    return rank, world
-
-
 # ----------------------------------------------------------------------------------------- configurations
 def run_torch_save(spec: dict[str, Any]) -> dict[str, Any]:
     """Rank 0 writes one torch.save file of the full model and optimizer state dicts; every rank torch.loads it."""
-    rank, _ = _init_gloo()
+    rank, _ = init_gloo()
     model = build_model(spec, spec["seed"])
     opt = _optimizer(model.parameters())
     _plain_step(model, opt, spec)
@@ -174,7 +167,7 @@ def run_dcp(spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    rank, world = _init_gloo()
+    rank, size = init_gloo()
     sharded = spec.get("fsdp2", False)
 
     def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -183,7 +176,7 @@ def run_dcp(spec: dict[str, Any]) -> dict[str, Any]:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
-            mesh = init_device_mesh("cpu", (world,))
+            mesh = init_device_mesh("cpu", (size,))
             for m in model:
                 if isinstance(m, nn.Linear):
                     fully_shard(m, mesh=mesh)
@@ -196,7 +189,7 @@ def run_dcp(spec: dict[str, Any]) -> dict[str, Any]:
 
     model, opt = build(spec["seed"])
     if sharded:
-        model(_batch(spec)[rank::world]).pow(2).mean().backward()  # each rank half the batch
+        model(_batch(spec)[rank::size]).pow(2).mean().backward()  # each rank half the batch
         opt.step()
         opt.zero_grad()
     else:
@@ -229,7 +222,7 @@ def run_phalanx(spec: dict[str, Any]) -> dict[str, Any]:
     checksum verification)."""
     import phalanx
 
-    rank, world = _world()
+    rank, size = world()
 
     def build(seed: int) -> tuple[phalanx.Engine, nn.Module, Any]:
         engine = phalanx.Engine(strategy=spec["strategy"], seed=spec["seed"])
@@ -242,7 +235,7 @@ def run_phalanx(spec: dict[str, Any]) -> dict[str, Any]:
         return _sharded_checksum(sum(float(e.data.double().sum()) for e in entries if e.shape != ()))
 
     engine, model, opt = build(spec["seed"])
-    engine.backward(model(_batch(spec)[rank::world]).pow(2).mean())  # each rank half the batch
+    engine.backward(model(_batch(spec)[rank::size]).pow(2).mean())  # each rank half the batch
     opt.step()
     opt.zero_grad()
     before = checksum(engine, model, opt)

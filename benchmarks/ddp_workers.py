@@ -5,21 +5,20 @@ Every function here is module-level so that the spawn start method can import it
 - feeds step ``s`` the same global batch in every configuration (generated from ``seed + s``; rank ``r`` of
   ``n`` takes rows ``r*B/n .. (r+1)*B/n``), so the 2-rank runs compute the same averaged gradient as the
   one-process run on the full batch,
-- times forward + backward + optimizer.step + zero_grad of each step with ``time.perf_counter``,
-- returns its per-step times, per-step local losses and peak RSS (``ru_maxrss``).
+- times forward + backward + optimizer.step + zero_grad of each step in harness.train_loop (the loop every benchmark
+  shares), which returns the per-step times, per-step local losses, peak RSS (``ru_maxrss``), CPU time and faults.
 """
 
 from __future__ import annotations
 
-import os
-import resource
-import time
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from harness import env_rendezvous, init_gloo, make_adamw, param_sum, train_loop, world
 
 # ------------------------------------------------------------------------------------------ workloads
 
@@ -76,74 +75,18 @@ def loss_of(workload: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -
 
 
 def make_optimizer(model: nn.Module, spec: dict[str, Any]) -> torch.optim.Optimizer:
-    # The same AdamW in every configuration. "default" is torch's choice (the per-tensor loop for CPU tensors);
-    # "foreach" and "fused" are the multi-tensor and the fused CPU kernels.
-    impl = spec.get("adamw", "default")
-    kwargs = {"foreach": True} if impl == "foreach" else {"fused": True} if impl == "fused" else {}
-    return torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=0.01, **kwargs)
-
-
-# ------------------------------------------------------------------------------------------ the loop
-
-
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
-
-
-def _train(
-    workload: str,
-    spec: dict[str, Any],
-    rank: int,
-    nranks: int,
-    model: nn.Module,
-    step_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    profile: str | None = None,
-) -> dict[str, Any]:
-    total = spec["warmup"] + spec["steps"]
-    times, losses = [], []
-    prof = None
-    cpu0, faults0 = 0.0, 0
-    for s in range(total):
-        if s == spec["warmup"]:
-            cpu0 = time.process_time()  # CPU time of every thread of this process (gloo's included)
-            faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        x, y = make_batch(workload, spec, s, rank, nranks)
-        if profile and s == spec["warmup"]:
-            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=False)
-            prof.__enter__()
-        t0 = time.perf_counter()
-        loss = step_fn(x, y)
-        t1 = time.perf_counter()
-        times.append(t1 - t0)
-        losses.append(float(loss))
-    cpu_total = time.process_time() - cpu0
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
-    if prof is not None:
-        prof.__exit__(None, None, None)
-        path = f"{profile}.rank{rank}.json"
-        prof.export_chrome_trace(path)
-        with open(f"{profile}.rank{rank}.txt", "w") as f:
-            f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
-    checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
-    return {
-        "rank": rank,
-        "times": times[spec["warmup"] :],
-        "losses": losses,
-        "peak_rss_mib": _peak_rss_mib(),
-        # CPU seconds per timed step (batch creation included, a few %); below the wall time = waiting.
-        "cpu_per_step": cpu_total / max(1, spec["steps"]),
-        # Minor page faults per timed step: fresh memory from the kernel (allocator churn), each costing CPU time.
-        "minor_faults_per_step": faults / max(1, spec["steps"]),
-        "param_checksum": checksum,
-        "threads": torch.get_num_threads(),
-    }
-
-
-def _world() -> tuple[int, int]:
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    """The same AdamW in every configuration (harness.make_adamw)."""
+    return make_adamw(model.parameters(), spec)
 
 
 # ------------------------------------------------------------------------------------------ configurations
+
+
+def _train(workload: str, spec: dict[str, Any], rank: int, nranks: int, step: Callable[..., Any],
+           checksum: Callable[[], float | None]) -> dict[str, Any]:  # fmt: skip
+    """harness.train_loop on this rank's share of each global batch (bench_zero's workers use it too)."""
+    return train_loop(spec, rank, lambda s: make_batch(workload, spec, s, rank, nranks), step, checksum,
+                      spec.get("profile"))  # fmt: skip
 
 
 def run_single(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
@@ -158,15 +101,14 @@ def run_single(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
         opt.zero_grad()
         return loss.detach()
 
-    return _train(workload, spec, 0, 1, model, step, spec.get("profile"))
+    return _train(workload, spec, 0, 1, step, lambda: param_sum(model.parameters()))
 
 
 def run_torch_ddp(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
     """torch.nn.parallel.DistributedDataParallel with its defaults (25 MiB buckets, 1 MiB first bucket)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    rank, world = _world()
-    dist.init_process_group("gloo", init_method=os.environ["PHALANX_INIT_METHOD"], rank=rank, world_size=world)
+    rank, size = init_gloo()
     model = build_model(workload, spec["seed"])
     ddp = DDP(model, **spec.get("ddp_kwargs", {}))
     opt = make_optimizer(ddp, spec)
@@ -178,7 +120,7 @@ def run_torch_ddp(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
         opt.zero_grad()
         return loss.detach()
 
-    out = _train(workload, spec, rank, world, model, step, spec.get("profile"))
+    out = _train(workload, spec, rank, size, step, lambda: param_sum(model.parameters()))
     dist.barrier()
     return out
 
@@ -187,7 +129,7 @@ def run_phalanx_ddp(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
     """phalanx.Engine(strategy="ddp"): engine.prepare(model, opt); engine.backward(loss); opt.step(); opt.zero_grad()."""
     import phalanx
 
-    rank, world = _world()
+    rank, size = world()
     kwargs: dict[str, Any] = {"strategy": "ddp"}
     if spec.get("bucket_mb") is not None:
         kwargs["bucket_mb"] = spec["bucket_mb"]
@@ -203,21 +145,20 @@ def run_phalanx_ddp(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
         opt.zero_grad()
         return loss.detach()
 
-    out = _train(workload, spec, rank, world, model, step, spec.get("profile"))
+    out = _train(workload, spec, rank, size, step, lambda: param_sum(model.parameters()))
     out["describe"] = engine.strategy.describe()
     return out
 
 
 def run_accelerate(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
     """accelerate.Accelerator(cpu=True) in a real MULTI_CPU setup (env:// rendezvous on loopback)."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(spec["master_port"])
+    env_rendezvous(spec["master_port"])
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
 
-    rank, world = _world()
+    rank, size = world()
     acc = Accelerator(cpu=True)
-    if world > 1 and acc.distributed_type != DistributedType.MULTI_CPU:
+    if size > 1 and acc.distributed_type != DistributedType.MULTI_CPU:
         raise RuntimeError(f"accelerate picked {acc.distributed_type}, not MULTI_CPU: the comparison would be void")
     model = build_model(workload, spec["seed"])
     opt = make_optimizer(model, spec)
@@ -230,7 +171,7 @@ def run_accelerate(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
         opt.zero_grad()
         return loss.detach()
 
-    out = _train(workload, spec, rank, world, acc.unwrap_model(model), step, spec.get("profile"))
+    out = _train(workload, spec, rank, size, step, lambda: param_sum(acc.unwrap_model(model).parameters()))
     out["distributed_type"] = str(acc.distributed_type)
     dist.barrier()
     return out

@@ -10,16 +10,15 @@ Every configuration trains the same model on the same data:
   every rank; MSE loss, mean over each micro-batch, gradients averaged over the ``m`` micro-batches;
 - AdamW(lr, weight_decay=0.01) over the rank's own stage.
 
-Each run returns per-step times (the whole step: schedule + ``optimizer.step()`` + ``zero_grad()``), the schedule's
-own wall time and the time this rank spent blocked in p2p waits, per-step losses (the last stage's; phalanx returns
-them on every rank), a checksum of the rank's parameters and its memory figures.
+Each run (the loop is harness.train_loop) returns per-step times (the whole step: schedule + ``optimizer.step()`` +
+``zero_grad()``), the schedule's own wall time and the time this rank spent blocked in p2p waits, per-step losses (the
+last stage's; phalanx returns them on every rank), a checksum of the rank's parameters and its memory figures.
 
 Every function here is module-level so that the spawn start method can import it by name.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Callable
 
@@ -28,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from zero_workers import memory_now
+from harness import init_gloo, make_adamw, param_sum, train_loop, world
 
 # ------------------------------------------------------------------------------------------ workload
 
@@ -67,63 +66,23 @@ def make_batch(spec: dict[str, Any], step: int) -> tuple[torch.Tensor, torch.Ten
     return x, y
 
 
-def make_optimizer(params: Any, spec: dict[str, Any]) -> torch.optim.Optimizer:
-    impl = spec.get("adamw", "default")
-    kwargs: dict[str, Any] = {"foreach": True} if impl == "foreach" else {"fused": True} if impl == "fused" else {}
-    return torch.optim.AdamW(params, lr=spec["lr"], weight_decay=0.01, **kwargs)
-
-
 def _signature(params: list[torch.Tensor]) -> list[tuple[tuple[int, ...], float]]:
     """(shape, exact float64 sum) of each parameter in order: identifies a stage's tensors by value."""
     return [(tuple(p.shape), float(p.detach().double().sum())) for p in params]
 
 
-def _world() -> tuple[int, int]:
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-
-
 # ------------------------------------------------------------------------------------------ the loop
 
 
-def _train(
-    spec: dict[str, Any],
-    rank: int,
-    step_fn: Callable[[torch.Tensor, torch.Tensor], tuple[float, float, float]],
-    params: list[torch.Tensor],
-) -> dict[str, Any]:
-    """``step_fn(x, y) -> (loss, schedule_s, wait_s)``; loss is nan on a rank that does not know it."""
-    total = spec["warmup"] + spec["steps"]
-    times, sched, waits, losses = [], [], [], []
-    mem_setup = memory_now()
-    cpu0 = 0.0
-    for s in range(total):
-        if s == spec["warmup"]:
-            cpu0 = time.process_time()
-        x, y = make_batch(spec, s)
-        t0 = time.perf_counter()
-        loss, sched_s, wait_s = step_fn(x, y)
-        times.append(time.perf_counter() - t0)
-        sched.append(sched_s)
-        waits.append(wait_s)
-        losses.append(loss)
-    cpu_total = time.process_time() - cpu0
-    mem_end = memory_now()
-    w = spec["warmup"]
-    return {
-        "rank": rank,
-        "times": times[w:],
-        "schedule_s": sched[w:],
-        "wait_s": waits[w:],
-        "losses": losses,
-        "peak_hwm_mib": mem_end["vm_hwm_mib"],
-        "peak_rss_mib": mem_end["ru_maxrss_mib"],
-        "rss_end_mib": mem_end["vm_rss_mib"],
-        "setup_peak_hwm_mib": mem_setup["vm_hwm_mib"],
-        "cpu_per_step": cpu_total / max(1, spec["steps"]),
-        "param_checksum": float(sum(p.detach().double().sum() for p in params)),
-        "n_stage_params": sum(p.numel() for p in params),
-        "threads": torch.get_num_threads(),
-    }
+StepFn = Callable[[torch.Tensor, torch.Tensor], tuple[float, dict[str, float]]]
+"""``step(x, y) -> (loss, {"schedule_s": ..., "wait_s": ...})``; the loss is nan on a rank that does not know it."""
+
+
+def _train(spec: dict[str, Any], rank: int, step_fn: StepFn, params: list[torch.Tensor]) -> dict[str, Any]:
+    """harness.train_loop on the whole global batch of each step; the checksum and the count are of ``params``."""
+    out = train_loop(spec, rank, lambda s: make_batch(spec, s), step_fn, lambda: param_sum(params))
+    out["n_stage_params"] = sum(p.numel() for p in params)
+    return out
 
 
 # ------------------------------------------------------------------------------------------ torch.distributed.pipelining
@@ -157,20 +116,19 @@ def run_torch(spec: dict[str, Any]) -> dict[str, Any]:
     """torch.distributed.pipelining: PipelineStage(stage Sequential) + ScheduleGPipe / Schedule1F1B, then AdamW."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    rank, world = _world()
-    dist.init_process_group("gloo", init_method=os.environ["PHALANX_INIT_METHOD"], rank=rank, world_size=world)
+    rank, size = init_gloo()
     model = build_model(spec)
-    idx = stage_blocks(spec, rank, world)
+    idx = stage_blocks(spec, rank, size)
     stage_mod = nn.Sequential(*[model[i] for i in idx])
     del model
-    stage = PipelineStage(stage_mod, rank, world, torch.device("cpu"))
+    stage = PipelineStage(stage_mod, rank, size, torch.device("cpu"))
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[spec["schedule"]]
     schedule = cls(stage, n_microbatches=spec["microbatches"], loss_fn=F.mse_loss)
-    opt = make_optimizer(stage_mod.parameters(), spec)
+    opt = make_adamw(stage_mod.parameters(), spec)
     timer = _WaitTimer()
-    first, last = rank == 0, rank == world - 1
+    first, last = rank == 0, rank == size - 1
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:
+    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[float, dict[str, float]]:
         w0 = timer.total
         t0 = time.perf_counter()
         losses: list[torch.Tensor] = []
@@ -181,7 +139,7 @@ def run_torch(spec: dict[str, Any]) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         loss = float(torch.stack([l.detach() for l in losses]).mean()) if last else float("nan")
-        return loss, t1 - t0, timer.total - w0
+        return loss, {"schedule_s": t1 - t0, "wait_s": timer.total - w0}
 
     out = _train(spec, rank, step, list(stage_mod.parameters()))
     timer.restore()
@@ -197,18 +155,24 @@ def _mse(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return F.mse_loss(m(b[0]), b[1])
 
 
+def phalanx_timing(engine: Any) -> dict[str, float]:
+    """The last step's schedule wall time and time blocked on p2p receives, from ``last_step_timing``."""
+    t = engine.strategy.last_step_timing
+    return {"schedule_s": float(t["step_s"]), "wait_s": float(t["idle_s"])}
+
+
 def run_phalanx(spec: dict[str, Any]) -> dict[str, Any]:
     """phalanx.Engine(strategy="pipeline", pp_size, pp_schedule, pp_microbatches); prepare(model, opt); train_step."""
     import phalanx
 
-    rank, world = _world()
-    engine = phalanx.Engine(strategy="pipeline", pp_size=world, pp_schedule=spec["schedule"],
+    rank, size = world()
+    engine = phalanx.Engine(strategy="pipeline", pp_size=size, pp_schedule=spec["schedule"],
                             pp_microbatches=spec["microbatches"], seed=spec["seed"])
     model = build_model(spec)  # after Engine(), which reseeds
     stage_idx = engine.topology.pp_stage
-    idx = stage_blocks(spec, stage_idx, world)
+    idx = stage_blocks(spec, stage_idx, size)
     expected = _signature([p for i in idx for p in model[i].parameters()])
-    opt = make_optimizer(model.parameters(), spec)
+    opt = make_adamw(model.parameters(), spec)
     model, opt = engine.prepare(model, opt)
     kept = [p for p in model.parameters()]
     got = _signature(kept)
@@ -223,10 +187,9 @@ def run_phalanx(spec: dict[str, Any]) -> dict[str, Any]:
         raise RuntimeError(f"stage {stage_idx}: the prepared optimizer holds {len(opt_params)} tensors, the stage "
                            f"{len(kept)}")
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:
+    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[float, dict[str, float]]:
         loss = engine.train_step((x, y), _mse)
-        t = engine.strategy.last_step_timing
-        return float(loss), float(t["step_s"]), float(t["idle_s"])
+        return float(loss), phalanx_timing(engine)
 
     out = _train(spec, rank, step, kept)
     out["describe"] = engine.strategy.describe()

@@ -3,8 +3,8 @@ started by phalanx.spawn (2 ranks, gloo, 1 thread each).
 
 The workloads, batches, losses and optimizers are those of ddp_workers.py (same model from the same seed, step ``s``
 gets the same global batch everywhere, rank ``r`` takes its half), plus ``gpt20m``, a 22.3M-parameter TinyGPT.
-Every run returns its per-step times and losses, its memory figures (``ru_maxrss`` and ``VmHWM``, after setup and at
-the end) and, for phalanx, ``engine.memory_report()``.
+The loop is harness.train_loop: every run returns its per-step times and losses, its memory figures (``ru_maxrss``
+and ``VmHWM``, after setup and at the end) and, for phalanx, ``engine.memory_report()``.
 
 Every function here is module-level so that the spawn start method can import it by name.
 """
@@ -12,17 +12,16 @@ Every function here is module-level so that the spawn start method can import it
 from __future__ import annotations
 
 import os
-import resource
-import time
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import ddp_workers
-from ddp_workers import _world, loss_of, make_batch
+from ddp_workers import _train, loss_of
+from harness import adamw_kwargs, init_gloo, init_method, make_adamw, param_sum, world
 
 # ------------------------------------------------------------------------------------------ workloads
 
@@ -52,109 +51,12 @@ def block_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, nn.Linear)]
 
 
-def _adamw_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
-    impl = spec.get("adamw", "default")
-    return {"foreach": True} if impl == "foreach" else {"fused": True} if impl == "fused" else {}
-
-
-def make_optimizer(params: Any, spec: dict[str, Any]) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=spec["lr"], weight_decay=0.01, **_adamw_kwargs(spec))
-
-
-# ------------------------------------------------------------------------------------------ memory
-
-
-def _status_kib(field: str) -> float | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return float(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def memory_now() -> dict[str, float | None]:
-    """MiB: ru_maxrss (the spec's figure), VmHWM (peak RSS of this process image only) and VmRSS (now).
-
-    ru_maxrss of a process started by exec after vfork also counts the parent's resident set at that moment (Linux
-    carries the old mm's high-water mark into the new image), so it is never below the benchmark driver's own RSS;
-    VmHWM is this interpreter's own peak.
-    """
-    hwm, rss = _status_kib("VmHWM"), _status_kib("VmRSS")
-    return {
-        "ru_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
-        "vm_hwm_mib": hwm / 1024.0 if hwm is not None else None,
-        "vm_rss_mib": rss / 1024.0 if rss is not None else None,
-    }
-
-
-# ------------------------------------------------------------------------------------------ the loop
-
-
-def _train(
-    workload: str,
-    spec: dict[str, Any],
-    rank: int,
-    nranks: int,
-    step_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    checksum_fn: Callable[[], float | None],
-) -> dict[str, Any]:
-    total = spec["warmup"] + spec["steps"]
-    times, losses = [], []
-    mem_setup = memory_now()
-    cpu0, faults0 = 0.0, 0
-    for s in range(total):
-        if s == spec["warmup"]:
-            cpu0 = time.process_time()
-            faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        x, y = make_batch(workload, spec, s, rank, nranks)
-        t0 = time.perf_counter()
-        loss = step_fn(x, y)
-        t1 = time.perf_counter()
-        times.append(t1 - t0)
-        losses.append(float(loss))
-    cpu_total = time.process_time() - cpu0
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
-    mem_end = memory_now()  # before the checksum, which may gather a sharded model
-    try:
-        checksum = checksum_fn()
-    except Exception as e:  # noqa: BLE001 - reported, not fatal: the checksum is informative only
-        checksum = None
-        print(f"[rank {rank}] parameter checksum failed: {type(e).__name__}: {e}", flush=True)
-    return {
-        "rank": rank,
-        "times": times[spec["warmup"] :],
-        "losses": losses,
-        "peak_rss_mib": mem_end["ru_maxrss_mib"],
-        "peak_hwm_mib": mem_end["vm_hwm_mib"],
-        "rss_end_mib": mem_end["vm_rss_mib"],
-        "setup_peak_hwm_mib": mem_setup["vm_hwm_mib"],
-        "setup_rss_mib": mem_setup["vm_rss_mib"],
-        "cpu_per_step": cpu_total / max(1, spec["steps"]),
-        "minor_faults_per_step": faults / max(1, spec["steps"]),
-        "param_checksum": checksum,
-        "threads": torch.get_num_threads(),
-    }
-
-
-def _init_gloo() -> tuple[int, int]:
-    rank, world = _world()
-    dist.init_process_group("gloo", init_method=os.environ["PHALANX_INIT_METHOD"], rank=rank, world_size=world)
-    return rank, world
-
-
-def _sum_params(named: list[tuple[str, torch.Tensor]]) -> float:
-    return float(sum(t.detach().double().sum() for _, t in named))
-
-
 # ------------------------------------------------------------------------------------------ configurations
 
 
 def run_torch_ddp(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
     """torch DistributedDataParallel with its defaults (the reference for every ratio)."""
-    return _run_under_torch_ddp(workload, spec, lambda params: make_optimizer(params, spec))
+    return _run_under_torch_ddp(workload, spec, lambda params: make_adamw(params, spec))
 
 
 def run_torch_zero_redundancy(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
@@ -165,7 +67,7 @@ def run_torch_zero_redundancy(workload: str, spec: dict[str, Any]) -> dict[str, 
         workload,
         spec,
         lambda params: ZeroRedundancyOptimizer(
-            params, optimizer_class=torch.optim.AdamW, lr=spec["lr"], weight_decay=0.01, **_adamw_kwargs(spec)
+            params, optimizer_class=torch.optim.AdamW, lr=spec["lr"], weight_decay=0.01, **adamw_kwargs(spec)
         ),
     )
 
@@ -173,7 +75,7 @@ def run_torch_zero_redundancy(workload: str, spec: dict[str, Any]) -> dict[str, 
 def _run_under_torch_ddp(workload: str, spec: dict[str, Any], make_opt: Any) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    rank, world = _init_gloo()
+    rank, size = init_gloo()
     model = build_model(workload, spec["seed"])
     ddp = DDP(model)
     opt = make_opt(ddp.parameters())
@@ -185,7 +87,7 @@ def _run_under_torch_ddp(workload: str, spec: dict[str, Any], make_opt: Any) -> 
         opt.zero_grad()
         return loss.detach()
 
-    out = _train(workload, spec, rank, world, step, lambda: _sum_params(list(model.named_parameters())))
+    out = _train(workload, spec, rank, size, step, lambda: param_sum(model.parameters()))
     dist.barrier()
     return out
 
@@ -195,14 +97,14 @@ def run_fsdp2(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    rank, world = _init_gloo()
-    mesh = init_device_mesh("cpu", (world,))
+    rank, size = init_gloo()
+    mesh = init_device_mesh("cpu", (size,))
     model = build_model(workload, spec["seed"])
     blocks = block_modules(model)
     for m in blocks:
         fully_shard(m, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = make_optimizer(model.parameters(), spec)
+    opt = make_adamw(model.parameters(), spec)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = loss_of(workload, model, x, y)
@@ -212,9 +114,9 @@ def run_fsdp2(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
         return loss.detach()
 
     def checksum() -> float:
-        return _sum_params([(n, p.full_tensor() if hasattr(p, "full_tensor") else p) for n, p in model.named_parameters()])
+        return param_sum(p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters())
 
-    out = _train(workload, spec, rank, world, step, checksum)
+    out = _train(workload, spec, rank, size, step, checksum)
     out["describe"] = {"fully_shard_units": len(blocks), "root": True}
     dist.barrier()
     return out
@@ -224,12 +126,12 @@ def run_phalanx(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
     """phalanx.Engine(strategy=ddp|zero1|zero2|zero3): prepare(model, opt); backward(loss); opt.step(); opt.zero_grad()."""
     import phalanx
 
-    rank, world = _world()
+    rank, size = world()
     kwargs: dict[str, Any] = {"strategy": spec["strategy"]}
     kwargs.update(spec.get("engine_kwargs", {}))
     engine = phalanx.Engine(**kwargs)
     model = build_model(workload, spec["seed"])  # after Engine(), which reseeds
-    opt = make_optimizer(model.parameters(), spec)
+    opt = make_adamw(model.parameters(), spec)
     names = [n for n, _ in model.named_parameters()]
     model, opt = engine.prepare(model, opt)
 
@@ -242,9 +144,9 @@ def run_phalanx(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
 
     def checksum() -> float:
         sd = engine.get_state_dict(model)  # full, unsharded, on every rank (a collective under zero3)
-        return _sum_params([(n, sd[n]) for n in names])
+        return param_sum(sd[n] for n in names)
 
-    out = _train(workload, spec, rank, world, step, checksum)
+    out = _train(workload, spec, rank, size, step, checksum)
     out["describe"] = engine.strategy.describe()
     try:
         out["memory_report"] = engine.memory_report()
@@ -262,9 +164,9 @@ def init_deepspeed() -> Any:
     import deepspeed
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
-    rank, world = _world()
+    rank, size = world()
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False,
-                               init_method=os.environ["PHALANX_INIT_METHOD"], rank=rank, world_size=world)
+                               init_method=init_method(), rank=rank, world_size=size)
     return deepspeed
 
 
@@ -286,9 +188,9 @@ def deepspeed_config(global_batch: int, micro_batch: int, accumulation: int, sta
 def run_deepspeed(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
     """DeepSpeed ZeRO stage 1/2/3, fp32, CPU accelerator, gloo, with a torch AdamW (zero_allow_untested_optimizer)."""
     deepspeed = init_deepspeed()
-    rank, world = _world()
+    rank, size = world()
     model = build_model(workload, spec["seed"])
-    opt = make_optimizer(model.parameters(), spec)
+    opt = make_adamw(model.parameters(), spec)
     cfg = deepspeed_config(spec["global_batch"], spec["local_batch"], 1, spec["ds_stage"])
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
 
@@ -299,13 +201,13 @@ def run_deepspeed(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
         return loss.detach()
 
     def checksum() -> float:
-        params = list(engine.module.named_parameters())
+        params = list(engine.module.parameters())
         if spec["ds_stage"] == 3:
-            with deepspeed.zero.GatheredParameters([p for _, p in params]):
-                return _sum_params(params)
-        return _sum_params(params)
+            with deepspeed.zero.GatheredParameters(params):
+                return param_sum(params)
+        return param_sum(params)
 
-    out = _train(workload, spec, rank, world, step, checksum)
+    out = _train(workload, spec, rank, size, step, checksum)
     out["describe"] = {"zero_stage": engine.zero_optimization_stage(), "deepspeed": deepspeed.__version__,
                        "accelerator": type(deepspeed.get_accelerator()).__name__,
                        "optimizer": type(engine.optimizer).__name__}
