@@ -147,9 +147,9 @@ def rotate(target: Path, keep_last: int) -> None:
     for d in target.parent.iterdir():
         if not pattern.fullmatch(d.name):
             continue
-        saved_at = saved_at(d)
-        if saved_at is not None:
-            found.append((saved_at, d))
+        when = saved_at(d)
+        if when is not None:
+            found.append((when, d))
     found.sort()
     for _, d in found[: max(0, len(found) - keep_last)]:
         if d != target:

@@ -317,7 +317,7 @@ def latest_checkpoint(parent: str | os.PathLike[str]) -> Path | None:
         # counts, and loads from there (the next save to NAME renames it back). Staging directories never count.
         if d.name.startswith(".") and not (d.name.endswith(".old") and not (root / d.name[1:-4]).exists()):
             continue
-        saved_at = saved_at(d)
-        if saved_at is not None and (best is None or saved_at > best[0]):
-            best = (saved_at, d)
+        when = saved_at(d)
+        if when is not None and (best is None or when > best[0]):
+            best = (when, d)
     return best[1] if best else None
