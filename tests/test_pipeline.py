@@ -32,6 +32,26 @@ STEPS, GLOBAL_BATCH = 10, 16
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
+def _in_order_reference(steps: int, frozen_blocks: int = 0) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Plain single-process torch on pipe_model(): global batches of make_data taken in row order (as the
+    tests that call train_step on slices do), the first ``frozen_blocks`` blocks frozen."""
+    torch.manual_seed(100)
+    model = pipe_model()
+    for block in list(model)[:frozen_blocks]:
+        block.requires_grad_(False)
+    optimizer = grouped_optimizer("adamw", model)
+    x, y = make_data(steps * GLOBAL_BATCH)
+    losses = []
+    for i in range(steps):
+        rows = slice(i * GLOBAL_BATCH, (i + 1) * GLOBAL_BATCH)
+        loss = pipe_loss(model, (x[rows], y[rows]))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def _train(steps: int = STEPS, opt: str = "adamw", loss_fn=pipe_loss, model_fn=pipe_model, **options) -> dict:
     engine = phalanx.Engine(strategy="pipeline", seed=0, **options)
     torch.manual_seed(100)
@@ -200,8 +220,15 @@ def _whole(entries) -> list:
 
 
 def test_pipeline_zero1_with_a_frozen_stage(run_ranks):
-    """A stage with nothing to train stays whole on its replicas; its tensors still save and load."""
+    """A stage with nothing to train stays whole on its replicas; its tensors still save and load. The first
+    run's two steps also match plain single-process torch with the same blocks frozen (rtol = atol = 1e-5)."""
     first = run_ranks(_frozen_stage_zero1, 4, None)
+    ref_losses, ref_state = _in_order_reference(2, frozen_blocks=3)
+    for rank, res in enumerate(first):
+        assert abs(res["last"] - ref_losses[-1]) < 1e-5, (rank, res["last"], ref_losses[-1])
+        assert set(res["state"]) == set(ref_state)
+        for k, v in ref_state.items():
+            torch.testing.assert_close(res["state"][k], v, **TOL, msg=f"{k}, rank {rank} against torch")
     entries = _whole([e for res in first for e in res["entries"]])
     assert {e.key[len("model/"):] for e in entries if e.key.startswith("model/")} == set(first[0]["state"])
     assert not any(e.key.startswith("optim/0.") for e in entries)  # the frozen stage has no optimizer state
@@ -370,20 +397,27 @@ def test_meta_built_model_is_materialised_stage_by_stage(run_ranks):
             assert torch.equal(res["state"][k], v), k
 
 
-def _time_partition() -> dict:
-    # Block 2 does ~50x the work of the rest together: timing must give it a stage of its own.
-    class Heavy(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(24, 24)
+class _Heavy(nn.Module):
+    """Does ~50x the work of the other blocks of _time_blocks() together."""
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for _ in range(300):
-                x = torch.tanh(self.fc(x))
-            return x
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(24, 24)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(300):
+            x = torch.tanh(self.fc(x))
+        return x
+
+
+def _time_blocks() -> list[nn.Module]:
     torch.manual_seed(0)
-    blocks = [nn.Linear(13, 24), nn.Tanh(), Heavy(), nn.Linear(24, 24), nn.Linear(24, 3)]
+    return [nn.Linear(13, 24), nn.Tanh(), _Heavy(), nn.Linear(24, 24), nn.Linear(24, 3)]
+
+
+def _time_partition() -> dict:
+    # Block 2 (_Heavy) dominates: timing must give it a stage of its own.
+    blocks = _time_blocks()
     engine = phalanx.Engine(strategy="pipeline", pp_partition="time", pp_microbatches=2, seed=0)
     model, optimizer = engine.prepare(blocks, torch.optim.SGD([p for b in blocks for p in b.parameters()], lr=0.1))
     x, y = make_data(8)
@@ -403,6 +437,19 @@ def test_partition_by_measured_time(run_ranks):
     costs = results[0]["desc"]["stage_costs"]
     assert max(costs) > 5 * min(costs)  # the heavy block dominates its stage
     assert results[0]["losses"] == results[1]["losses"]
+    # The same 3 steps in plain torch, one process, the 8 rows as one batch (rtol = atol = 1e-5).
+    blocks = _time_blocks()
+    model = nn.Sequential(*blocks)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = make_data(8)
+    ref = []
+    for _ in range(3):
+        loss = pipe_loss(model, (x, y))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        ref.append(loss.item())
+    torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref), **TOL)
     # After the split each rank holds, and its optimizer steps, only its own stage's parameters (8 in all).
     assert all(res["in_optimizer"] for res in results)
     assert results[0]["held"] + results[1]["held"] == 8 and min(results[0]["held"], results[1]["held"]) > 0
@@ -438,17 +485,7 @@ def _precision_runs() -> dict:
 
 
 def test_pipeline_mixed_precision(run_ranks):
-    torch.manual_seed(100)
-    model = pipe_model()
-    optimizer = grouped_optimizer("adamw", model)
-    x, y = make_data(6 * GLOBAL_BATCH)
-    ref = []
-    for i in range(6):
-        loss = pipe_loss(model, (x[i * GLOBAL_BATCH : (i + 1) * GLOBAL_BATCH], y[i * GLOBAL_BATCH : (i + 1) * GLOBAL_BATCH]))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        ref.append(loss.item())
+    ref, _ = _in_order_reference(6)
     results = run_ranks(_precision_runs, 2)
     for precision in ("bf16-mixed", "fp16-mixed"):
         # Every stage reports the same loss, and the fp16 loss scale moved identically on both stages.
@@ -503,8 +540,14 @@ def _load_and_continue(entries, steps: int, strategy: str, options: dict) -> dic
 
 
 def test_pipeline_state_hooks_reshard(run_ranks):
-    """Shards saved by pp=2 continue training under pp=3 with other cut points, and under ddp on one rank."""
+    """Shards saved by pp=2 continue training under pp=3 with other cut points, and under ddp on one rank.
+    The saving run itself (3 steps, save, 1 more) is held to plain single-process torch (rtol = atol = 1e-5)."""
     saved = run_ranks(_save_after, 2, 3)
+    ref_losses, ref_state = _in_order_reference(4)
+    for rank, res in enumerate(saved):
+        assert abs(res["last"] - ref_losses[-1]) < 1e-5, (rank, res["last"], ref_losses[-1])
+        for k, v in ref_state.items():
+            torch.testing.assert_close(res["state"][k], v, **TOL, msg=f"{k}, saving run rank {rank} against torch")
     entries = [e for res in saved for e in res["entries"]]
     keys = [e.key for e in entries]
     assert len(keys) == len(set(keys))  # every tensor given once, by the stage that holds it
