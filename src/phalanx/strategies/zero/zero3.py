@@ -38,7 +38,8 @@ class UnitState(enum.IntEnum):
 class Unit:
     """A module whose parameters are gathered together around its forward and its backward. It owns its state:
     ``gather`` starts the all-gathers (FREE -> GATHERING), ``wait`` finishes them (-> GATHERED), ``free`` drops the
-    whole parameters (-> FREE). Each is a no-op in a state where it has nothing to do."""
+    whole parameters (-> FREE), and ``prefetch`` starts its neighbour's gather. Each is a no-op in a state where it
+    has nothing to do."""
 
     def __init__(
         self, index: int, module: nn.Module, name: str, segments: list[Segment], is_root: bool, comm: SegmentComm,
@@ -71,6 +72,16 @@ class Unit:
             self.works = []
             self.state = UnitState.GATHERED
             self.store.release()
+
+    def prefetch(self, step: int, enabled: bool) -> None:
+        """Start gathering the unit ``step`` places after this one in the order the first forward ran them (+1 in
+        forward, -1 in backward); the order is known from the second forward on."""
+        ms = self.owner
+        if not enabled or ms is None or not ms.order_fixed or self not in ms.order:
+            return
+        nxt = ms.order.index(self) + step
+        if 0 <= nxt < len(ms.order):
+            ms.order[nxt].gather()
 
     def free(self) -> None:
         if self.state == UnitState.GATHERING:
@@ -168,19 +179,6 @@ class Zero3Strategy(ZeroStrategy):
         model.forward = explained_forward  # type: ignore[method-assign]
         return model
 
-    def _prefetch(self, unit: Unit, step: int) -> None:
-        """Start gathering the unit ``step`` places after ``unit`` in the order the first forward ran them."""
-        ms = unit.owner
-        if ms is None or not (ms.order_fixed and self.unit_opts.zero3_prefetch):
-            return
-        try:
-            pos = ms.order.index(unit)
-        except ValueError:
-            return
-        nxt = pos + step
-        if 0 <= nxt < len(ms.order):
-            ms.order[nxt].gather()
-
     # ---- hooks
     def _make_root_pre_forward(self, root: Unit) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
@@ -209,7 +207,7 @@ class Zero3Strategy(ZeroStrategy):
             if ms is not None and not ms.order_fixed and unit not in ms.order:
                 ms.order.append(unit)
             unit.wait()
-            self._prefetch(unit, +1)
+            unit.prefetch(+1, self.unit_opts.zero3_prefetch)
             if not torch.is_grad_enabled():
                 return None
             flat, spec = pytree.tree_flatten((args, kwargs))
@@ -246,7 +244,7 @@ class Zero3Strategy(ZeroStrategy):
         unit.touched = True
         if unit.state != UnitState.GATHERED:
             unit.wait()
-        self._prefetch(unit, -1)
+        unit.prefetch(-1, self.unit_opts.zero3_prefetch)
 
     def _post_backward(self, unit: Unit) -> None:
         """Backward is done with ``unit``: reduce-scatter the gradients it got, and free its parameters.
