@@ -192,6 +192,9 @@ class PhalanxConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     origins: dict[str, str] = field(default_factory=dict)
     """Where each value came from: ``default``, the file path, ``env PHALANX_X``, ``cli`` or ``argument``."""
+    overrides: list[str] = field(default_factory=list)
+    """One line for each value that a script's ``Engine(...)`` argument took over from the launcher, a file or the
+    environment with another value: two sources disagreed, and the Engine warns once."""
 
     def describe(self) -> str:
         """A printable table of every value the chosen strategy reads, with its origin, then the launcher's."""
@@ -297,13 +300,22 @@ def resolve_config(
     values: dict[str, Any] = {}
     origins: dict[str, str] = {}
 
+    overrides: list[str] = []
+
     def put(key: str, value: Any, where: str) -> None:
         section, _, name = key.rpartition(".")
         types_ = launch_types if section == "launch" else engine_types
         valid = [("launch." if section else "") + n for n in types_]
         if name not in types_ or section not in ("", "launch"):
             raise _unknown(key, valid, where)
-        values[key] = _coerce(value, types_[name], key, where)
+        coerced = _coerce(value, types_[name], key, where)
+        if where == "argument" and key in values and values[key] != coerced:
+            overrides.append(
+                f"Engine({key}={coerced!r}) in the script overrides {key}={values[key]!r} from {_source(origins[key])}; "
+                f"the run uses {coerced!r}. Say it in one place: drop the argument from Engine(...), or the setting "
+                "from the launcher, file or environment"
+            )
+        values[key] = coerced
         origins[key] = where
 
     handed_down = ENV_CONFIG_JSON in env
@@ -334,7 +346,16 @@ def resolve_config(
 
     engine = EngineConfig(**{k: v for k, v in values.items() if "." not in k})
     launch = LaunchConfig(**{k.split(".", 1)[1]: v for k, v in values.items() if k.startswith("launch.")})
-    return PhalanxConfig(engine=engine, launch=launch, origins=origins)
+    return PhalanxConfig(engine=engine, launch=launch, origins=origins, overrides=overrides)
+
+
+def _source(origin: str) -> str:
+    """An origin as a person reads it: which command, file or variable set the value."""
+    if origin == "cli":
+        return "the command line (phalanx launch / phalanx config flags)"
+    if origin.startswith("env "):
+        return f"the environment variable {origin[4:]}"
+    return f"the config file {origin}" if origin not in ("default", "launcher", "argument") else origin
 
 
 def config_to_env(config: PhalanxConfig) -> str:

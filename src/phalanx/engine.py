@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 from numbers import Number
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
@@ -31,10 +30,11 @@ from phalanx.comm import REDUCE_OPS, all_gather_varlen, all_reduce
 from phalanx.comm import world_size as comm_world_size
 from phalanx.config import EngineConfig, resolve_config
 from phalanx.data import ActiveLoaders, PreparedDataLoader
-from phalanx.logging import configure_logging
+from phalanx.guards import check_backward_has_a_model, check_materialised, warn_accumulation_unused
+from phalanx.logging import configure_logging, warn_once
 from phalanx.precision import Precision
 from phalanx.prepared import PreparedOptimizer, PreparedScheduler, autocast_forward, kind_of
-from phalanx.runtime import WorldInfo, detect_world, init_distributed, pick_device
+from phalanx.runtime import WorldInfo, detect_world, init_distributed, pick_device, seed_everything
 from phalanx.strategies import get_strategy_class
 from phalanx.topology import Topology
 
@@ -61,9 +61,13 @@ class Engine:
         **options: Any,
     ) -> None:
         overrides = dict(strategy=strategy, precision=precision, grad_accum_steps=grad_accum_steps, seed=seed, **options)
-        self.config: EngineConfig = resolve_config(file=config_file, cli=overrides, cli_origin="argument").engine
+        resolved = resolve_config(file=config_file, cli=overrides, cli_origin="argument")
+        self.config: EngineConfig = resolved.engine
+        self._origins = resolved.origins
         self.world: WorldInfo = detect_world()
         configure_logging(self.world.rank, self.config.log_all_ranks)
+        for line in resolved.overrides:
+            warn_once(line)
         self.device = pick_device(self.config.device, self.world.local_rank)
         init_distributed(self.world, self.device, self.config.timeout_s)
         strategy_cls = get_strategy_class(self.config.strategy)
@@ -76,7 +80,7 @@ class Engine:
         if self.strategy.shards_gradients and comm_world_size(shard_group) > 1:
             # An fp16 overflow in any rank's share of the gradients must skip the step on every rank.
             self.precision.sync_found_inf, self.precision.found_inf_group = True, shard_group
-        _seed_everything(self.config.seed)
+        seed_everything(self.config.seed)
 
         self._models: list[nn.Module] = []
         self._optimizers: list[PreparedOptimizer] = []
@@ -132,6 +136,7 @@ class Engine:
     def prepare_model(self, model: nn.Module | list[nn.Module] | tuple[nn.Module, ...]) -> nn.Module:
         if isinstance(model, (list, tuple)):
             model = nn.Sequential(*model)  # a list of blocks runs as nn.Sequential runs them
+        check_materialised(model, self.strategy.name, self.strategy.materialises_meta)
         model = self.strategy.place_model(model)
         wrapped = self.strategy.wrap_model(model)
         if self.precision.compute_dtype is not None:
@@ -210,6 +215,7 @@ class Engine:
         of the window and every rank: exactly the gradient of the mean over all items of the global batch.
         """
         self._refuse_manual_backward("engine.backward")
+        check_backward_has_a_model(len(self._models), self.topology.dp_size)
         mode = "sum" if items is not None else "mean"
         if self._window_mode not in (None, mode):
             raise ValueError(
@@ -271,6 +277,8 @@ class Engine:
         return self.strategy.clip_grad_norm_(params, max_norm, norm_type)
 
     def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.config.grad_accum_steps > 1 and not self._in_accumulate:
+            warn_accumulation_unused(self.config.grad_accum_steps, self._origins.get("grad_accum_steps", "default"))
         if optimizer is self._optimizers[0].optimizer:
             self.global_step += 1
         self.strategy.finish_gradient_sync()
@@ -485,14 +493,3 @@ class Engine:
             optimizers=[o.optimizer for o in self._optimizers],
             comm_dtype=self.strategy.comm_dtype(),
         )
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed % 2**32)
-    except ImportError:
-        pass

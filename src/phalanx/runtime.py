@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from phalanx.logging import get_logger
 
-__all__ = ["WorldInfo", "detect_world", "init_distributed", "pick_device", "teardown"]
+__all__ = ["WorldInfo", "detect_world", "init_distributed", "pick_device", "teardown", "seed_everything"]
 
 
 @dataclass(frozen=True)
@@ -170,3 +170,19 @@ def teardown() -> None:
         get_logger().warning(f"ranks did not all reach the end of the script together: {e}")
     finally:
         dist.destroy_process_group()
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, torch's and (when installed) NumPy's generators."""
+    import random
+
+    import torch
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass

@@ -31,6 +31,8 @@ class Strategy(ABC):
     """True when each rank holds only part of the reduced gradients (fp16 overflow checks must then agree)."""
     drives_backward: ClassVar[bool] = False
     """True when the strategy runs forward and backward itself (pipeline): only ``train_step`` trains."""
+    materialises_meta: ClassVar[bool] = False
+    """True when ``wrap_model`` gives values to a model built on the meta device (pipeline, stage by stage)."""
 
     def __init__(
         self, config: EngineConfig, topology: Topology, device: torch.device, precision: Precision, within_stage: bool = False

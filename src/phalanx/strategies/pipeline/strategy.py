@@ -67,6 +67,7 @@ class PipelineStrategy(Strategy):
     supports_pipeline = True
     shards_gradients = True  # each stage holds only its own gradients: an fp16 overflow anywhere skips every stage
     drives_backward = True
+    materialises_meta = True
 
     @classmethod
     def pipeline_stages(cls, config: EngineConfig, world_size: int) -> int:

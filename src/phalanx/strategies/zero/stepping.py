@@ -71,8 +71,18 @@ def chunk_steps(optimizer: torch.optim.Optimizer, store: StateStore, chunk_mb: f
 
 def replace_step(optimizer: torch.optim.Optimizer, step: Callable[..., Any]) -> None:
     """Make ``step`` the optimizer's ``step``, bound to it as the original was: an LR scheduler built on this optimizer
-    later wraps ``optimizer.step.__func__``, which a plain function lacks."""
-    optimizer.step = types.MethodType(lambda _opt, *args, **kwargs: step(*args, **kwargs), optimizer)  # type: ignore[method-assign]
+    later wraps ``optimizer.step.__func__``, which a plain function lacks.
+
+    An LR scheduler built *before* (on the user's optimizer, then prepared) wrapped the original step to count its
+    calls, and warns that "optimizer.step() has been overridden" unless the step it sees carries its mark. Ours
+    calls that wrapped step, so the count stays right: carry the mark over."""
+
+    def replaced(_opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        return step(*args, **kwargs)
+
+    if getattr(optimizer.step, "_wrapped_by_lr_sched", False):
+        replaced._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = types.MethodType(replaced, optimizer)  # type: ignore[method-assign]
 
 
 def step_in_parts(

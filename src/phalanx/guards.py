@@ -1,0 +1,49 @@
+"""Checks that turn a silent wrong result into a clear error or a one-time warning.
+
+Each names the setting, where it came from and the fix. They run where the Engine would otherwise go on quietly:
+a script that never opens an accumulation window although ``grad_accum_steps`` asks for one, a backward on
+several ranks with no prepared model to reduce its gradients, a model whose parameters were never materialised.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from phalanx.logging import warn_once
+
+__all__ = ["warn_accumulation_unused", "check_backward_has_a_model", "check_materialised"]
+
+
+def warn_accumulation_unused(grad_accum_steps: int, origin: str) -> None:
+    """``optimizer.step()`` ran outside ``engine.accumulate()`` while ``grad_accum_steps`` > 1: every micro-batch
+    steps, so the run takes ``grad_accum_steps`` times the optimizer steps the setting asked for."""
+    warn_once(
+        f"grad_accum_steps={grad_accum_steps} (from {origin}) has no effect: optimizer.step() ran outside "
+        "engine.accumulate(), so every batch steps the optimizer. Wrap each micro-batch in `with "
+        "engine.accumulate():` (or use engine.train_step), or set grad_accum_steps=1"
+    )
+
+
+def check_backward_has_a_model(prepared_models: int, dp_size: int) -> None:
+    """On more than one data-parallel rank, a backward needs a prepared model: nothing else reduces gradients."""
+    if prepared_models == 0 and dp_size > 1:
+        raise RuntimeError(
+            f"engine.backward on {dp_size} data-parallel ranks, but no model was passed to engine.prepare: nothing "
+            "would average the gradients over the ranks, and the replicas would silently diverge. Call "
+            "model, optimizer = engine.prepare(model, optimizer) before training"
+        )
+
+
+def check_materialised(model: nn.Module, strategy: str, materialises: bool) -> None:
+    """A model built under ``torch.device("meta")`` has no values; only a strategy that materialises it may take it."""
+    if materialises:
+        return
+    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if meta:
+        shown = ", ".join(meta[:3]) + (f" and {len(meta) - 3} more" if len(meta) > 3 else "")
+        raise ValueError(
+            f"{type(model).__name__} has tensors on the meta device ({shown}): they hold no values, and "
+            f"strategy={strategy!r} does not materialise them. Build the model on a real device (drop "
+            "`with torch.device('meta')`), load its weights into it before engine.prepare, or use "
+            "strategy='pipeline', which materialises each stage's blocks itself"
+        )
