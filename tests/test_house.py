@@ -2,7 +2,7 @@
 
 - No import cycle anywhere in src/phalanx. Every explicit import counts, also one inside a function (an import
   moved into a function to dodge a cycle is still a cycle); imports under ``if TYPE_CHECKING:`` do not run and
-  do not count. Strategies loaded by name through the registry (``importlib``) are not edges.
+  do not count, nor do those under ``if __name__ == "__main__":``, which runs only as a program. Strategies loaded by name through the registry (``importlib``) are not edges.
 - No module over 500 lines: a module that grows past that is telling us it holds two things.
 - config.py names no strategy: it composes the strategies' own option groups from the registry.
 """
@@ -31,6 +31,14 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in sorted(SRC.rglob("*.py"))}
 
 
+def _is_main_block(test: ast.expr) -> bool:
+    """``if __name__ == "__main__":`` runs only when the file is the program, never on import."""
+    return (
+        isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
+        and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in test.comparators)
+    )  # fmt: skip
+
+
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
@@ -44,7 +52,7 @@ def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if isinstance(node, ast.If) and (_is_type_checking(node.test) or _is_main_block(node.test)):
             for child in node.orelse:
                 visit(child)
             return

@@ -131,19 +131,7 @@ def _fp16_zero_one_inf(strategy: str, index: int) -> dict:
         optimizer.step()
         optimizer.zero_grad()
 
-    step()  # a clean step: it must really step, so that the skip below is the poison's doing
-    clean_skipped = engine.step_was_skipped
-    before, scale_before = engine.get_state_dict(model), engine.precision.loss_scale
-    flag["armed"] = True
-    step()
-    after = engine.get_state_dict(model)
-    return {
-        "clean_skipped": clean_skipped,
-        "skipped": engine.step_was_skipped,
-        "unchanged": all(torch.equal(before[k], after[k]) for k in before),
-        "scale_before": scale_before,
-        "scale_after": engine.precision.loss_scale,
-    }
+    return _clean_then_poisoned(engine, model, flag, step)
 
 
 def _fp16_pipeline_one_inf(poisoned_rank: int, index: int) -> dict:
@@ -162,11 +150,16 @@ def _fp16_pipeline_one_inf(poisoned_rank: int, index: int) -> dict:
     def loss_fn(m, b):
         return F.mse_loss(m(b[0]), b[1])
 
-    engine.train_step(batch, loss_fn)
+    return _clean_then_poisoned(engine, model, flag, lambda: engine.train_step(batch, loss_fn))
+
+
+def _clean_then_poisoned(engine, model, flag: dict, step) -> dict:  # type: ignore[no-untyped-def]
+    """A clean step (it must really step, so that the skip after it is the poison's doing), then a poisoned one."""
+    step()
     clean_skipped = engine.step_was_skipped
     before, scale_before = engine.get_state_dict(model), engine.precision.loss_scale
     flag["armed"] = True
-    engine.train_step(batch, loss_fn)
+    step()
     after = engine.get_state_dict(model)
     return {
         "clean_skipped": clean_skipped,

@@ -15,11 +15,10 @@ import shutil
 import threading
 import zlib
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 
-from phalanx._version import __version__
 from phalanx.shards import ShardEntry
 
 __all__ = ["CheckpointError", "save_model_file", "FORMAT", "VERSION", "MANIFEST"]

@@ -13,14 +13,14 @@ import struct
 import time
 import zlib
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 
 from phalanx._version import __version__
 from phalanx.checkpoint_io import (
     DTYPES, FORMAT, MANIFEST, SAFETENSORS_DTYPE, SHARD_NAME, VERSION, CheckpointError, from_json,
-    is_checkpoint, model_key, saved_at,
+    model_key, saved_at,
 )  # fmt: skip
 
 __all__ = ["Checkpoint", "latest_checkpoint"]

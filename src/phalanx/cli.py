@@ -14,12 +14,12 @@ import argparse
 import os
 import platform
 import sys
-from typing import Any, Sequence
+from typing import Sequence
 
 from phalanx._version import __version__
 from phalanx.config import ConfigError, resolve_config
 from phalanx.flags import add_engine_flags, add_launch_flags, cli_values
-from phalanx.launch import LaunchError, add_launch_command, launch
+from phalanx.launch import LaunchError, launch
 
 __all__ = ["main"]
 
@@ -29,7 +29,11 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("launch", help="run a training script on several processes (torchrun underneath)")
-    add_launch_command(p)
+    add_launch_flags(p)
+    add_engine_flags(p)
+    p.add_argument("-m", "--module", action="store_true", help="the script is a module name, as in python -m")
+    p.add_argument("script", help="training script (or module with -m)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
     p = sub.add_parser("config", help="print the resolved config with the origin of every value")
     add_launch_flags(p)

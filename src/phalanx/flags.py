@@ -15,7 +15,7 @@ from typing import Any
 from phalanx.config import GeneralOptions, LaunchConfig, engine_fields
 from phalanx.strategies import accepting, strategy_summaries
 
-__all__ = ["add_engine_flags", "add_launch_flags", "cli_values", "argparse_remainder"]
+__all__ = ["add_engine_flags", "add_launch_flags", "cli_values"]
 
 _LAUNCH_FLAGS: dict[str, tuple[list[str], dict[str, Any]]] = {
     "nproc_per_node": (["-n", "--nproc-per-node"], {"type": int, "help": "processes on this node (default 1)"}),
@@ -27,10 +27,6 @@ _LAUNCH_FLAGS: dict[str, tuple[list[str], dict[str, Any]]] = {
     "max_restarts": (["--max-restarts"], {"type": int, "help": "restarts of the worker group after a failure"}),
 }
 assert set(_LAUNCH_FLAGS) == {f.name for f in dataclasses.fields(LaunchConfig)}, "a flag for every launch setting"
-
-
-def argparse_remainder() -> str:
-    return argparse.REMAINDER
 
 
 def _help(field: dataclasses.Field[Any]) -> str:

@@ -17,10 +17,9 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
-from phalanx.config import ENV_CONFIG_JSON, ConfigError, PhalanxConfig, config_to_env, resolve_config
-from phalanx.flags import add_engine_flags, add_launch_flags, argparse_remainder, cli_values
+from phalanx.config import ENV_CONFIG_JSON, PhalanxConfig, config_to_env
 from phalanx.spawn import SpawnError, gloo_on_loopback, spawn  # SpawnError, spawn: their old home, kept for users
 
 __all__ = ["launch", "spawn", "SpawnError", "LaunchError", "torchrun_args"]
@@ -132,34 +131,9 @@ def launch(cfg: PhalanxConfig, script: str, script_args: Sequence[str] = (), mod
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m phalanx.launch ...`` is ``phalanx launch ...``."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m phalanx.launch", description="Run a training script on several processes.")
-    add_launch_command(parser)
-    return run_launch_command(parser.parse_args(sys.argv[1:] if argv is None else argv))
-
-
-def add_launch_command(parser: Any) -> None:
-    """The arguments of ``phalanx launch`` (and ``python -m phalanx.launch``)."""
-    add_launch_flags(parser)
-    add_engine_flags(parser)
-    parser.add_argument("-m", "--module", action="store_true", help="the script is a module name, as in python -m")
-    parser.add_argument("script", help="training script (or module with -m)")
-    parser.add_argument("script_args", nargs=argparse_remainder(), help="arguments for the script")
-
-
-def run_launch_command(ns: Any) -> int:
-    try:
-        cfg = resolve_config(file=ns.config, cli=cli_values(ns))
-        return launch(cfg, ns.script, ns.script_args, module=ns.module)
-    except ConfigError as e:
-        print(f"phalanx launch: config error: {e}", file=sys.stderr)
-    except LaunchError as e:
-        print(f"phalanx launch: {e}", file=sys.stderr)
-    return 2
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    # ``python -m phalanx.launch ...`` is ``phalanx launch ...``. This block runs only when the file is the program,
+    # never on import, so the CLI it calls (which imports this module) makes no import cycle.
+    from phalanx.cli import main
+
+    sys.exit(main(["launch", *sys.argv[1:]]))

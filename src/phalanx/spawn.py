@@ -9,7 +9,6 @@ ends the others and raises :class:`SpawnError` naming it.
 
 from __future__ import annotations
 
-import datetime
 import multiprocessing as mp
 import os
 import pickle
