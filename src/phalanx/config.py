@@ -63,6 +63,38 @@ class GeneralOptions(Options):
         check=lambda v: v > 0, fix="use a positive number of seconds",
     )  # fmt: skip
     log_all_ranks: bool = option(False, "Log from every rank, not only rank 0.")
+    deepspeed: str | None = option(
+        None, "A DeepSpeed JSON config (ds_config.json): its settings are read as phalanx's, and engine.prepare builds "
+        "its optimizer and scheduler blocks when the script passes none.",
+    )  # fmt: skip
+    micro_batch_size: int | None = option(
+        None, "The batch size of each rank's DataLoader (DeepSpeed's train_micro_batch_size_per_gpu); checked at "
+        "engine.prepare.", check=lambda v: v >= 1, fix="use 1 or more",
+    )  # fmt: skip
+    global_batch_size: int | None = option(
+        None, "Samples per optimizer step over all ranks (DeepSpeed's train_batch_size): micro_batch_size x "
+        "grad_accum_steps x the data-parallel size, checked.", check=lambda v: v >= 1, fix="use 1 or more",
+    )  # fmt: skip
+    loss_scale: float | None = option(
+        None, "fp16-mixed: a static loss scale (DeepSpeed's fp16.loss_scale); default dynamic.",
+        check=lambda v: v > 0, fix="use a positive scale, or leave it unset for dynamic scaling",
+    )  # fmt: skip
+    loss_scale_init: float = option(
+        65536.0, "fp16-mixed: the first dynamic loss scale (DeepSpeed's 2**initial_scale_power).",
+        check=lambda v: v > 0, fix="use a positive scale such as 65536",
+    )  # fmt: skip
+    loss_scale_window: int = option(
+        2000, "fp16-mixed: steps without an overflow before the scale doubles (DeepSpeed's loss_scale_window).",
+        check=lambda v: v >= 1, fix="use 1 or more",
+    )  # fmt: skip
+    loss_scale_hysteresis: int = option(
+        1, "fp16-mixed: overflows that the scale survives before it halves (DeepSpeed's hysteresis).",
+        check=lambda v: v >= 1, fix="use 1 (halve at every overflow) or more",
+    )  # fmt: skip
+    loss_scale_min: float | None = option(
+        None, "fp16-mixed: the scale never falls below this (DeepSpeed's min_loss_scale).",
+        check=lambda v: v > 0, fix="use a positive scale such as 1",
+    )  # fmt: skip
 
 
 def _groups() -> list[type[Options]]:
@@ -123,6 +155,13 @@ class EngineConfig(GeneralOptions):
         if self.precision not in PRECISIONS:
             raise ConfigError(f"unknown precision {self.precision!r}; valid precisions: {', '.join(PRECISIONS)}")
         GeneralOptions.check_fields(self)
+        if self.precision != "fp16-mixed":
+            for f in dataclasses.fields(GeneralOptions):
+                if f.name.startswith("loss_scale") and getattr(self, f.name) != f.default:
+                    raise ConfigError(
+                        f"{f.name}={getattr(self, f.name)!r} applies to precision='fp16-mixed' only (loss scaling); got "
+                        f"precision={self.precision!r} (use fp16-mixed, or leave it unset)"
+                    )
         for group in self._groups.values():
             group.check_fields()
         for cls, group in self._groups.items():
@@ -153,7 +192,8 @@ class LaunchConfig:
     node_rank: int = 0
     """Rank of this node, 0 .. nnodes-1 (static rendezvous only)."""
     master_addr: str = "127.0.0.1"
-    """Address of node 0. The default binds to loopback; give a network address to span machines."""
+    """Address of node 0. The default binds to loopback; give a network address to span machines. With nnodes > 1 on
+    loopback, every node runs on this machine (a way to try a multi-node config before renting machines)."""
     master_port: int = 0
     """Port of the rendezvous store on node 0; 0 picks a free port (single node only)."""
     rdzv_endpoint: str | None = None
@@ -172,11 +212,6 @@ class LaunchConfig:
         )
         _require(0 <= self.master_port <= 65535, "master_port", self.master_port, "use a port in 1..65535, or 0 for a free one")
         _require(self.max_restarts >= 0, "max_restarts", self.max_restarts, "use 0 or more")
-        if self.nnodes > 1 and self.rdzv_endpoint is None and self.master_addr in ("127.0.0.1", "localhost", "::1"):
-            raise ConfigError(
-                f"nnodes={self.nnodes} needs the address of node 0 that the other nodes can reach; got master_addr="
-                f"{self.master_addr!r}, which is this machine's loopback (pass --master-addr <node 0's address>)"
-            )
         if self.nnodes > 1 and self.master_port == 0 and self.rdzv_endpoint is None:
             raise ConfigError(
                 f"nnodes={self.nnodes} needs a fixed rendezvous port that every node knows; got master_port=0 "
@@ -195,12 +230,18 @@ class PhalanxConfig:
     overrides: list[str] = field(default_factory=list)
     """One line for each value that a script's ``Engine(...)`` argument took over from the launcher, a file or the
     environment with another value: two sources disagreed, and the Engine warns once."""
+    ignored: list[tuple[str, str]] = field(default_factory=list)
+    """Keys of an Accelerate or DeepSpeed file that have no meaning in phalanx, each with why."""
+    notes: list[str] = field(default_factory=list)
+    """Where phalanx honours a foreign setting in its own way; the Engine warns each once."""
 
     def describe(self) -> str:
         """A printable table of every value the chosen strategy reads, with its origin, then the launcher's."""
         lines = []
         strategy = self.engine.strategy
         for group, f in engine_fields():
+            if f.name.startswith("loss_scale") and self.engine.precision != "fp16-mixed":
+                continue
             if group is GeneralOptions or accepts(strategy, group):
                 value = getattr(self.engine, f.name)
                 lines.append(f"{f.name:<28} {value!r:<20} ({self.origins.get(f.name, 'default')})")
@@ -210,6 +251,10 @@ class PhalanxConfig:
         unused = [g.title for g in option_groups() if not accepts(strategy, g)]
         if unused:
             lines.append(f"# not read by strategy {strategy!r}: the settings of {'; '.join(unused)}")
+        for key, why in self.ignored:
+            lines.append(f"# ignored: {key} ({why})")
+        for note in self.notes:
+            lines.append(f"# note: {note}")
         return "\n".join(lines)
 
 
@@ -275,6 +320,10 @@ def _read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist (check the path given to --config)")
+    if p.suffix == ".json":
+        from phalanx.compat.deepspeed import read_deepspeed
+
+        return read_deepspeed(p)
     try:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as e:
@@ -284,39 +333,71 @@ def _read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
+# Keys of other tools that people write into a phalanx YAML, with what to write instead.
+_FOREIGN_KEYS = {
+    "zero_stage": "write strategy: zero1, zero2 or zero3 (zero_stage is DeepSpeed's name; pp_zero_stage is the "
+    "pipeline's own ZeRO-1)",
+    "stage": "write strategy: zero1, zero2 or zero3",
+    "mixed_precision": "write precision: bf16-mixed or fp16-mixed (or fp32)",
+    "gradient_accumulation_steps": "write grad_accum_steps",
+    "num_processes": "write launch: {nproc_per_node: N}",
+    "gradient_clipping": "write max_grad_norm",
+}
+
+
 def resolve_config(
     file: str | os.PathLike[str] | None = None,
     env: Mapping[str, str] | None = None,
     cli: Mapping[str, Any] | None = None,
     cli_origin: str = "cli",
+    deepspeed: str | os.PathLike[str] | None = None,
 ) -> PhalanxConfig:
     """Build the config from its layers. ``cli`` keys are engine field names or ``launch.<name>``.
 
-    When ``env`` holds ``PHALANX_CONFIG_JSON`` (set by the launcher), those values and origins form the
-    base that the other layers override.
+    ``file`` is a phalanx YAML, an Accelerate config YAML, or a DeepSpeed JSON; ``deepspeed`` (a DeepSpeed JSON) is
+    read at the ``cli`` layer, as ``--deepspeed``. When ``env`` holds ``PHALANX_CONFIG_JSON`` (set by the launcher),
+    those values and origins form the base that the other layers override.
     """
     env = os.environ if env is None else env
     engine_types, launch_types = _engine_types(), _field_types(LaunchConfig)
     values: dict[str, Any] = {}
     origins: dict[str, str] = {}
+    out = PhalanxConfig()
+    from_foreign: dict[str, tuple[Any, str]] = {}  # what a DeepSpeed file set in the layer being read
 
-    overrides: list[str] = []
-
-    def put(key: str, value: Any, where: str) -> None:
+    def put(key: str, value: Any, where: str, expand: bool = True) -> None:
         section, _, name = key.rpartition(".")
         types_ = launch_types if section == "launch" else engine_types
         valid = [("launch." if section else "") + n for n in types_]
         if name not in types_ or section not in ("", "launch"):
+            if key in _FOREIGN_KEYS:
+                raise ConfigError(f"{where}: unknown key {key!r}; {_FOREIGN_KEYS[key]}")
             raise _unknown(key, valid, where)
         coerced = _coerce(value, types_[name], key, where)
+        if key in from_foreign and from_foreign[key][0] != coerced:
+            raise ConfigError(
+                f"{key}={coerced!r} from {_source(where)} disagrees with {key}={from_foreign[key][0]!r} from "
+                f"{from_foreign[key][1]}; say it in one place"
+            )
         if where == "argument" and key in values and values[key] != coerced:
-            overrides.append(
+            out.overrides.append(
                 f"Engine({key}={coerced!r}) in the script overrides {key}={values[key]!r} from {_source(origins[key])}; "
                 f"the run uses {coerced!r}. Say it in one place: drop the argument from Engine(...), or the setting "
                 "from the launcher, file or environment"
             )
         values[key] = coerced
         origins[key] = where
+        if key == "deepspeed" and expand and coerced is not None:
+            put_mapped(_deepspeed_mapping(coerced), coerced, where)
+
+    def put_mapped(mapped: Any, path: str, where: str) -> None:
+        for key, value, source in mapped.values:
+            origin = f"{path} ({mapped.dialect} {source})" if where in (path, str(path)) else \
+                f"{path} ({mapped.dialect} {source}, named by {_source(where)})"  # fmt: skip
+            put(key, value, origin, expand=False)
+            from_foreign[key] = (values[key], origin)
+        out.ignored.extend((f"{path}: {k}", why) for k, why in mapped.ignored)
+        out.notes.extend(mapped.notes)
 
     handed_down = ENV_CONFIG_JSON in env
     if handed_down:
@@ -324,29 +405,69 @@ def resolve_config(
         # PHALANX_* variable override a CLI flag.
         handed = json.loads(env[ENV_CONFIG_JSON])
         for key, value in handed["values"].items():
-            put(key, value, handed["origins"].get(key, "launcher"))
+            put(key, value, handed["origins"].get(key, "launcher"), expand=False)
+        out.notes.extend(handed.get("notes", []))
     if file is not None:
         where = str(file)
-        for key, value in _read_yaml(file).items():
-            if key == "launch":
-                if not isinstance(value, dict):
-                    raise ConfigError(f"{where}: key 'launch' must be a mapping; got {value!r}")
-                for sub, v in value.items():
-                    put(f"launch.{sub}", v, where)
-            else:
-                put(str(key), value, where)
+        data = _read_yaml(file)
+        if Path(where).suffix == ".json":
+            put_mapped(_deepspeed_mapping(where, data), where, where)
+            values["deepspeed"], origins["deepspeed"] = where, where
+        elif _is_accelerate(data):
+            put_mapped(_accelerate_mapping(data, where), where, where)
+        else:
+            # A deepspeed: key goes first, so that a key of this file that contradicts it is an error.
+            for key, value in sorted(data.items(), key=lambda kv: kv[0] != "deepspeed"):
+                if key == "launch":
+                    if not isinstance(value, dict):
+                        raise ConfigError(f"{where}: key 'launch' must be a mapping; got {value!r}")
+                    for sub, v in value.items():
+                        put(f"launch.{sub}", v, where)
+                elif key == "deepspeed" and isinstance(value, dict):
+                    put_mapped(_deepspeed_mapping(where, value), where, where)
+                else:
+                    put(str(key), value, where)
+        from_foreign.clear()
     for var, text in ({} if handed_down else env).items():
         if var.startswith(_ENV_PREFIX) and var not in _ENV_NOT_FIELDS:
             name = var[len(_ENV_PREFIX):].lower()
             if name in engine_types:
                 put(name, text, f"env {var}")
-    for key, value in (cli or {}).items():
-        if value is not None:
-            put(key, value, cli_origin)
+    layer = {"deepspeed": str(deepspeed)} if deepspeed is not None else {}
+    layer.update({k: v for k, v in (cli or {}).items() if v is not None})
+    for key, value in sorted(layer.items(), key=lambda kv: kv[0] != "deepspeed"):
+        put(key, value, cli_origin)
 
-    engine = EngineConfig(**{k: v for k, v in values.items() if "." not in k})
-    launch = LaunchConfig(**{k.split(".", 1)[1]: v for k, v in values.items() if k.startswith("launch.")})
-    return PhalanxConfig(engine=engine, launch=launch, origins=origins, overrides=overrides)
+    if values.get("global_batch_size") is not None or values.get("micro_batch_size") is not None:
+        from phalanx.compat.batch import apply_batch_rule
+
+        world = int(env["WORLD_SIZE"]) if "WORLD_SIZE" in env else \
+            int(values.get("launch.nproc_per_node", 1)) * int(values.get("launch.nnodes", 1))  # fmt: skip
+        pp = (values.get("pp_size") or world) if values.get("strategy") == "pipeline" else 1
+        apply_batch_rule(values, origins, world, pp)
+    out.engine = EngineConfig(**{k: v for k, v in values.items() if "." not in k})
+    out.launch = LaunchConfig(**{k.split(".", 1)[1]: v for k, v in values.items() if k.startswith("launch.")})
+    out.origins = origins
+    return out
+
+
+def _is_accelerate(data: dict[str, Any]) -> bool:
+    from phalanx.compat.accelerate import is_accelerate_config
+
+    return is_accelerate_config(data)
+
+
+def _accelerate_mapping(data: dict[str, Any], where: str) -> Any:
+    from phalanx.compat.accelerate import from_accelerate
+    from phalanx.compat.deepspeed import read_deepspeed
+
+    return from_accelerate(data, where, read_deepspeed)
+
+
+def _deepspeed_mapping(path: str, data: dict[str, Any] | None = None) -> Any:
+    from phalanx.compat.deepspeed import from_deepspeed, read_deepspeed
+
+    return from_deepspeed(read_deepspeed(path) if data is None else data, path)
 
 
 def _source(origin: str) -> str:
@@ -362,4 +483,4 @@ def config_to_env(config: PhalanxConfig) -> str:
     """Serialise the engine part of a resolved config for ``PHALANX_CONFIG_JSON``."""
     origins = {k: v for k, v in config.origins.items() if "." not in k}
     values = {k: getattr(config.engine, k) for k in origins}
-    return json.dumps({"values": values, "origins": origins})
+    return json.dumps({"values": values, "origins": origins, "notes": config.notes})

@@ -1,0 +1,244 @@
+"""Accelerate YAML and DeepSpeed JSON configs resolve to the phalanx config a user of those tools would expect.
+
+The three Accelerate configs of seed 004 are kept verbatim in tests/data/accelerate; two of them hold the blog's
+placeholders for the address and port of the main machine, which the tests fill in (and check that, left as they
+are, they are an error naming the key).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from phalanx.config import ConfigError, resolve_config
+
+DATA = Path(__file__).parent / "data"
+SEED = DATA / "accelerate"
+
+
+def _filled(name: str, tmp_path: Path, port: int = 29500) -> Path:
+    text = (SEED / name).read_text().replace("主机器的ip", "127.0.0.1").replace("端口号", str(port))
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def _origin(cfg, key: str) -> str:
+    return cfg.origins[key]
+
+
+def _ignored(cfg) -> set[str]:
+    return {key.split(": ", 1)[1] for key, _ in cfg.ignored}
+
+
+def _write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# --------------------------------------------------------------------------------------------- Accelerate's YAML
+def test_seed004_single_node_yaml_is_two_ddp_processes():
+    cfg = resolve_config(file=SEED / "seed004_single_node.yaml", env={})
+    assert (cfg.engine.strategy, cfg.engine.precision, cfg.engine.device) == ("ddp", "fp32", "auto")
+    assert (cfg.launch.nproc_per_node, cfg.launch.nnodes) == (2, 1)
+    assert _origin(cfg, "launch.nproc_per_node").endswith("(accelerate num_processes)")
+    assert _origin(cfg, "precision").endswith("(accelerate mixed_precision)")
+    assert {"compute_environment", "downcast_bf16", "tpu_env", "tpu_use_cluster", "tpu_use_sudo", "same_network",
+            "gpu_ids", "rdzv_backend"} <= _ignored(cfg)  # fmt: skip
+
+
+def test_seed004_multi_node_yaml_divides_the_total_over_the_machines(tmp_path):
+    cfg = resolve_config(file=_filled("seed004_multi_node.yaml", tmp_path), env={})
+    # Accelerate's num_processes (4) is over both machines: 2 on each.
+    assert (cfg.launch.nproc_per_node, cfg.launch.nnodes, cfg.launch.node_rank) == (2, 2, 0)
+    assert (cfg.launch.master_addr, cfg.launch.master_port) == ("127.0.0.1", 29500)
+    assert cfg.engine.strategy == "ddp"
+    assert "main_training_function" in _ignored(cfg)
+
+
+def test_seed004_deepspeed_yaml_is_zero3_with_accumulation(tmp_path):
+    cfg = resolve_config(file=_filled("seed004_deepspeed_zero3.yaml", tmp_path), env={})
+    assert (cfg.engine.strategy, cfg.engine.grad_accum_steps, cfg.engine.offload) == ("zero3", 4, "none")
+    assert (cfg.launch.nproc_per_node, cfg.launch.nnodes) == (2, 2)
+    assert _origin(cfg, "strategy").endswith("(accelerate deepspeed_config.zero_stage)")
+    assert _origin(cfg, "grad_accum_steps").endswith("(accelerate deepspeed_config.gradient_accumulation_steps)")
+    assert {"deepspeed_config.zero3_init_flag", "deepspeed_config.zero3_save_16bit_model",
+            "deepspeed_config.deepspeed_multinode_launcher"} <= _ignored(cfg)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["seed004_multi_node.yaml", "seed004_deepspeed_zero3.yaml"])
+def test_the_blogs_placeholders_are_an_error_naming_the_key(name):
+    with pytest.raises(ConfigError, match="main_process_port must be a port number; got '端口号'"):
+        resolve_config(file=SEED / name, env={})
+
+
+def test_phalanx_config_prints_origins_and_ignored_keys(tmp_path, capsys):
+    from phalanx.cli import main
+
+    assert main(["config", "--config", str(_filled("seed004_deepspeed_zero3.yaml", tmp_path))]) == 0
+    out = capsys.readouterr().out
+    assert "(accelerate deepspeed_config.zero_stage)" in out and "'zero3'" in out
+    assert "# ignored: " in out and "tpu_use_sudo (a TPU setting)" in out
+
+
+_BASE = "compute_environment: LOCAL_MACHINE\nnum_machines: 1\nnum_processes: 2\n"
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        ("distributed_type: MEGATRON_LM\n", "MEGATRON_LM.*use strategy pipeline"),
+        ("distributed_type: MULTI_GPU\nmixed_precision: fp8\n", "fp8.*use mixed_precision: bf16"),
+        ("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD\n", "HYBRID_SHARD.*no hybrid"),
+        ("distributed_type: MULTI_GPU\ndynamo_config:\n  dynamo_backend: INDUCTOR\n", "torch.compile"),
+        ("distributed_type: MULTI_GPU\ngpu_ids: 0,1\n", "CUDA_VISIBLE_DEVICES=0,1"),
+        ("distributed_type: MULTI_GPU\nnum_procesess: 2\n", "did you mean 'num_processes'"),
+        ("distributed_type: FSDP\nfsdp_config:\n  fsdp_activation_checkpointing: true\n", "torch.utils.checkpoint"),
+    ],
+)
+def test_accelerate_values_phalanx_cannot_honour_are_errors(tmp_path, extra, match):
+    with pytest.raises(ConfigError, match=match):
+        resolve_config(file=_write(tmp_path, "a.yaml", _BASE + extra), env={})
+
+
+def test_accelerate_total_processes_must_divide_over_machines(tmp_path):
+    path = _write(tmp_path, "a.yaml", "distributed_type: MULTI_GPU\nnum_machines: 2\nnum_processes: 3\n")
+    with pytest.raises(ConfigError, match="num_processes=3 is the total over all machines.*num_machines=2"):
+        resolve_config(file=path, env={})
+
+
+def test_accelerate_fsdp2_maps_onto_zero3(tmp_path):
+    text = _BASE + (
+        "distributed_type: FSDP\nmixed_precision: bf16\nfsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: true\n"
+        "  fsdp_offload_params: true\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+        "  fsdp_transformer_layer_cls_to_wrap: Block\n  fsdp_state_dict_type: SHARDED_STATE_DICT\n"
+    )
+    cfg = resolve_config(file=_write(tmp_path, "fsdp.yaml", text), env={})
+    assert (cfg.engine.strategy, cfg.engine.offload, cfg.engine.zero3_unit_classes) == ("zero3", "cpu", "Block")
+    assert cfg.engine.precision == "bf16-mixed"
+    assert "fsdp_config.fsdp_state_dict_type" in _ignored(cfg)
+
+
+def test_accelerate_fsdp1_shard_grad_op_is_zero2(tmp_path):
+    text = _BASE + "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n"
+    assert resolve_config(file=_write(tmp_path, "fsdp.yaml", text), env={}).engine.strategy == "zero2"
+
+
+def test_accelerate_multi_cpu_and_use_cpu_pin_the_device(tmp_path):
+    cfg = resolve_config(file=_write(tmp_path, "a.yaml", _BASE + "distributed_type: MULTI_CPU\n"), env={})
+    assert cfg.engine.device == "cpu"
+    cfg = resolve_config(file=_write(tmp_path, "b.yaml", _BASE + "distributed_type: MULTI_GPU\nuse_cpu: true\n"), env={})
+    assert cfg.engine.device == "cpu"
+
+
+def test_accelerate_yaml_naming_a_deepspeed_json(tmp_path):
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 1}, "gradient_accumulation_steps": 2}))
+    text = _BASE + "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: ds.json\n  zero3_init_flag: false\n"
+    cfg = resolve_config(file=_write(tmp_path, "a.yaml", text), env={})
+    assert (cfg.engine.strategy, cfg.engine.grad_accum_steps) == ("zero1", 2)
+    assert "deepspeed_config_file: zero_optimization.stage" in _origin(cfg, "strategy")
+
+
+def test_the_cli_overrides_an_accelerate_file(tmp_path):
+    cfg = resolve_config(file=SEED / "seed004_single_node.yaml", env={}, cli={"launch.nproc_per_node": 3})
+    assert (cfg.launch.nproc_per_node, _origin(cfg, "launch.nproc_per_node")) == (3, "cli")
+
+
+# ---------------------------------------------------------------------------------------------- DeepSpeed's JSON
+def test_hf_style_json_with_auto_values_and_offload():
+    cfg = resolve_config(file=DATA / "deepspeed" / "hf_auto_offload.json", env={}, cli={"launch.nproc_per_node": 2})
+    e = cfg.engine
+    assert (e.strategy, e.offload, e.precision, e.grad_accum_steps, e.max_grad_norm) == ("zero2", "cpu", "fp32", 1, None)
+    assert (e.micro_batch_size, e.global_batch_size, e.bucket_mb) == (None, None, 25.0)  # auto: the loader decides
+    assert {"train_batch_size", "train_micro_batch_size_per_gpu", "zero_optimization.overlap_comm",
+            "zero_optimization.contiguous_gradients", "steps_per_print"} <= _ignored(cfg)  # fmt: skip
+
+
+def test_json_with_blocks_and_nvme_offload():
+    path = DATA / "deepspeed" / "zero3_blocks.json"
+    cfg = resolve_config(file=path, env={}, cli={"launch.nproc_per_node": 2})
+    e = cfg.engine
+    assert (e.strategy, e.offload, e.offload_dir, e.max_grad_norm) == ("zero3", "disk", "/tmp/phalanx-offload", 1.0)
+    # train 16 = micro 4 x accumulation x 2 ranks: the accumulation follows.
+    assert (e.global_batch_size, e.micro_batch_size, e.grad_accum_steps) == (16, 4, 2)
+    assert cfg.origins["grad_accum_steps"].startswith("batch rule")
+    assert e.deepspeed == str(path)
+
+
+def test_the_batch_rule_error_names_the_culprit_and_the_world_size(tmp_path):
+    ds = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}
+    path = _write(tmp_path, "ds.json", json.dumps(ds))
+    with pytest.raises(ConfigError) as e:
+        resolve_config(file=path, env={}, cli={"launch.nproc_per_node": 2})
+    text = str(e.value)
+    assert "global_batch_size=32" in text and "(world size 2)" in text and "= 16" in text
+    assert "grad_accum_steps 4" in text and "micro_batch_size 8" in text and "4 ranks" in text
+    # The same file on 4 ranks holds.
+    assert resolve_config(file=path, env={}, cli={"launch.nproc_per_node": 4}).engine.global_batch_size == 32
+
+
+def test_the_batch_rule_reads_the_workers_world_size(tmp_path):
+    path = _write(tmp_path, "ds.json", json.dumps({"train_batch_size": 12, "train_micro_batch_size_per_gpu": 2}))
+    assert resolve_config(file=path, env={"WORLD_SIZE": "3"}).engine.grad_accum_steps == 2
+    with pytest.raises(ConfigError, match=r"not a multiple of .*micro_batch_size=2.* data-parallel size 4"):
+        resolve_config(file=path, env={"WORLD_SIZE": "4"})
+
+
+def test_fp16_block_sets_deepspeeds_loss_scaling(tmp_path):
+    path = _write(tmp_path, "ds.json", json.dumps({"fp16": {"enabled": True, "initial_scale_power": 12}}))
+    e = resolve_config(file=path, env={}).engine
+    assert e.precision == "fp16-mixed"
+    # DeepSpeed's defaults for the keys the block leaves out.
+    assert (e.loss_scale_init, e.loss_scale_window, e.loss_scale_hysteresis, e.loss_scale_min) == (4096.0, 1000, 2, 1.0)
+
+
+def test_loss_scaling_outside_fp16_is_an_error():
+    with pytest.raises(ConfigError, match="loss_scale_window=100 applies to precision='fp16-mixed' only"):
+        resolve_config(env={}, cli={"loss_scale_window": 100})
+
+
+@pytest.mark.parametrize(
+    "ds, match",
+    [
+        ({"train_batch_sise": 8}, "unknown key 'train_batch_sise'; did you mean 'train_batch_size'"),
+        ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "needs ZeRO stage 3"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "nvme"}}},
+         "to one place"),
+        ({"zero_optimization": {"stage": 4}}, "ZeRO stages are 0, 1, 2 and 3"),
+        ({"zero_optimization": {"stage": 2, "overlap_com": True}}, "did you mean 'overlap_comm'"),
+        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "enable one of them"),
+        ({"amp": {"enabled": True}}, "Apex"),
+        ({"sparse_attention": {"enabled": True}}, "sparse_attention is enabled"),
+        ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "does not quantise"),
+    ],
+)
+def test_deepspeed_values_phalanx_cannot_honour_are_errors(tmp_path, ds, match):
+    with pytest.raises(ConfigError, match=match):
+        resolve_config(file=_write(tmp_path, "ds.json", json.dumps(ds)), env={})
+
+
+def test_deepspeed_key_in_a_phalanx_yaml(tmp_path):
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}))
+    cfg = resolve_config(file=_write(tmp_path, "p.yaml", f"deepspeed: {tmp_path / 'ds.json'}\nseed: 3\n"), env={})
+    assert (cfg.engine.strategy, cfg.engine.precision, cfg.engine.seed) == ("zero2", "bf16-mixed", 3)
+    inline = "deepspeed:\n  zero_optimization:\n    stage: 1\n"
+    assert resolve_config(file=_write(tmp_path, "q.yaml", inline), env={}).engine.strategy == "zero1"
+
+
+def test_a_key_that_contradicts_the_deepspeed_file_in_the_same_place_is_an_error(tmp_path):
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    with pytest.raises(ConfigError, match="strategy='zero2' .* disagrees with strategy='zero3'"):
+        resolve_config(file=_write(tmp_path, "p.yaml", f"strategy: zero2\ndeepspeed: {tmp_path / 'ds.json'}\n"), env={})
+    with pytest.raises(ConfigError, match="disagrees"):
+        resolve_config(env={}, cli={"strategy": "zero2"}, deepspeed=tmp_path / "ds.json")
+    # A later layer (the command line over a file) overrides, as for any setting.
+    cfg = resolve_config(file=tmp_path / "ds.json", env={}, cli={"strategy": "zero2"})
+    assert cfg.engine.strategy == "zero2"
+
+
+def test_zero_stage_in_a_phalanx_yaml_points_to_strategy(tmp_path):
+    with pytest.raises(ConfigError, match="unknown key 'zero_stage'; write strategy: zero1, zero2 or zero3"):
+        resolve_config(file=_write(tmp_path, "p.yaml", "zero_stage: 3\n"), env={})
