@@ -8,27 +8,88 @@ gradients do not underflow, and skips a step whose gradients overflowed, lowerin
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, ContextManager, Iterable
 
 import torch
 
-__all__ = ["PRECISIONS", "Precision"]
+__all__ = ["PRECISIONS", "Precision", "LossScaling"]
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 _AUTOCAST_DTYPE = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 
 
+@dataclass(frozen=True)
+class LossScaling:
+    """How fp16's loss scale moves. The defaults are torch's GradScaler; a DeepSpeed ``fp16`` block sets DeepSpeed's
+    (window 1000, hysteresis 2, min 1). ``static`` fixes the scale (a step with an overflow is still skipped)."""
+
+    init: float = 65536.0
+    window: int = 2000
+    hysteresis: int = 1
+    min: float | None = None
+    static: float | None = None
+
+    @property
+    def is_torchs(self) -> bool:
+        return self == LossScaling()
+
+
+class _ScaleSchedule:
+    """DeepSpeed's dynamic loss scale (0.19): halve after ``hysteresis`` overflows (never below ``min``; where
+    DeepSpeed stops the run at the minimum, we go on skipping overflowed steps), and double after every ``window``
+    clean steps that follow the step after the last overflow, restoring the hysteresis budget too."""
+
+    def __init__(self, policy: LossScaling) -> None:
+        self.policy = policy
+        self.scale = policy.static or policy.init
+        self.hysteresis_left = policy.hysteresis
+        self.iteration = 0
+        self.last_overflow = -1
+
+    def next(self, overflow: bool) -> float:
+        p = self.policy
+        if p.static is not None:
+            return p.static
+        if overflow:
+            if p.hysteresis == 1 or self.hysteresis_left == 1:
+                self.scale = max(self.scale / 2.0, p.min or 0.0)
+            else:
+                self.hysteresis_left -= 1
+            self.last_overflow = self.iteration
+        elif (stable := self.iteration - self.last_overflow - 1) > 0 and stable % p.window == 0:
+            self.hysteresis_left = p.hysteresis
+            self.scale *= 2.0
+        self.iteration += 1
+        return self.scale
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "hysteresis_left": self.hysteresis_left, "iteration": self.iteration,
+                "last_overflow": self.last_overflow}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale, self.hysteresis_left = float(state["scale"]), int(state["hysteresis_left"])
+        self.iteration, self.last_overflow = int(state["iteration"]), int(state["last_overflow"])
+
+
 class Precision:
     """One precision policy for one Engine. ``name`` is one of :data:`PRECISIONS`."""
 
-    def __init__(self, name: str, device: torch.device) -> None:
+    def __init__(self, name: str, device: torch.device, scaling: LossScaling | None = None) -> None:
         if name not in PRECISIONS:
             raise ValueError(f"unknown precision {name!r}; valid precisions: {', '.join(PRECISIONS)}")
         self.name = name
         self.device = device
         self.compute_dtype = _AUTOCAST_DTYPE[name]
-        # GradScaler supplies the loss-scaling logic (growth, backoff, inf checks); we decide when it runs.
-        self.scaler = torch.amp.GradScaler(device.type) if name == "fp16-mixed" else None
+        scaling = scaling or LossScaling()
+        # GradScaler supplies the loss-scaling mechanics (scaling, unscaling, inf checks); we decide when it runs.
+        # With torch's policy it also moves the scale; otherwise _ScaleSchedule does, DeepSpeed's way.
+        self.scaler = (
+            torch.amp.GradScaler(device.type, init_scale=scaling.static or scaling.init, growth_interval=scaling.window)
+            if name == "fp16-mixed" else None
+        )  # fmt: skip
+        self.schedule = None if scaling.is_torchs or self.scaler is None else _ScaleSchedule(scaling)
+        self._overflow_in_round = False
         self._unscaled: set[int] = set()
         self._stepped: set[int] = set()
         self.found_inf_group: Any = None
@@ -69,6 +130,7 @@ class Precision:
                 dist.all_reduce(v, op=dist.ReduceOp.MAX, group=self.found_inf_group)
         # One host sync per step: GradScaler records whether this optimizer's gradients held an inf/nan.
         found_inf = sum(v.item() for v in found.values())
+        self._overflow_in_round |= found_inf > 0
         self.scaler.step(optimizer)
         self._stepped.add(id(optimizer))
         return found_inf > 0
@@ -81,7 +143,11 @@ class Precision:
     def update(self) -> None:
         """Grow or back off the loss scale after a round of optimizer steps."""
         if self.scaler is not None and self._stepped:
-            self.scaler.update()
+            if self.schedule is not None:
+                self.scaler.update(self.schedule.next(self._overflow_in_round))
+            else:
+                self.scaler.update()
+            self._overflow_in_round = False
             self._stepped.clear()
             self._unscaled.clear()
 
@@ -90,11 +156,16 @@ class Precision:
         return self.scaler.get_scale() if self.scaler is not None else None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+        state: dict[str, Any] = {"name": self.name, "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+        if self.schedule is not None:
+            state["schedule"] = self.schedule.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+        if self.schedule is not None and state.get("schedule"):
+            self.schedule.load_state_dict(state["schedule"])
 
     def report(
         self, params: list[torch.Tensor], grads: list[torch.Tensor], optimizers: list[torch.optim.Optimizer],
@@ -117,5 +188,6 @@ class Precision:
             "optimizer_state": dtypes(state),
             "compute": str(self.compute_dtype or dtypes(params)).replace("torch.", ""),
             "communication": str(comm_dtype).replace("torch.", "") if comm_dtype is not None else "none (one replica)",
-            "loss_scaling": "dynamic" if self.scaler is not None else "none",
+            "loss_scaling": "none" if self.scaler is None else (
+                "static" if self.schedule is not None and self.schedule.policy.static else "dynamic"),
         }
