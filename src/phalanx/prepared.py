@@ -15,6 +15,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
+from phalanx.compat.dummies import DummyOptim, DummyScheduler
 from phalanx.data import map_tensors
 from phalanx.precision import Precision
 
@@ -120,9 +121,9 @@ def kind_of(obj: Any) -> str:
         return "model"
     if isinstance(obj, (list, tuple)) and obj and all(isinstance(b, nn.Module) for b in obj):
         return "model"  # a list of blocks (pipeline stages are cut between them)
-    if isinstance(obj, torch.optim.Optimizer):
+    if isinstance(obj, (torch.optim.Optimizer, DummyOptim)):
         return "optimizer"
-    if isinstance(obj, LRScheduler):
+    if isinstance(obj, (LRScheduler, DummyScheduler)):
         return "scheduler"
     if isinstance(obj, DataLoader):
         return "loader"
