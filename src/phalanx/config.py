@@ -333,18 +333,6 @@ def _read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
-# Keys of other tools that people write into a phalanx YAML, with what to write instead.
-_FOREIGN_KEYS = {
-    "zero_stage": "write strategy: zero1, zero2 or zero3 (zero_stage is DeepSpeed's name; pp_zero_stage is the "
-    "pipeline's own ZeRO-1)",
-    "stage": "write strategy: zero1, zero2 or zero3",
-    "mixed_precision": "write precision: bf16-mixed or fp16-mixed (or fp32)",
-    "gradient_accumulation_steps": "write grad_accum_steps",
-    "num_processes": "write launch: {nproc_per_node: N}",
-    "gradient_clipping": "write max_grad_norm",
-}
-
-
 def resolve_config(
     file: str | os.PathLike[str] | None = None,
     env: Mapping[str, str] | None = None,
@@ -370,8 +358,10 @@ def resolve_config(
         types_ = launch_types if section == "launch" else engine_types
         valid = [("launch." if section else "") + n for n in types_]
         if name not in types_ or section not in ("", "launch"):
-            if key in _FOREIGN_KEYS:
-                raise ConfigError(f"{where}: unknown key {key!r}; {_FOREIGN_KEYS[key]}")
+            from phalanx.compat.names import FOREIGN_KEYS
+
+            if key in FOREIGN_KEYS:
+                raise ConfigError(f"{where}: unknown key {key!r}; {FOREIGN_KEYS[key]}")
             raise _unknown(key, valid, where)
         coerced = _coerce(value, types_[name], key, where)
         if key in from_foreign and from_foreign[key][0] != coerced:
@@ -438,14 +428,16 @@ def resolve_config(
     for key, value in sorted(layer.items(), key=lambda kv: kv[0] != "deepspeed"):
         put(key, value, cli_origin)
 
-    if values.get("global_batch_size") is not None or values.get("micro_batch_size") is not None:
+    out.engine = EngineConfig(**{k: v for k, v in values.items() if "." not in k})
+    if out.engine.global_batch_size is not None or out.engine.micro_batch_size is not None:
         from phalanx.compat.batch import apply_batch_rule
+        from phalanx.strategies import get_strategy_class
 
         world = int(env["WORLD_SIZE"]) if "WORLD_SIZE" in env else \
             int(values.get("launch.nproc_per_node", 1)) * int(values.get("launch.nnodes", 1))  # fmt: skip
-        pp = (values.get("pp_size") or world) if values.get("strategy") == "pipeline" else 1
+        pp = get_strategy_class(out.engine.strategy).pipeline_stages(out.engine, world)
         apply_batch_rule(values, origins, world, pp)
-    out.engine = EngineConfig(**{k: v for k, v in values.items() if "." not in k})
+        out.engine = EngineConfig(**{k: v for k, v in values.items() if "." not in k})
     out.launch = LaunchConfig(**{k.split(".", 1)[1]: v for k, v in values.items() if k.startswith("launch.")})
     out.origins = origins
     return out

@@ -10,7 +10,7 @@ from typing import Any
 
 from phalanx.options import ConfigError
 
-__all__ = ["precision_from_accelerate", "strategy_from_zero_stage", "ACCELERATE_PRECISIONS"]
+__all__ = ["precision_from_accelerate", "strategy_from_zero_stage", "ACCELERATE_PRECISIONS", "FOREIGN_KEYS"]
 
 ACCELERATE_PRECISIONS = {"no": "fp32", "fp16": "fp16-mixed", "bf16": "bf16-mixed"}
 _ZERO_STAGES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
@@ -38,3 +38,15 @@ def strategy_from_zero_stage(value: Any, key: str = "zero_stage") -> str:
     if stage not in _ZERO_STAGES or isinstance(value, bool):
         raise ConfigError(f"invalid {key}: got {value!r} (ZeRO stages are 0, 1, 2 and 3)")
     return _ZERO_STAGES[stage]
+
+
+# Keys of other tools that people write into a phalanx YAML, with what to write instead.
+FOREIGN_KEYS = {
+    "zero_stage": "write strategy: zero1, zero2 or zero3 (zero_stage is DeepSpeed's name; pp_zero_stage is the "
+    "pipeline's own ZeRO-1)",
+    "stage": "write strategy: zero1, zero2 or zero3",
+    "mixed_precision": "write precision: bf16-mixed or fp16-mixed (or fp32)",
+    "gradient_accumulation_steps": "write grad_accum_steps",
+    "num_processes": "write launch: {nproc_per_node: N}",
+    "gradient_clipping": "write max_grad_norm",
+}
