@@ -137,3 +137,172 @@ def _die_on_rank_1() -> None:
         os._exit(3)
     time.sleep(0.5)
     engine.wait()  # rank 0 fails here once rank 1 is gone; rank 1 is the one to name
+
+
+# ------------------------------------------------------------------------------ saving a zero3 model, and save_model
+def _zero3_saves(root: str) -> dict:
+    import os
+
+    from _common import TiedNet, grouped_optimizer, make_tokens
+
+    engine = phalanx.Engine(strategy="zero3")
+    torch.manual_seed(100)
+    model = TiedNet()
+    model, optimizer = engine.prepare(model, grouped_optimizer("adamw", model))
+    x, y = make_tokens(8, seed=engine.rank)
+    engine.backward(F.cross_entropy(model(x), y))
+    optimizer.step()
+    optimizer.zero_grad()
+    unwrapped = engine.unwrap_model(model)
+    out: dict = {"refused": []}
+    for what in (unwrapped, unwrapped.blocks[0]):  # the model, and a module inside it
+        try:
+            what.state_dict()
+        except RuntimeError as e:
+            out["refused"].append(str(e))
+    if engine.is_main_process:  # as a save on the main process alone would: refused, without a hang
+        try:
+            torch.save(unwrapped.state_dict(), os.path.join(root, "main-only.pt"))
+        except RuntimeError as e:
+            out["main_only"] = str(e)
+    out["full"] = engine.get_state_dict(model)  # these still work, on every rank
+    engine.save_state(os.path.join(root, "ck"))
+    engine.load_state(os.path.join(root, "ck"))
+    engine.save_model(model, os.path.join(root, "export"))
+    return out
+
+
+def test_zero3_state_dict_of_the_unwrapped_model_is_refused_with_the_fix(run_ranks, tmp_path):
+    from safetensors.torch import load_file
+
+    from _common import TiedNet
+
+    results = run_ranks(_zero3_saves, 2, str(tmp_path))
+    shapes = {k: v.shape for k, v in TiedNet().state_dict().items()}
+    exported = load_file(tmp_path / "export" / "model.safetensors")
+    for rank, out in enumerate(results):
+        assert len(out["refused"]) == 2, out["refused"]
+        for message in out["refused"]:
+            assert "strategy='zero3' would hold empty tensors" in message
+            assert "engine.save_model(model, save_directory)" in message and "engine.get_state_dict(model)" in message
+        assert "TiedNet.state_dict()" in out["refused"][0] and "Linear.state_dict()" in out["refused"][1]
+        assert ("main_only" in out) == (rank == 0)
+        assert {k: v.shape for k, v in out["full"].items()} == shapes  # whole tensors, every key
+        for k, v in exported.items():
+            torch.testing.assert_close(v, out["full"][k])
+    assert not (tmp_path / "main-only.pt").exists()
+
+
+class _Config:
+    """A config object as transformers' PretrainedConfig is one, for a model that is not a transformers model."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+
+    def save_pretrained(self, directory) -> None:  # type: ignore[no-untyped-def]
+        (directory / "config.json").write_text(json.dumps({"width": self.width}))
+
+
+def _save_model_dir(strategy: str, root: str, with_config: bool) -> dict:
+    from pathlib import Path
+
+    from _common import TiedNet, make_tokens
+
+    engine = phalanx.Engine(strategy=strategy)
+    torch.manual_seed(100)
+    model = TiedNet()
+    if with_config:
+        model.config = _Config(7)
+    model, optimizer = engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = make_tokens(8, seed=engine.rank)
+    engine.backward(F.cross_entropy(model(x), y))
+    optimizer.step()
+    path = engine.save_model(Path(root), metadata={"note": "trained"})
+    return {"path": str(path), "full": engine.get_state_dict(model)}
+
+
+@pytest.mark.parametrize("strategy,with_config", [("ddp", True), ("zero3", True), ("zero3", False)])
+def test_save_model_writes_a_directory_that_loads_back(run_ranks, tmp_path, strategy, with_config):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from _common import TiedNet
+
+    out = run_ranks(_save_model_dir, 2, strategy, str(tmp_path), with_config)[0]
+    assert out["path"] == str(tmp_path / "model.safetensors")
+    with safe_open(out["path"], "pt") as f:
+        assert f.metadata() == {"format": "pt", "note": "trained"}
+    full = out["full"]
+    assert full["head.weight"].data_ptr() == full["emb.weight"].data_ptr()  # tied keys share one tensor
+    model = TiedNet()
+    model.load_state_dict(load_file(out["path"]))  # strict: every state_dict key, the tied head included
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, out["full"][k])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"][not with_config :]
+    if with_config:
+        assert json.loads((tmp_path / "config.json").read_text()) == {"width": 7}
+
+
+# --------------------------------------------------------------------- transformers (when importable)
+def _gpt2_saves(strategy: str, root: str) -> dict:
+    from pathlib import Path
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    engine = phalanx.Engine(strategy=strategy)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16))
+    model, optimizer = engine.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(engine.rank))
+    engine.backward(model(input_ids=ids, labels=ids).loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    unwrapped, out = engine.unwrap_model(model), {"refused": None}
+    if engine.is_main_process:  # typical HF code: save_pretrained on the main process only
+        try:
+            unwrapped.save_pretrained(Path(root, "main-only"))
+        except RuntimeError as e:
+            out["refused"] = str(e)
+    engine.save_model(model, Path(root, "ours"))
+    out["state"] = state = engine.get_state_dict(model)
+    # Accelerate's documented way, which works under every strategy: the gathered state dict, on every rank.
+    unwrapped.save_pretrained(Path(root, "hf-way"), state_dict=dict(state), is_main_process=engine.is_main_process)
+    engine.wait_for_everyone()
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_save_model_of_a_transformers_model_is_what_from_pretrained_expects(run_ranks, tmp_path, strategy):
+    pytest.importorskip("transformers", reason="transformers is not installed (the check runs where it is)")
+    from safetensors import safe_open
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    out = run_ranks(_gpt2_saves, 2, strategy, str(tmp_path))[0]
+    # The oracle: transformers' own save_pretrained of the same weights, in one process.
+    reference = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16))
+    reference.load_state_dict(out["state"])
+    reference.save_pretrained(tmp_path / "reference")
+    reference.eval()  # no dropout: the logits below are compared
+
+    def contents(directory) -> tuple:  # type: ignore[no-untyped-def]
+        with safe_open(str(directory / "model.safetensors"), "pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - a safe_open handle, not a dict
+            metadata = f.metadata()
+        return sorted(p.name for p in directory.iterdir()), metadata, tensors
+
+    files, metadata, tensors = contents(tmp_path / "reference")
+    assert "lm_head.weight" not in tensors and "transformer.wte.weight" in tensors  # the tied head is dropped
+    for name in ("ours", "hf-way"):
+        ours_files, ours_metadata, ours_tensors = contents(tmp_path / name)
+        assert (ours_files, ours_metadata) == (files, metadata), name
+        assert ours_tensors.keys() == tensors.keys(), name
+        torch.testing.assert_close(ours_tensors, tensors, rtol=0, atol=0)
+        loaded, info = GPT2LMHeadModel.from_pretrained(tmp_path / name, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"], info
+        ids = torch.arange(8).reshape(1, 8)
+        torch.testing.assert_close(loaded.eval()(input_ids=ids).logits, reference(input_ids=ids).logits)
+    if strategy == "zero3":
+        assert "engine.save_model(model, save_directory)" in out["refused"], out["refused"]
+        assert not (tmp_path / "main-only" / "model.safetensors").exists()
+    else:
+        assert out["refused"] is None

@@ -404,15 +404,3 @@ def _compatibility(ck: Checkpoint, parts: TrainingParts, strategy: Strategy) -> 
             )
     return problems
 
-
-def write_model_from_rank0(
-    state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None, is_main: bool, device: torch.device
-) -> None:
-    """Rank 0 writes ``state`` as one plain safetensors file; every rank raises if that failed (call it on all)."""
-    error = None
-    if is_main:
-        try:
-            save_model_file(state, path, metadata)
-        except Exception as e:  # noqa: BLE001 - the other ranks must not wait for rank 0 forever
-            error = f"{type(e).__name__}: {e}"
-    agree(error, device, f"engine.save_model to {path}")

@@ -15,22 +15,24 @@ Run it with ``python train.py`` (one process) or ``phalanx launch -n 4 train.py`
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
-from numbers import Number
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+import weakref
+from typing import Any, Callable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
-from phalanx.comm import REDUCE_OPS, all_gather_varlen, all_reduce
+from phalanx.comm import all_reduce
 from phalanx.comm import world_size as comm_world_size
 from phalanx.config import EngineConfig, resolve_config
 from phalanx.data import ActiveLoaders, PreparedDataLoader
-from phalanx.guards import check_backward_has_a_model, check_materialised, warn_accumulation_unused
+from phalanx.engine_state import EngineState
+from phalanx.guards import (
+    check_backward_has_a_model, check_materialised, check_not_released, check_prepared_models, warn_accumulation_unused,
+)  # fmt: skip
 from phalanx.logging import configure_logging, warn_once
 from phalanx.precision import Precision
 from phalanx.prepared import PreparedOptimizer, PreparedScheduler, autocast_forward, kind_of
@@ -38,17 +40,17 @@ from phalanx.runtime import WorldInfo, detect_world, init_distributed, pick_devi
 from phalanx.strategies import get_strategy_class
 from phalanx.topology import Topology
 
-if TYPE_CHECKING:
-    from phalanx.checkpoint import TrainingParts
-
 __all__ = ["Engine", "PreparedOptimizer", "PreparedScheduler"]  # the last two live in prepared.py
 
 
-class Engine:
+class Engine(EngineState):
     """Trains with one strategy and one precision on whatever world the launcher started.
 
     Keyword arguments override the config file and ``PHALANX_*`` environment variables handed down by
-    ``phalanx launch``; with none, ``Engine()`` runs on the resolved config (or the defaults).
+    ``phalanx launch``; with none, ``Engine()`` runs on the resolved config (or the defaults). Who this process
+    is (``rank``, ``num_processes``, ...) and the collectives (``gather``, ``reduce``, ``wait_for_everyone``,
+    ``save``, ...) come from :class:`~phalanx.engine_collectives.EngineCollectives`; the state (``get_state_dict``,
+    ``save_state``/``load_state``, ``save_model``, ``epoch``) from :class:`~phalanx.engine_state.EngineState`.
     """
 
     def __init__(
@@ -70,28 +72,37 @@ class Engine:
             warn_once(line)
         self.device = pick_device(self.config.device, self.world.local_rank)
         init_distributed(self.world, self.device, self.config.timeout_s)
-        strategy_cls = get_strategy_class(self.config.strategy)
-        pp_size = strategy_cls.pipeline_stages(self.config, self.world.world_size)
+        pp_size = get_strategy_class(self.config.strategy).pipeline_stages(self.config, self.world.world_size)
         self.topology = Topology(self.world.world_size, self.world.rank, pp_size)
         self.topology.build_groups(self.device.type)
+        self._checkpointed: list[Any] = []  # register_for_checkpointing
+        self._released: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models given up by free_memory
+        self._start_training_state()
+        seed_everything(self.config.seed)
+
+    def _start_training_state(self) -> None:
+        """A fresh strategy, precision and training loop state, with nothing prepared (at start, and free_memory)."""
+        strategy_cls = get_strategy_class(self.config.strategy)
         self.precision = Precision(self.config.precision, self.device)
         self.strategy = strategy_cls(self.config, self.topology, self.device, self.precision)
         shard_group = self.strategy.grad_shard_group()
         if self.strategy.shards_gradients and comm_world_size(shard_group) > 1:
             # An fp16 overflow in any rank's share of the gradients must skip the step on every rank.
             self.precision.sync_found_inf, self.precision.found_inf_group = True, shard_group
-        seed_everything(self.config.seed)
-
         self._models: list[nn.Module] = []
         self._optimizers: list[PreparedOptimizer] = []
         self._schedulers: list[PreparedScheduler] = []
         self._prepared_loaders: list[PreparedDataLoader] = []
-        self._checkpointed: list[Any] = []  # register_for_checkpointing
         self._loaders = ActiveLoaders()
         self.global_step = 0
         """Optimizer steps taken (of the first prepared optimizer), skipped fp16 steps included; saved in checkpoints."""
         self.sync_gradients = True
-        """True when the current micro-batch ends an accumulation window (gradients are reduced, steps happen)."""
+        """Whether gradients are reduced and optimizers step on this micro-batch (Accelerate's name and meaning).
+
+        True outside any accumulation window: before the first ``accumulate()``, and after a window's last
+        micro-batch. Inside ``accumulate()`` it is False until the window's last micro-batch (or the DataLoader's
+        last batch); it keeps its value after the ``with`` block until the next ``accumulate()``, so that
+        ``if engine.sync_gradients:`` after the block counts optimizer steps, as in Accelerate's examples."""
         self.step_was_skipped = False
         """True when the last optimizer step was skipped because fp16 gradients overflowed."""
         self._micro_steps = 0
@@ -100,27 +111,6 @@ class Engine:
         self._window_mode: str | None = None
         self._stepped: set[int] = set()  # optimizers that stepped and whose schedulers have not yet counted it
         self._no_sync_depth = 0
-
-    # ------------------------------------------------------------------ world
-    @property
-    def rank(self) -> int:
-        return self.world.rank
-
-    @property
-    def local_rank(self) -> int:
-        return self.world.local_rank
-
-    @property
-    def world_size(self) -> int:
-        return self.world.world_size
-
-    @property
-    def is_main_process(self) -> bool:
-        return self.world.rank == 0
-
-    @property
-    def is_local_main_process(self) -> bool:
-        return self.world.local_rank == 0
 
     # ---------------------------------------------------------------- prepare
     def prepare(self, *objects: Any) -> Any:
@@ -136,6 +126,7 @@ class Engine:
     def prepare_model(self, model: nn.Module | list[nn.Module] | tuple[nn.Module, ...]) -> nn.Module:
         if isinstance(model, (list, tuple)):
             model = nn.Sequential(*model)  # a list of blocks runs as nn.Sequential runs them
+        check_not_released(model, self._released)
         check_materialised(model, self.strategy.name, self.strategy.materialises_meta)
         model = self.strategy.place_model(model)
         wrapped = self.strategy.wrap_model(model)
@@ -161,23 +152,36 @@ class Engine:
         self._prepared_loaders.append(prepared)
         return prepared
 
-    def unwrap_model(self, model: nn.Module) -> nn.Module:
-        """The user's own module, without anything phalanx wrapped around it."""
-        return self.strategy.unwrap_model(model)
+    def free_memory(self, *objects: Any) -> list[None]:
+        """Drop the engine's references to everything prepared, collect garbage and empty the CUDA cache, as
+        Accelerate's ``free_memory``; returns ``[None] * len(objects)``: ``model, optimizer = engine.free_memory(
+        model, optimizer)`` drops your references too.
 
-    def get_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The full, unsharded state dict, on CPU, on every rank, under every strategy."""
-        return self.strategy.full_state_dict(model)
+        For a second training with new models in one process: the strategy, the loss scaler, ``global_step`` and
+        the accumulation window start afresh, and models prepared before cannot be prepared again. Registered
+        checkpoint objects stay registered. Call it on every rank.
+        """
+        for model in self._models:
+            self._released.add(self.unwrap_model(model))
+            _drop_hooks_of(self.strategy, model)
+        self._start_training_state()
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return [None for _ in objects]
 
     # -------------------------------------------------------- the train loop
     @contextlib.contextmanager
-    def accumulate(self) -> Iterator[None]:
+    def accumulate(self, *models: nn.Module) -> Iterator[None]:
         """One micro-batch of an accumulation window of ``grad_accum_steps``.
 
         Inside the window, backward only accumulates local gradients, and ``optimizer.step()``,
         ``zero_grad()``, ``scheduler.step()`` and ``clip_grad_norm_`` do nothing. The window's last
-        micro-batch (or the last batch of the DataLoader) reduces the gradients and steps.
+        micro-batch (or the last batch of the DataLoader) reduces the gradients and steps; ``sync_gradients``
+        says which this one is. ``accumulate(model)``, Accelerate's form, takes the prepared models too: they are
+        checked (each must come from ``engine.prepare``), and every prepared model accumulates as without them.
         """
+        check_prepared_models(models, self._models, self.unwrap_model)
         self._refuse_manual_backward("engine.accumulate()")
         if self._in_accumulate:
             raise RuntimeError("engine.accumulate() is already active; do not nest it")
@@ -336,144 +340,6 @@ class Engine:
             optimizer.zero_grad()
         return loss
 
-    # ------------------------------------------------------------ checkpoints
-    def register_for_checkpointing(self, *objects: Any) -> None:
-        """Save and restore ``objects`` (anything with ``state_dict()`` and ``load_state_dict()``) with
-        ``save_state``/``load_state``, in the order registered. Their state is saved from rank 0, as JSON and tensors."""
-        for obj in objects:
-            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-                raise TypeError(
-                    f"register_for_checkpointing needs objects with state_dict() and load_state_dict(); "
-                    f"{type(obj).__name__} has {'neither' if not hasattr(obj, 'state_dict') else 'not both'}"
-                )
-            self._checkpointed.append(obj)
-
-    def save_state(self, output_dir: str | os.PathLike[str], keep_last: int | None = None) -> Path:
-        """Save everything needed to resume: models and optimizer state (each rank its shards, in parallel),
-        schedulers, the loss scaler, loader positions, every rank's RNG, ``global_step`` and registered objects.
-
-        Every rank must call it, at the end of an accumulation window. The directory appears only once it is
-        complete; ``keep_last=k`` then deletes all but the k most recent checkpoints beside it. Loads on any world
-        size and under any strategy (``load_state``); ``phalanx checkpoint consolidate`` makes a plain state dict.
-        """
-        from phalanx.checkpoint import save_checkpoint
-
-        if self._micro_steps != 0 or self._in_accumulate:
-            raise RuntimeError(
-                f"engine.save_state was called inside an accumulation window (after micro-batch {self._micro_steps} of "
-                f"grad_accum_steps={self.config.grad_accum_steps}), where gradients are partial and are not saved; "
-                "call it after the window's optimizer.step()"
-            )
-        return save_checkpoint(output_dir, self._parts(), self.strategy, self.topology, self.device, keep_last)
-
-    def load_state(self, input_dir: str | os.PathLike[str] | None, verify: bool = True) -> None:
-        """Resume from a ``save_state`` checkpoint, saved on any world size under any strategy. Prepare the same
-        models, optimizers, schedulers and loaders (and register the same objects) first. Every rank must call it.
-
-        Everything is checked on every rank before anything is loaded: the format version, every file and (with
-        ``verify``) every checksum, names and shapes against the model. On the same world size each rank gets its
-        own RNG state back; on another, RNG is reseeded from (seed, global_step, rank).
-        """
-        from phalanx.checkpoint import CheckpointError, load_checkpoint
-
-        if input_dir is None:
-            raise CheckpointError(
-                "engine.load_state got None instead of a checkpoint directory (latest_checkpoint(parent) returns None "
-                "when the parent holds no complete checkpoint: start from scratch then)"
-            )
-        counters = load_checkpoint(input_dir, self._parts(), self.strategy, self.topology, self.device, verify)
-        self.global_step = counters.get("global_step", 0)
-
-    def save_model(self, *args: Any, metadata: dict[str, str] | None = None) -> Path:
-        """``save_model(save_directory)`` or ``save_model(model, save_directory)``: the whole model as one plain
-        ``model.safetensors`` (its ``state_dict()`` keys; load it with ``model.load_state_dict(safetensors.torch.
-        load_file(path))``). Every rank must call it; rank 0 writes."""
-        from phalanx.checkpoint import write_model_from_rank0
-
-        if len(args) == 2 and isinstance(args[0], nn.Module):
-            model, directory = args
-        elif len(args) == 1 and len(self._models) == 1:
-            model, directory = self._models[0], args[0]
-        else:
-            raise TypeError(
-                f"use engine.save_model(save_directory) with one prepared model, or engine.save_model(model, "
-                f"save_directory); got {len(args)} argument(s) with {len(self._models)} prepared model(s)"
-            )
-        path = Path(directory) / "model.safetensors"
-        write_model_from_rank0(self.get_state_dict(model), path, metadata, self.is_main_process, self.device)
-        return path
-
-    def _parts(self) -> TrainingParts:
-        from phalanx.checkpoint import TrainingParts
-
-        return TrainingParts(
-            models=list(self._models),
-            optimizers=[o.optimizer for o in self._optimizers],
-            schedulers=list(self._schedulers),
-            loaders=list(self._prepared_loaders),
-            objects=list(self._checkpointed),
-            precision=self.precision,
-            counters={"global_step": self.global_step},
-            seed=self.config.seed,
-        )
-
-    # ------------------------------------------------------------ collectives
-    def gather_for_metrics(self, data: Any) -> Any:
-        """Gather tensors (or nested lists/dicts/tuples of them) from every rank, in global sample order.
-
-        The padding that evened out the last batch is dropped, so a pass over a prepared DataLoader gives
-        exactly ``len(dataset)`` items, each once.
-        """
-        if isinstance(data, torch.Tensor):
-            # NCCL gathers device tensors only; CPU metrics travel through the engine's device.
-            gathered = all_gather_varlen(data.to(self.device), group=self.topology.dp_group)
-            return gathered[: self._loaders.trim(gathered.shape[0])]
-        if isinstance(data, Mapping):
-            return type(data)({k: self.gather_for_metrics(v) for k, v in data.items()})  # type: ignore[call-arg]
-        if isinstance(data, (list, tuple)) and data and all(isinstance(x, torch.Tensor) for x in data):
-            return type(data)(self.gather_for_metrics(x) for x in data)
-        if isinstance(data, list):
-            if self.topology.dp_size == 1:
-                return data
-            parts: list[Any] = [None] * self.topology.dp_size
-            dist.all_gather_object(parts, data, group=self.topology.dp_group)
-            flat = [x for part in parts for x in part]
-            return flat[: self._loaders.trim(len(flat))]
-        raise TypeError(
-            f"gather_for_metrics takes tensors, or lists, tuples and dicts of them; got {type(data).__name__}"
-        )
-
-    def reduce(self, tensor: torch.Tensor | Number, op: str = "mean") -> torch.Tensor:
-        """All-reduce a copy of ``tensor`` over the data-parallel ranks with op in sum, mean, max, min."""
-        if op not in REDUCE_OPS:
-            raise ValueError(f"unknown reduce op {op!r}; valid ops: {', '.join(REDUCE_OPS)}")
-        t = torch.as_tensor(tensor, device=self.device).detach().clone()
-        if op == "mean" and not t.is_floating_point():
-            t = t.double()
-        all_reduce(t, op, group=self.topology.dp_group)
-        return t
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on the main process only."""
-        if self.is_main_process:
-            print(*args, **kwargs)
-
-    def wait(self) -> None:
-        """Wait until every rank gets here."""
-        if dist.is_initialized():
-            dist.barrier()
-
-    @contextlib.contextmanager
-    def main_process_first(self) -> Iterator[None]:
-        """Run the block on rank 0 first (e.g. to download or cache data), then on the other ranks."""
-        if not self.is_main_process:
-            self.wait()
-        try:
-            yield
-        finally:
-            if self.is_main_process:
-                self.wait()
-
     # --------------------------------------------------------------- reports
     def memory_report(self) -> dict[str, Any]:
         """Bytes this rank holds, by kind, next to what the ZeRO paper's model predicts for the strategy.
@@ -493,3 +359,13 @@ class Engine:
             optimizers=[o.optimizer for o in self._optimizers],
             comm_dtype=self.strategy.comm_dtype(),
         )
+
+
+def _drop_hooks_of(strategy: Any, model: nn.Module) -> None:
+    """Remove ``strategy``'s post-accumulate-grad hooks from ``model``'s parameters. torch holds those hooks where the
+    garbage collector cannot see them, so that one would keep the strategy, and every model and buffer it holds,
+    alive for as long as the process runs."""
+    for p in model.parameters():
+        hooks = getattr(p, "_post_accumulate_grad_hooks", None) or {}
+        for key in [k for k, hook in hooks.items() if getattr(hook, "__self__", None) is strategy]:
+            del hooks[key]

@@ -2,16 +2,22 @@
 
 Each names the setting, where it came from and the fix. They run where the Engine would otherwise go on quietly:
 a script that never opens an accumulation window although ``grad_accum_steps`` asks for one, a backward on
-several ranks with no prepared model to reduce its gradients, a model whose parameters were never materialised.
+several ranks with no prepared model to reduce its gradients, a model whose parameters were never materialised,
+``accumulate(model)`` with a model that was never prepared, a model prepared again after ``free_memory``.
 """
 
 from __future__ import annotations
+
+from typing import Any, Callable, Collection, Sequence
 
 from torch import nn
 
 from phalanx.logging import warn_once
 
-__all__ = ["warn_accumulation_unused", "check_backward_has_a_model", "check_materialised"]
+__all__ = [
+    "warn_accumulation_unused", "check_backward_has_a_model", "check_materialised", "check_prepared_models",
+    "check_not_released",
+]  # fmt: skip
 
 
 def warn_accumulation_unused(grad_accum_steps: int, origin: str) -> None:
@@ -47,3 +53,29 @@ def check_materialised(model: nn.Module, strategy: str, materialises: bool) -> N
             "`with torch.device('meta')`), load its weights into it before engine.prepare, or use "
             "strategy='pipeline', which materialises each stage's blocks itself"
         )
+
+
+def check_prepared_models(
+    models: Sequence[Any], prepared: Sequence[nn.Module], unwrap: Callable[[nn.Module], nn.Module]
+) -> None:
+    """``engine.accumulate(model)``: each model passed must be one that ``engine.prepare`` returned (or its
+    unwrapped module); gradients of any other would never be reduced."""
+    known = {id(m) for m in prepared} | {id(unwrap(m)) for m in prepared}
+    for i, model in enumerate(models):
+        if id(model) not in known:
+            what = type(model).__name__
+            raise ValueError(
+                f"engine.accumulate got a {what} (argument {i}) that engine.prepare did not return: its gradients would "
+                f"never be reduced or stepped. Pass the model that `model = engine.prepare(model)` gave back "
+                f"({len(prepared)} prepared so far), or call engine.accumulate() with no arguments"
+            )
+
+
+def check_not_released(model: nn.Module, released: Collection[nn.Module]) -> None:
+    """A model given up by ``engine.free_memory`` still carries the old strategy's hooks and buffers."""
+    if model in released:
+        raise ValueError(
+            f"this {type(model).__name__} was prepared before engine.free_memory, and still carries that preparation "
+            "(hooks, flat buffers); build a new model to prepare, or load its weights into a fresh copy"
+        )
+

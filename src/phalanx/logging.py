@@ -1,9 +1,16 @@
-"""One rank-aware logger: ``[phalanx rank R]`` prefixes, quiet off rank 0 unless asked, and ``warn_once``."""
+"""One rank-aware logger: ``[phalanx rank R]`` prefixes, quiet off rank 0 unless asked, and ``warn_once``.
+
+Python warnings (``warnings.warn`` from torch, a library or the training script) go through it too on the ranks
+other than 0, so that a warning prints once per job rather than once per rank; with ``log_all_ranks`` every rank
+prints them, with its rank in the prefix. Rank 0 shows them as Python does.
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
+import warnings
+from typing import TextIO
 
 __all__ = ["get_logger", "configure_logging", "warn_once"]
 
@@ -22,7 +29,8 @@ class _RankFilter(logging.Filter):
 
 
 def configure_logging(rank: int, all_ranks: bool = False, level: int = logging.INFO) -> None:
-    """Install the rank prefix. Called by the runtime once the rank is known."""
+    """Install the rank prefix, and route Python warnings through it off rank 0. Called by the runtime once the
+    rank is known."""
     for h in list(_LOGGER.handlers):
         _LOGGER.removeHandler(h)
     handler = logging.StreamHandler(sys.stderr)
@@ -31,6 +39,30 @@ def configure_logging(rank: int, all_ranks: bool = False, level: int = logging.I
     _LOGGER.addHandler(handler)
     _LOGGER.setLevel(level)
     _LOGGER.propagate = False
+    _route_warnings(rank != 0)
+
+
+_python_showwarning = warnings.showwarning
+
+
+def _showwarning_through_logger(
+    message: Warning | str, category: type[Warning], filename: str, lineno: int, file: TextIO | None = None,
+    line: str | None = None,
+) -> None:  # fmt: skip
+    if file is not None:  # the caller chose where it goes
+        _python_showwarning(message, category, filename, lineno, file, line)
+        return
+    get_logger().warning(warnings.formatwarning(message, category, filename, lineno, line).rstrip())
+
+
+def _route_warnings(on: bool) -> None:
+    """Show Python warnings through our logger (``on``), or as Python does; a hook someone else installed stays."""
+    global _python_showwarning
+    if on and warnings.showwarning is not _showwarning_through_logger:
+        _python_showwarning = warnings.showwarning
+        warnings.showwarning = _showwarning_through_logger
+    elif not on and warnings.showwarning is _showwarning_through_logger:
+        warnings.showwarning = _python_showwarning
 
 
 def get_logger() -> logging.Logger:

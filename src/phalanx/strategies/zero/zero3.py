@@ -5,13 +5,18 @@ all-gathered before its forward and freed after it, gathered again when backward
 backward is done, when its gradients are reduce-scattered. The next unit is prefetched. Parameters shared by two
 units (tied embeddings) and those of no unit belong to the root unit, which stays gathered from the forward to the
 end of backward. Reduce-scatters happen on every backward, as for zero2.
+
+Between forwards each rank holds only its slices, and a parameter of a freed unit is an empty tensor. So a
+``state_dict()`` of the model, or of any module in it, is refused (it would save empty tensors without a word, as a
+transformers ``save_pretrained`` called on the main process would); ``engine.get_state_dict`` gathers the whole.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -121,6 +126,7 @@ class Zero3Strategy(ZeroStrategy):
         super().__init__(*args, **kwargs)
         self.unit_opts = self.config.options(Zero3Options)
         self._empty: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._own_reads = 0  # inside our own state_dict() reads, which put the gathered tensors in place
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         params = self._prepare_common(model, set(model.parameters()))
@@ -162,6 +168,10 @@ class Zero3Strategy(ZeroStrategy):
                 u.module.register_forward_hook(self._make_post_forward(u))
         model.register_forward_pre_hook(self._make_root_pre_forward(root), prepend=True)
         model.register_forward_hook(self._make_root_post_forward(root))
+        sharded = set(self._loc)
+        for m in model.modules():
+            if any(p in sharded for p in m.parameters()):
+                m.register_state_dict_pre_hook(self._refuse_partial_state_dict)
         forward = model.forward
 
         @functools.wraps(forward)
@@ -283,6 +293,43 @@ class Zero3Strategy(ZeroStrategy):
                 u.free()
 
     # ---- state
+    @contextlib.contextmanager
+    def _own_state_read(self) -> Iterator[None]:
+        self._own_reads += 1
+        try:
+            yield
+        finally:
+            self._own_reads -= 1
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        with self._own_state_read():
+            return super().full_state_dict(model)
+
+    def state_dict_keys(self, model: nn.Module) -> dict[str, str]:
+        with self._own_state_read():  # only the keys are read
+            return super().state_dict_keys(model)
+
+    def _refuse_partial_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        """A state_dict pre-hook on every module holding zero3 parameters: refuse to hand out empty shards."""
+        if self._own_reads:
+            return
+        empty = [n for n, p in module.named_parameters() if p in self._loc and p.numel() != self._whole_numel(p)]
+        if not empty:
+            return  # every unit it holds is gathered (e.g. inside its forward): the values are whole
+        shown = ", ".join(empty[:3]) + (f" and {len(empty) - 3} more" if len(empty) > 3 else "")
+        raise RuntimeError(
+            f"{type(module).__name__}.state_dict() under strategy='zero3' would hold empty tensors: between forwards "
+            f"each rank keeps only its shard of the parameters ({shown} are empty on this rank). Gathering them is a "
+            "collective that every rank must join, so it cannot happen inside a save called on the main process "
+            "alone. On every rank, call engine.save_model(model, save_directory) (it writes model.safetensors and "
+            "config.json from rank 0), or state = engine.get_state_dict(model) and then save that, e.g. "
+            "unwrapped.save_pretrained(save_directory, state_dict=state, is_main_process=engine.is_main_process)"
+        )
+
+    def _whole_numel(self, p: nn.Parameter) -> int:
+        seg, i = self._loc[p]
+        return seg.shapes[i].numel()
+
     def _at_rest(self, s: Segment) -> torch.Tensor:
         return s.shard_param if s.shard_param is not None else s.master  # type: ignore[return-value]
 
