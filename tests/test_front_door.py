@@ -306,3 +306,33 @@ def test_save_model_of_a_transformers_model_is_what_from_pretrained_expects(run_
         assert not (tmp_path / "main-only" / "model.safetensors").exists()
     else:
         assert out["refused"] is None
+
+
+def _clipped_run(max_grad_norm: float | None, clip_by_hand: float | None) -> dict[str, torch.Tensor]:
+    engine = phalanx.Engine(max_grad_norm=max_grad_norm)
+    torch.manual_seed(0)
+    model = OddNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, optimizer = engine.prepare(model, optimizer)
+    x, y = make_data(16)
+    for _ in range(3):
+        engine.backward(F.mse_loss(model(x), y) * 100)  # large gradients, so that clipping matters
+        if clip_by_hand is not None:
+            engine.clip_grad_norm_(clip_by_hand)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {k: v.clone() for k, v in engine.get_state_dict(model).items()}
+
+
+def test_max_grad_norm_is_honoured_in_a_hand_written_loop():
+    # DeepSpeed's gradient_clipping maps to max_grad_norm; a loop that never calls clip_grad_norm_ must still clip.
+    by_setting = _clipped_run(max_grad_norm=0.1, clip_by_hand=None)
+    by_hand = _clipped_run(max_grad_norm=None, clip_by_hand=0.1)
+    unclipped = _clipped_run(max_grad_norm=None, clip_by_hand=None)
+    assert all(torch.equal(by_setting[k], by_hand[k]) for k in by_hand)
+    assert any(not torch.equal(by_setting[k], unclipped[k]) for k in by_hand)
+    # A script that clips itself is not clipped twice: its own (larger) bound is the one applied.
+    both = _clipped_run(max_grad_norm=0.1, clip_by_hand=5.0)
+    own = _clipped_run(max_grad_norm=None, clip_by_hand=5.0)
+    assert all(torch.equal(both[k], own[k]) for k in own)
+    assert any(not torch.equal(both[k], by_hand[k]) for k in own)

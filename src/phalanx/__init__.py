@@ -9,8 +9,9 @@ Run with ``python train.py`` or ``phalanx launch -n 4 train.py``.
 
 from phalanx import checkpoint
 from phalanx._version import __version__
+from phalanx.compat.dummies import DummyOptim, DummyScheduler
 from phalanx.engine import Engine
 from phalanx.spawn import spawn
 
 
-__all__ = ["Engine", "spawn", "checkpoint", "__version__"]
+__all__ = ["Engine", "spawn", "checkpoint", "DummyOptim", "DummyScheduler", "__version__"]

@@ -52,7 +52,8 @@ class GeneralOptions(Options):
     )  # fmt: skip
     seed: int = option(0, "Seed for model init helpers and the data order; the sample order depends only on seed and epoch.")
     max_grad_norm: float | None = option(
-        None, "engine.train_step clips the global gradient norm to this value when set.",
+        None, "optimizer.step() first clips the global gradient norm to this value, unless the script clipped in "
+        "this step (as DeepSpeed's gradient_clipping).",
         check=lambda v: v > 0, fix="use a positive norm, or leave it unset to not clip",
     )  # fmt: skip
     device: str = option(

@@ -27,14 +27,16 @@ from torch.utils.data import DataLoader
 
 from phalanx.comm import all_reduce
 from phalanx.comm import world_size as comm_world_size
+from phalanx.compat.dummies import DummyOptim, DummyScheduler, realise_optimizer, realise_scheduler
 from phalanx.config import EngineConfig, resolve_config
 from phalanx.data import ActiveLoaders, PreparedDataLoader
 from phalanx.engine_state import EngineState
 from phalanx.guards import (
-    check_backward_has_a_model, check_materialised, check_not_released, check_prepared_models, warn_accumulation_unused,
+    check_backward_has_a_model, check_loader_batch, check_materialised, check_not_released, check_prepared_models,
+    warn_accumulation_unused,
 )  # fmt: skip
 from phalanx.logging import configure_logging, warn_once
-from phalanx.precision import Precision
+from phalanx.precision import Precision, loss_scaling
 from phalanx.prepared import PreparedOptimizer, PreparedScheduler, autocast_forward, kind_of
 from phalanx.runtime import WorldInfo, detect_world, init_distributed, pick_device, seed_everything
 from phalanx.strategies import get_strategy_class
@@ -68,7 +70,7 @@ class Engine(EngineState):
         self._origins = resolved.origins
         self.world: WorldInfo = detect_world()
         configure_logging(self.world.rank, self.config.log_all_ranks)
-        for line in resolved.overrides:
+        for line in resolved.overrides + resolved.notes:
             warn_once(line)
         self.device = pick_device(self.config.device, self.world.local_rank)
         init_distributed(self.world, self.device, self.config.timeout_s)
@@ -83,7 +85,7 @@ class Engine(EngineState):
     def _start_training_state(self) -> None:
         """A fresh strategy, precision and training loop state, with nothing prepared (at start, and free_memory)."""
         strategy_cls = get_strategy_class(self.config.strategy)
-        self.precision = Precision(self.config.precision, self.device)
+        self.precision = Precision(self.config.precision, self.device, loss_scaling(self.config))
         self.strategy = strategy_cls(self.config, self.topology, self.device, self.precision)
         shard_group = self.strategy.grad_shard_group()
         if self.strategy.shards_gradients and comm_world_size(shard_group) > 1:
@@ -111,6 +113,8 @@ class Engine(EngineState):
         self._window_mode: str | None = None
         self._stepped: set[int] = set()  # optimizers that stepped and whose schedulers have not yet counted it
         self._no_sync_depth = 0
+        self._clipped = False  # clip_grad_norm_ ran since the last round of optimizer steps
+        self._round: set[int] = set()  # optimizers that stepped in this round
 
     # ---------------------------------------------------------------- prepare
     def prepare(self, *objects: Any) -> Any:
@@ -135,17 +139,20 @@ class Engine(EngineState):
         self._models.append(wrapped)
         return wrapped
 
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer | DummyOptim) -> PreparedOptimizer:
+        optimizer = realise_optimizer(optimizer, self.config.deepspeed)
         prepared = PreparedOptimizer(self.strategy.wrap_optimizer(optimizer), self)
         self._optimizers.append(prepared)
         return prepared
 
-    def prepare_scheduler(self, scheduler: LRScheduler) -> PreparedScheduler:
-        prepared = PreparedScheduler(scheduler, self)
+    def prepare_scheduler(self, scheduler: LRScheduler | DummyScheduler) -> PreparedScheduler:
+        real: LRScheduler = realise_scheduler(scheduler, self.config.deepspeed)
+        prepared = PreparedScheduler(real, self)
         self._schedulers.append(prepared)
         return prepared
 
     def prepare_loader(self, loader: DataLoader) -> PreparedDataLoader:
+        check_loader_batch(loader, self.config, self._origins)
         prepared = PreparedDataLoader(
             loader, self.topology.dp_rank, self.topology.dp_size, self.config.seed, self.device, self._loaders
         )
@@ -278,6 +285,7 @@ class Engine(EngineState):
         self.strategy.finish_gradient_sync()
         for opt in self._optimizers:
             self.precision.unscale_(opt.optimizer)  # clip the true gradients, not the loss-scaled ones
+        self._clipped = True
         return self.strategy.clip_grad_norm_(params, max_norm, norm_type)
 
     def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -285,6 +293,12 @@ class Engine(EngineState):
             warn_accumulation_unused(self.config.grad_accum_steps, self._origins.get("grad_accum_steps", "default"))
         if optimizer is self._optimizers[0].optimizer:
             self.global_step += 1
+        if self.config.max_grad_norm is not None and not self._clipped:
+            # max_grad_norm (DeepSpeed's gradient_clipping) is honoured in a hand-written loop too.
+            self.clip_grad_norm_(self.config.max_grad_norm)
+        self._round.add(id(optimizer))
+        if self._round >= {id(o.optimizer) for o in self._optimizers}:
+            self._clipped, self._round = False, set()  # every optimizer stepped: the next step clips afresh
         self.strategy.finish_gradient_sync()
         self.step_was_skipped = self.precision.step(optimizer)
         if not self.step_was_skipped:

@@ -13,9 +13,10 @@ from typing import Any, Callable, Collection, Sequence
 from torch import nn
 
 from phalanx.logging import warn_once
+from phalanx.options import ConfigError
 
 __all__ = [
-    "warn_accumulation_unused", "check_backward_has_a_model", "check_materialised", "check_prepared_models",
+    "check_loader_batch", "warn_accumulation_unused", "check_backward_has_a_model", "check_materialised", "check_prepared_models",
     "check_not_released",
 ]  # fmt: skip
 
@@ -79,3 +80,15 @@ def check_not_released(model: nn.Module, released: Collection[nn.Module]) -> Non
             "(hooks, flat buffers); build a new model to prepare, or load its weights into a fresh copy"
         )
 
+
+def check_loader_batch(loader: Any, config: Any, origins: dict[str, str]) -> None:
+    """The DataLoader's batch size is the per-rank micro batch; a config that names another one disagrees with it."""
+    wanted, got = config.micro_batch_size, getattr(loader, "batch_size", None)
+    if wanted is None or got is None or wanted == got:
+        return
+    origin = origins.get("micro_batch_size", "default")
+    raise ConfigError(
+        f"micro_batch_size={wanted} (from {origin}) but the DataLoader has batch_size={got}: the loader's batch is "
+        f"each rank's micro batch. Make them agree: DataLoader(..., batch_size={wanted}), or set "
+        f"train_micro_batch_size_per_gpu to \"auto\" (or {got}) in the DeepSpeed config"
+    )

@@ -13,7 +13,7 @@ from typing import Any, ContextManager, Iterable
 
 import torch
 
-__all__ = ["PRECISIONS", "Precision", "LossScaling"]
+__all__ = ["PRECISIONS", "Precision", "LossScaling", "loss_scaling"]
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 _AUTOCAST_DTYPE = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
@@ -33,6 +33,14 @@ class LossScaling:
     @property
     def is_torchs(self) -> bool:
         return self == LossScaling()
+
+
+def loss_scaling(config: Any) -> LossScaling:
+    """The loss-scaling policy of an EngineConfig's ``loss_scale*`` settings."""
+    return LossScaling(
+        init=config.loss_scale_init, window=config.loss_scale_window, hysteresis=config.loss_scale_hysteresis,
+        min=config.loss_scale_min, static=config.loss_scale,
+    )  # fmt: skip
 
 
 class _ScaleSchedule:

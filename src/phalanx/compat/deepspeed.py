@@ -167,7 +167,6 @@ def from_deepspeed(data: dict[str, Any], where: str) -> Mapped:
             if not isinstance(data[block], dict) or "type" not in data[block]:
                 raise ConfigError(f"DeepSpeed config {where}: {block} must be an object with a 'type' and 'params'; "
                                   f"got {data[block]!r}")  # fmt: skip
-            out.notes.append(f"{block} {data[block]['type']!r}: built by engine.prepare when the script passes none")
     if "optimizer" in data or "scheduler" in data:
         out.set("deepspeed", where, "optimizer / scheduler blocks")
     return out
