@@ -6,12 +6,16 @@ import json
 import os
 import re
 import socket
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import phalanx
 from phalanx.launch import SpawnError
@@ -103,6 +107,22 @@ def test_busy_master_port(script, tmp_path):
     assert f"master port {port} on 127.0.0.1 is busy" in proc.stderr
 
 
+def test_a_fixed_master_port_left_in_time_wait_is_free_again():
+    # Run a job on a fixed --master-port, stop it, run it again at once: the last run's connections linger in
+    # TIME_WAIT on that port, and the new launcher must still bind it.
+    from phalanx.launch import _bind
+
+    first = _bind("127.0.0.1", 0)
+    port = first.getsockname()[1]
+    first.close()
+    with _bind("127.0.0.1", port) as server:  # the last run's launcher
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = server.accept()
+        accepted.close()  # the server's side closes first: its end of the connection waits in TIME_WAIT
+        client.close()
+    _bind("127.0.0.1", port).close()
+
+
 def test_unknown_strategy_on_the_command_line_lists_valid_ones(script, tmp_path):
     proc = _run(["launch", "-n", "2", "--strategy", "zero9", str(script)], tmp_path)
     assert proc.returncode == 2
@@ -147,9 +167,9 @@ def test_spawn_refuses_a_lambda():
         phalanx.spawn(lambda: None, nprocs=2)
 
 
-LISTEN_CHECK = textwrap.dedent(
+LISTENING = textwrap.dedent(
     """
-    import os, phalanx, torch
+    import os
 
     def listening(pid):
         inodes = set()
@@ -168,12 +188,19 @@ LISTEN_CHECK = textwrap.dedent(
                     found.append(cols[1].split(":")[0])
         return found
 
+    LOOPBACK = {"0100007F", "00000000000000000000000001000000"}
+    """
+)
+
+LISTEN_CHECK = LISTENING + textwrap.dedent(
+    """
+    import phalanx, torch
+
     engine = phalanx.Engine()
     engine.prepare(torch.nn.Linear(2, 2))
     engine.wait()
     addrs = listening(os.getpid()) + listening(os.getppid())
-    loopback = {"0100007F", "00000000000000000000000001000000"}
-    print(f"rank {engine.rank} listens on {len(addrs)} sockets; non-loopback: {[a for a in addrs if a not in loopback]}", flush=True)
+    print(f"rank {engine.rank} listens on {len(addrs)} sockets; non-loopback: {[a for a in addrs if a not in LOOPBACK]}", flush=True)
     engine.wait()
     """
 )
@@ -225,6 +252,202 @@ def test_demo_rejects_bad_options_before_starting_processes(tmp_path):
     assert "rank 0 failed" not in proc.stderr
 
 
-def test_two_nodes_on_loopback_is_refused(script, tmp_path):
-    proc = _run(["launch", "--nnodes", "2", "--master-port", "29999", str(script)], tmp_path)
-    assert proc.returncode == 2 and "needs the address of node 0" in proc.stderr
+# ------------------------------------------------------------------------------ two nodes on one machine
+TWO_NODES = LISTENING + textwrap.dedent(
+    """
+    import json, sys, torch, torch.distributed as dist, phalanx
+
+    env = {k: int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE")}
+    engine = phalanx.Engine()
+    assert (engine.rank, engine.world_size) == (env["RANK"], env["WORLD_SIZE"]), (engine.rank, engine.world_size, env)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = engine.prepare(model, optimizer)
+    data = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 4, generator=data), torch.randn(8, 1, generator=data)
+    mine = slice(2 * engine.rank, 2 * engine.rank + 2)  # 2 of the 8 rows on each of the 4 ranks
+    for _ in range(3):
+        engine.backward(torch.nn.functional.mse_loss(model(x[mine]), y[mine]))
+        optimizer.step()
+        optimizer.zero_grad()
+    flat = torch.cat([p.detach().flatten() for p in engine.unwrap_model(model).parameters()])
+    everyone = [torch.empty_like(flat) for _ in range(env["WORLD_SIZE"])]
+    dist.all_gather(everyone, flat)
+    rank_sum = torch.tensor(float(engine.rank))
+    dist.all_reduce(rank_sum)
+    addrs = listening(os.getpid()) + listening(os.getppid())
+    result = {**env, "strategy": engine.config.strategy, "rank_sum": rank_sum.item(), "params": [t.tolist() for t in everyone],
+              "listens": len(addrs), "non_loopback": [a for a in addrs if a not in LOOPBACK]}
+    sys.stdout.write("RESULT " + json.dumps(result) + " END\\n")  # one write: the ranks share the pipe
+    sys.stdout.flush()
+    engine.wait()
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """Stop launchers that are still running: SIGTERM ends their ranks too; a launcher that hangs on is killed."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_two_launchers_on_loopback_form_one_job_of_four_ranks(tmp_path):
+    path = tmp_path / "two_nodes.py"
+    path.write_text(TWO_NODES)
+    port = _free_port()
+    env = {**os.environ, "PHALANX_DEVICE": "cpu"}
+    env.pop("OMP_NUM_THREADS", None)
+    launchers = [
+        subprocess.Popen(
+            [*PHALANX, "launch", "--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1",
+             "--master-port", str(port), "-n", "2", "--strategy", "ddp", str(path)],
+            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        )
+        for node in (0, 1)
+    ]  # fmt: skip
+    outputs = []
+    try:
+        for p in launchers:
+            outputs.append(p.communicate(timeout=240))
+    finally:
+        _stop(launchers)
+    for p, (out, err) in zip(launchers, outputs):
+        assert p.returncode == 0, err
+        notes = [line for line in err.splitlines() if "loopback" in line]
+        assert len(notes) == 1 and "all 2 nodes must run on this machine" in notes[0], err
+    results = [json.loads(m) for out, _ in outputs for m in re.findall(r"RESULT (.*?) END", out)]
+    assert len(results) == 4, outputs
+    by_rank = {r["RANK"]: r for r in results}
+    assert sorted(by_rank) == [0, 1, 2, 3]
+    for rank, r in by_rank.items():
+        assert (r["WORLD_SIZE"], r["LOCAL_WORLD_SIZE"]) == (4, 2)
+        assert (r["GROUP_RANK"], r["LOCAL_RANK"]) == divmod(rank, 2), r  # node 0 holds ranks 0, 1; node 1 holds 2, 3
+        assert r["strategy"] == "ddp" and r["rank_sum"] == 6.0
+        assert r["non_loopback"] == [], r
+    # Node 0's launcher holds the rendezvous store, on loopback.
+    assert by_rank[0]["listens"] >= 1
+    # Every rank ends with the same parameters, and they are those of one process training on all 8 rows.
+    params = torch.tensor(by_rank[0]["params"])  # row i: rank i's parameters, all-gathered
+    assert params.shape == (4, 5)
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["params"]), params, rtol=0, atol=0)
+    for row in params:
+        torch.testing.assert_close(row, params[0], rtol=0, atol=0)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    initial = torch.cat([p.detach().flatten() for p in model.parameters()])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 4, generator=data), torch.randn(8, 1, generator=data)
+    for _ in range(3):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    reference = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert (reference - initial).abs().max() > 1e-3, "the training moved the parameters"
+    torch.testing.assert_close(params[0], reference)
+
+
+# ------------------------------------------------------------------------------------------- Ctrl-C
+LOOP = textwrap.dedent(
+    """
+    import os, sys, time
+
+    ready = os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.pid")
+    with open(ready + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(ready + ".tmp", ready)
+    while True:
+        time.sleep(0.1)
+    """
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended; only its entry is left
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("sig, code, said", [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")])
+def test_a_signal_stops_every_rank_with_one_line(tmp_path, sig, code, said):
+    path = tmp_path / "loop.py"
+    path.write_text(LOOP)
+    # Its own process group, as a terminal's foreground job: Ctrl-C there sends SIGINT to the whole group.
+    launcher = subprocess.Popen(
+        [*PHALANX, "launch", "-n", "2", str(path), str(tmp_path)], cwd=tmp_path, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, env={**os.environ, "PHALANX_DEVICE": "cpu"}, start_new_session=True,
+    )  # fmt: skip
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(pids) < 2 and launcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+            pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
+        assert len(pids) == 2, f"the ranks did not start: {launcher.poll()=}"
+        os.killpg(launcher.pid, sig)
+        out, err = launcher.communicate(timeout=90)
+        deadline = time.monotonic() + 30  # a rank that outlives its launcher would stay; one being reaped goes
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = [pid for pid in pids if _alive(pid)]
+    finally:
+        _stop([launcher])
+        for pid in pids:  # cleanup when the test failed: these ranks are this test's own grandchildren
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert launcher.returncode == code, err
+    assert err.strip().splitlines() == [f"phalanx launch: interrupted ({said}); stopped ranks 0, 1"], err
+    assert "Traceback" not in err + out
+    assert left == [], "ranks left running after the launcher ended"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("node_rank", [0, 1])
+def test_ctrl_c_while_a_node_waits_for_the_other(tmp_path, node_rank):
+    # Node 0's agent waits for node 1 inside C++, where Python runs no signal handler; node 1 waits for node 0.
+    # Ctrl-C must end either at once, in one line, not after the rendezvous timeout (15 minutes).
+    path = tmp_path / "loop.py"
+    path.write_text(LOOP)
+    launcher = subprocess.Popen(
+        [*PHALANX, "launch", "--nnodes", "2", "--node-rank", str(node_rank), "--master-port", str(_free_port()),
+         "-n", "2", str(path), str(tmp_path)],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PHALANX_DEVICE": "cpu"}, start_new_session=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(launcher.stderr), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not lines and launcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert lines and "loopback" in lines[0], lines  # the launcher is past its checks and into the rendezvous
+        time.sleep(5)  # let it settle into the wait (a signal that comes sooner takes the other path, same result)
+        os.killpg(launcher.pid, signal.SIGINT)
+        code = launcher.wait(timeout=60)
+        reader.join(timeout=30)
+    finally:
+        _stop([launcher])
+    assert code == 130, lines
+    assert lines[-1].strip() == "phalanx launch: interrupted (Ctrl-C) before any rank of this node started", lines
+    assert not any("Traceback" in line for line in lines), lines
+    assert list(tmp_path.glob("rank*.pid")) == []
