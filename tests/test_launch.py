@@ -451,3 +451,50 @@ def test_ctrl_c_while_a_node_waits_for_the_other(tmp_path, node_rank):
     assert lines[-1].strip() == "phalanx launch: interrupted (Ctrl-C) before any rank of this node started", lines
     assert not any("Traceback" in line for line in lines), lines
     assert list(tmp_path.glob("rank*.pid")) == []
+
+
+# ------------------------------------------------------------------------------ seed 004's Accelerate configs
+SEED004 = Path(__file__).parent / "data" / "accelerate"
+
+
+def test_seed004_single_node_accelerate_yaml_runs(script, tmp_path):
+    proc = _run(["launch", "--config", str(SEED004 / "seed004_single_node.yaml"), str(script)], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+    assert [line.split(" strategy")[0] for line in lines] == ["rank 0 of 2", "rank 1 of 2"], proc.stdout
+    assert all("strategy ddp precision fp32 sum 2" in line for line in lines), lines
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_seed004_multi_node_accelerate_yaml_runs_as_two_launchers(tmp_path):
+    # The blog's 2-machine config (num_processes 4 over num_machines 2), with node 0's address made 127.0.0.1.
+    port = _free_port()
+    text = (SEED004 / "seed004_multi_node.yaml").read_text().replace("主机器的ip", "127.0.0.1").replace("端口号", str(port))
+    configs = []
+    for node in (0, 1):
+        configs.append(tmp_path / f"node{node}.yaml")
+        configs[-1].write_text(text.replace("machine_rank: 0", f"machine_rank: {node}"))
+    path = tmp_path / "two_nodes.py"
+    path.write_text(TWO_NODES)
+    env = {**os.environ, "PHALANX_DEVICE": "cpu"}
+    env.pop("OMP_NUM_THREADS", None)
+    launchers = [
+        subprocess.Popen([*PHALANX, "launch", "--config", str(c), str(path)], cwd=tmp_path, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env)
+        for c in configs
+    ]  # fmt: skip
+    outputs = []
+    try:
+        for p in launchers:
+            outputs.append(p.communicate(timeout=240))
+    finally:
+        _stop(launchers)
+    for p, (_, err) in zip(launchers, outputs):
+        assert p.returncode == 0, err
+    results = [json.loads(m) for out, _ in outputs for m in re.findall(r"RESULT (.*?) END", out)]
+    by_rank = {r["RANK"]: r for r in results}
+    assert sorted(by_rank) == [0, 1, 2, 3], outputs
+    for rank, r in by_rank.items():
+        assert (r["WORLD_SIZE"], r["GROUP_RANK"], r["LOCAL_RANK"]) == (4, *divmod(rank, 2)), r
+        assert r["strategy"] == "ddp" and r["non_loopback"] == [], r
+        torch.testing.assert_close(torch.tensor(r["params"]), torch.tensor(by_rank[0]["params"]), rtol=0, atol=0)
