@@ -305,20 +305,14 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.communicate()
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_two_launchers_on_loopback_form_one_job_of_four_ranks(tmp_path):
-    path = tmp_path / "two_nodes.py"
-    path.write_text(TWO_NODES)
-    port = _free_port()
+def _two_launchers(argvs: list[list[str]], tmp_path: Path) -> tuple[list[str], list[dict]]:
+    """Run one launcher per argv (each a node), wait for both, and return their stderr and every rank's RESULT."""
     env = {**os.environ, "PHALANX_DEVICE": "cpu"}
     env.pop("OMP_NUM_THREADS", None)
     launchers = [
-        subprocess.Popen(
-            [*PHALANX, "launch", "--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1",
-             "--master-port", str(port), "-n", "2", "--strategy", "ddp", str(path)],
-            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        )
-        for node in (0, 1)
+        subprocess.Popen([*PHALANX, "launch", *argv], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env)
+        for argv in argvs
     ]  # fmt: skip
     outputs = []
     try:
@@ -326,12 +320,27 @@ def test_two_launchers_on_loopback_form_one_job_of_four_ranks(tmp_path):
             outputs.append(p.communicate(timeout=240))
     finally:
         _stop(launchers)
-    for p, (out, err) in zip(launchers, outputs):
+    for p, (_, err) in zip(launchers, outputs):
         assert p.returncode == 0, err
-        notes = [line for line in err.splitlines() if "loopback" in line]
-        assert len(notes) == 1 and "all 2 nodes must run on this machine" in notes[0], err
     results = [json.loads(m) for out, _ in outputs for m in re.findall(r"RESULT (.*?) END", out)]
     assert len(results) == 4, outputs
+    return [err for _, err in outputs], results
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_two_launchers_on_loopback_form_one_job_of_four_ranks(tmp_path):
+    path = tmp_path / "two_nodes.py"
+    path.write_text(TWO_NODES)
+    port = _free_port()
+    argvs = [
+        ["--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port), "-n", "2",
+         "--strategy", "ddp", str(path)]
+        for node in (0, 1)
+    ]  # fmt: skip
+    errors, results = _two_launchers(argvs, tmp_path)
+    for err in errors:
+        notes = [line for line in err.splitlines() if "loopback" in line]
+        assert len(notes) == 1 and "all 2 nodes must run on this machine" in notes[0], err
     by_rank = {r["RANK"]: r for r in results}
     assert sorted(by_rank) == [0, 1, 2, 3]
     for rank, r in by_rank.items():
@@ -476,22 +485,7 @@ def test_seed004_multi_node_accelerate_yaml_runs_as_two_launchers(tmp_path):
         configs[-1].write_text(text.replace("machine_rank: 0", f"machine_rank: {node}"))
     path = tmp_path / "two_nodes.py"
     path.write_text(TWO_NODES)
-    env = {**os.environ, "PHALANX_DEVICE": "cpu"}
-    env.pop("OMP_NUM_THREADS", None)
-    launchers = [
-        subprocess.Popen([*PHALANX, "launch", "--config", str(c), str(path)], cwd=tmp_path, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env)
-        for c in configs
-    ]  # fmt: skip
-    outputs = []
-    try:
-        for p in launchers:
-            outputs.append(p.communicate(timeout=240))
-    finally:
-        _stop(launchers)
-    for p, (_, err) in zip(launchers, outputs):
-        assert p.returncode == 0, err
-    results = [json.loads(m) for out, _ in outputs for m in re.findall(r"RESULT (.*?) END", out)]
+    _, results = _two_launchers([["--config", str(c), str(path)] for c in configs], tmp_path)
     by_rank = {r["RANK"]: r for r in results}
     assert sorted(by_rank) == [0, 1, 2, 3], outputs
     for rank, r in by_rank.items():
