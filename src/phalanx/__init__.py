@@ -12,6 +12,7 @@ from phalanx._version import __version__
 from phalanx.compat.dummies import DummyOptim, DummyScheduler
 from phalanx.engine import Engine
 from phalanx.spawn import spawn
+from phalanx.trainer.arguments import TrainingArguments
 
 
-__all__ = ["Engine", "spawn", "checkpoint", "DummyOptim", "DummyScheduler", "__version__"]
+__all__ = ["Engine", "spawn", "checkpoint", "DummyOptim", "DummyScheduler", "TrainingArguments", "__version__"]

@@ -1,0 +1,434 @@
+"""TrainingArguments: Hugging Face's names and defaults for what a Trainer run is, plus phalanx's strategy.
+
+    args = TrainingArguments("out", per_device_train_batch_size=16, eval_strategy="epoch", bf16=True,
+                             strategy="zero3", strategy_options={"offload": "cpu"})
+    engine = phalanx.Engine(**args.engine_options())
+
+Defaults and derived values follow transformers 5 (``training_args.py``). Where transformers would accept a
+contradiction or a misspelt keyword, phalanx refuses with an error that names the values and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import json
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from phalanx.compat.deepspeed import from_deepspeed, read_deepspeed
+from phalanx.config import engine_fields
+from phalanx.options import ConfigError
+from phalanx.precision import PRECISIONS
+from phalanx.strategies import strategy_names
+from phalanx.trainer.schedules import check_schedule_kwargs
+
+__all__ = ["TrainingArguments", "UnknownArgumentError"]
+
+_INTERVALS = ("no", "steps", "epoch")
+_SAVES = ("no", "steps", "epoch", "best")
+_PRECISION_OF = {"bf16": "bf16-mixed", "fp16": "fp16-mixed"}
+# Engine settings that a TrainingArguments field already says; a knob of the same name would say it twice.
+_OWNED = {
+    "strategy": "strategy", "precision": "precision (or bf16 / fp16)", "grad_accum_steps": "gradient_accumulation_steps",
+    "seed": "seed", "max_grad_norm": "max_grad_norm", "deepspeed": "deepspeed",
+    "micro_batch_size": "per_device_train_batch_size", "global_batch_size": "per_device_train_batch_size",
+}  # fmt: skip
+# transformers fields that phalanx does not take, with what to do instead.
+_HF_ELSEWHERE = {
+    "fsdp": "use strategy='zero3'", "fsdp_config": "use strategy='zero3' and strategy_options",
+    "ddp_bucket_cap_mb": "use strategy_options={'bucket_mb': ...}", "ddp_timeout": "use strategy_options={'timeout_s': ...}",
+    "use_cpu": "use strategy_options={'device': 'cpu'}", "no_cuda": "use strategy_options={'device': 'cpu'}",
+    "local_rank": "phalanx reads the rank from the launcher", "optim": "pass Trainer(optimizers=(optimizer, None))",
+    "do_train": "it is a flag for your script, not for the Trainer: remove it", "do_eval": "remove it",
+    "do_predict": "remove it", "overwrite_output_dir": "remove it (phalanx never deletes output_dir)",
+    "logging_dir": "phalanx logs to output_dir (JSONL, and TensorBoard with report_to)",
+    "activation_checkpointing": "use gradient_checkpointing", "push_to_hub": "push the saved directory yourself",
+}  # fmt: skip
+_WARNED: set[str] = set()
+
+
+class UnknownArgumentError(ConfigError, TypeError):
+    """A keyword that TrainingArguments does not have. A TypeError (as a dataclass raises) and a ConfigError."""
+
+
+def _deprecated(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, FutureWarning, stacklevel=4)  # _deprecated < __post_init__ < __init__ < the caller
+
+
+@dataclass
+class TrainingArguments:
+    """What a Trainer run does, with transformers' names and defaults; ``engine_options()`` gives the Engine's."""
+
+    output_dir: str | None = None
+    """Where checkpoints, logs and the saved model go; None means ``trainer_output`` (as transformers)."""
+    per_device_train_batch_size: int = 8
+    """Samples per process per micro-batch in training."""
+    per_device_eval_batch_size: int = 8
+    """Samples per process per batch in evaluation."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step (the Engine's grad_accum_steps)."""
+    learning_rate: float = 5e-5
+    """The initial learning rate of the default AdamW."""
+    weight_decay: float = 0.0
+    """AdamW's weight decay, applied to every parameter except biases and norm weights."""
+    adam_beta1: float = 0.9
+    """AdamW's beta1."""
+    adam_beta2: float = 0.999
+    """AdamW's beta2."""
+    adam_epsilon: float = 1e-8
+    """AdamW's epsilon."""
+    max_grad_norm: float | None = 1.0
+    """Clip the global gradient norm to this; 0 (or None) does not clip."""
+    num_train_epochs: float = 3.0
+    """Epochs to train when max_steps is not positive; a fraction stops inside the last epoch."""
+    max_steps: int = -1
+    """Optimizer steps to train; when positive it overrides num_train_epochs."""
+    lr_scheduler_type: str = "linear"
+    """linear, cosine, cosine_with_min_lr, constant, constant_with_warmup, polynomial or inverse_sqrt."""
+    lr_scheduler_kwargs: dict[str, Any] | str | None = None
+    """The schedule's own keywords (e.g. ``{"min_lr_rate": 0.1}``); a JSON object as a string is read."""
+    warmup_steps: float = 0
+    """Linear warmup: 1 or more is a number of steps, below 1 a ratio of the run's steps."""
+    warmup_ratio: float | None = None
+    """Deprecated in transformers 5 (removed in 5.2): use ``warmup_steps`` below 1. Read into warmup_steps."""
+    logging_strategy: str = "steps"
+    """When to log the training loss: no, steps or epoch."""
+    logging_steps: float = 500
+    """Optimizer steps between logs; below 1 a ratio of the run's steps."""
+    logging_first_step: bool = False
+    """Also log after the first optimizer step."""
+    eval_strategy: str = "no"
+    """When to evaluate: no, steps or epoch."""
+    evaluation_strategy: str | None = None
+    """Deprecated spelling of eval_strategy (removed in transformers 5); read into eval_strategy with a warning."""
+    eval_steps: float | None = None
+    """Optimizer steps between evaluations under eval_strategy='steps'; unset means logging_steps."""
+    eval_on_start: bool = False
+    """Evaluate once before the first step, as a sanity check."""
+    save_strategy: str = "steps"
+    """When to save a checkpoint: no, steps, epoch, or best (whenever the metric improves)."""
+    save_steps: float = 500
+    """Optimizer steps between checkpoints under save_strategy='steps'; below 1 a ratio of the run's steps."""
+    save_total_limit: int | None = None
+    """Checkpoints to keep in output_dir; the best and the newest are never deleted. None keeps all."""
+    save_only_model: bool = False
+    """Checkpoints hold the model only (no optimizer, scheduler or RNG state), so they cannot be resumed."""
+    load_best_model_at_end: bool = False
+    """Load the best checkpoint (by metric_for_best_model) when training ends."""
+    metric_for_best_model: str | None = None
+    """The evaluation metric that picks the best checkpoint (``eval_`` prefix optional); 'loss' by default when
+    load_best_model_at_end or save_strategy='best'."""
+    greater_is_better: bool | None = None
+    """Whether a higher metric_for_best_model is better; by default False for names ending in 'loss', else True."""
+    seed: int = 42
+    """Seed of the model's initialisation helpers and, unless data_seed is set, of the data order."""
+    data_seed: int | None = None
+    """Seed of the data order only; None uses seed."""
+    bf16: bool = False
+    """Mixed precision with bfloat16 autocast (precision='bf16-mixed')."""
+    fp16: bool = False
+    """Mixed precision with float16 autocast and dynamic loss scaling (precision='fp16-mixed')."""
+    dataloader_num_workers: int = 0
+    """DataLoader worker processes; 0 loads in the training process."""
+    dataloader_drop_last: bool = False
+    """Drop each epoch's last incomplete batch."""
+    dataloader_pin_memory: bool = True
+    """Pin host memory of batches (used when training on a GPU)."""
+    remove_unused_columns: bool = True
+    """Drop dataset columns that the model's forward does not take."""
+    label_names: list[str] | None = None
+    """Batch keys that hold labels; None means ``labels`` (and the model's own label names)."""
+    report_to: str | list[str] | None = "none"
+    """Metric sinks besides the JSONL log: 'tensorboard', a list, 'all' (those installed) or 'none'."""
+    run_name: str | None = None
+    """A name for the run in logs and trackers."""
+    disable_tqdm: bool | None = None
+    """Hide the progress bar; None shows it (transformers' default at its default log level)."""
+    resume_from_checkpoint: str | None = None
+    """A checkpoint directory for your script to pass to ``trainer.train(resume_from_checkpoint=...)``."""
+    deepspeed: str | dict[str, Any] | None = None
+    """A DeepSpeed JSON config: a path, a dict, or a JSON object as a string. "auto" values come from these
+    arguments."""
+    gradient_checkpointing: bool | None = None
+    """Recompute activations in backward to save memory (the model's ``gradient_checkpointing_enable``); None is
+    False."""
+    average_tokens_across_devices: bool = True
+    """Normalise the loss by the item count of the whole window over all ranks (phalanx always does)."""
+    strategy: str | None = None
+    """phalanx's strategy (ddp, zero1, zero2, zero3, pipeline); None leaves it to the launcher, a config or ddp."""
+    precision: str | None = None
+    """phalanx's precision (fp32, bf16-mixed, fp16-mixed); None follows bf16/fp16, else the launcher or fp32."""
+    strategy_options: dict[str, Any] = field(default_factory=dict)
+    """The strategy's knobs by their Engine names, e.g. ``{"bucket_mb": 50, "offload": "cpu"}``."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> TrainingArguments:
+        # The dataclass __init__ would raise a bare TypeError for a misspelt keyword; say which and what was meant.
+        names = [f.name for f in dataclasses.fields(cls) if f.init]
+        for key in kwargs:
+            if key not in names:
+                raise _unknown_argument(key, names)
+        return super().__new__(cls)
+
+    def __post_init__(self) -> None:
+        if self.output_dir is None:
+            self.output_dir = "trainer_output"
+        self.output_dir = os.path.expanduser(str(self.output_dir))
+        self.lr_scheduler_kwargs = _json_object(self.lr_scheduler_kwargs, "lr_scheduler_kwargs")
+        self.deepspeed = _json_object(self.deepspeed, "deepspeed")
+        if self.gradient_checkpointing is None:
+            self.gradient_checkpointing = False
+        if self.disable_tqdm is None:
+            self.disable_tqdm = False
+        self._read_deprecated()
+        for name in ("lr_scheduler_type", "logging_strategy", "eval_strategy", "save_strategy"):
+            setattr(self, name, str(getattr(getattr(self, name), "value", getattr(self, name))))  # an HF enum too
+        _choice("logging_strategy", self.logging_strategy, _INTERVALS)
+        _choice("eval_strategy", self.eval_strategy, _INTERVALS)
+        _choice("save_strategy", self.save_strategy, _SAVES)
+        kwargs = self.lr_scheduler_kwargs
+        check_schedule_kwargs(self.lr_scheduler_type, kwargs if isinstance(kwargs, dict) else {})
+        self._check_counts()
+        self._resolve_steps()
+        if (self.load_best_model_at_end or self.save_strategy == "best") and self.metric_for_best_model is None:
+            self.metric_for_best_model = "loss"
+        if self.greater_is_better is None and self.metric_for_best_model is not None:
+            self.greater_is_better = not self.metric_for_best_model.endswith("loss")
+        self._check_best_model()
+        self.report_to = _report_to(self.report_to)
+        self._resolve_precision()
+        self._check_strategy()
+        if self.deepspeed is not None:
+            self._check_deepspeed()
+
+    # ------------------------------------------------------------------ checks in __post_init__
+    def _read_deprecated(self) -> None:
+        if self.evaluation_strategy is not None:
+            _deprecated("TrainingArguments: evaluation_strategy is deprecated (transformers 5 removed it); use "
+                        "eval_strategy")  # fmt: skip
+            if self.eval_strategy not in ("no", self.evaluation_strategy):
+                raise ConfigError(f"evaluation_strategy={self.evaluation_strategy!r} and eval_strategy="
+                                  f"{self.eval_strategy!r} disagree; they are one setting (keep eval_strategy)")
+            self.eval_strategy, self.evaluation_strategy = self.evaluation_strategy, None
+        if self.warmup_ratio is not None:
+            _deprecated("TrainingArguments: warmup_ratio is deprecated (transformers 5.2 removed it); use warmup_steps "
+                        "below 1, e.g. warmup_steps=0.1 for 10% of the steps")  # fmt: skip
+            if not 0 <= self.warmup_ratio < 1:
+                raise ConfigError(f"invalid warmup_ratio: got {self.warmup_ratio!r} (use a ratio in [0, 1))")
+            if self.warmup_steps and self.warmup_ratio:
+                raise ConfigError(f"warmup_ratio={self.warmup_ratio!r} and warmup_steps={self.warmup_steps!r} both "
+                                  "set the warmup; keep one (warmup_steps below 1 is a ratio)")  # fmt: skip
+            if self.warmup_ratio:
+                self.warmup_steps = self.warmup_ratio
+            self.warmup_ratio = None
+
+    def _check_counts(self) -> None:
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"invalid {name}: got {getattr(self, name)!r} (use 1 or more)")
+        if self.dataloader_num_workers < 0:
+            raise ConfigError(f"invalid dataloader_num_workers: got {self.dataloader_num_workers!r} (use 0 or more)")
+        if self.max_grad_norm is not None and self.max_grad_norm < 0:
+            raise ConfigError(f"invalid max_grad_norm: got {self.max_grad_norm!r} (use a positive norm, or 0 not to clip)")
+        if self.max_steps <= 0 and self.num_train_epochs <= 0:
+            raise ConfigError(f"max_steps={self.max_steps!r} and num_train_epochs={self.num_train_epochs!r} give no "
+                              "training; set max_steps > 0 or num_train_epochs > 0")  # fmt: skip
+        if self.warmup_steps < 0:
+            raise ConfigError(f"invalid warmup_steps: got {self.warmup_steps!r} (use 0 or more; below 1 is a ratio)")
+
+    def _resolve_steps(self) -> None:
+        """transformers' step rules: eval_steps falls back to logging_steps; a count of 1 or more is whole."""
+        if self.eval_strategy == "steps" and not self.eval_steps:
+            if self.logging_steps <= 0:
+                raise ConfigError(f"eval_strategy='steps' needs eval_steps > 0, or logging_steps > 0 to fall back on; "
+                                  f"got eval_steps={self.eval_steps!r}, logging_steps={self.logging_steps!r}")
+            self.eval_steps = self.logging_steps
+        for name, strategy in (("logging_steps", self.logging_strategy), ("eval_steps", self.eval_strategy),
+                               ("save_steps", self.save_strategy), ("warmup_steps", "steps")):  # fmt: skip
+            value = getattr(self, name)
+            if strategy == "steps" and name != "warmup_steps" and not value > 0:
+                raise ConfigError(f"{name.split('_')[0]}_strategy='steps' needs {name} > 0; got {name}={value!r} "
+                                  "(a count of steps, or a ratio of the run below 1)")  # fmt: skip
+            if value is not None and value >= 1:
+                if value != int(value):  # transformers truncates warmup_steps=2.5 to 2 without a word
+                    raise ConfigError(f"invalid {name}: got {value!r} (a count of 1 or more must be whole; below 1 it "
+                                      "is a ratio of the run's steps)")  # fmt: skip
+                setattr(self, name, int(value))
+
+    def _check_best_model(self) -> None:
+        if self.save_strategy == "best" and self.eval_strategy == "no":
+            raise ConfigError("save_strategy='best' saves when an evaluation improves metric_for_best_model; got "
+                              "eval_strategy='no' (set eval_strategy to 'steps' or 'epoch')")  # fmt: skip
+        if not self.load_best_model_at_end or self.save_strategy == "best":
+            return
+        if self.eval_strategy != self.save_strategy:
+            raise ConfigError(f"load_best_model_at_end=True needs eval_strategy and save_strategy to match (or "
+                              f"save_strategy='best'); got eval_strategy={self.eval_strategy!r}, save_strategy="
+                              f"{self.save_strategy!r}")  # fmt: skip
+        if self.eval_strategy == "steps":
+            save, every = float(self.save_steps), float(self.eval_steps or 0)
+            if (save < 1) != (every < 1):
+                raise ConfigError(f"load_best_model_at_end=True needs save_steps to be a multiple of eval_steps, which "
+                                  f"a count and a ratio cannot promise; got save_steps={self.save_steps!r}, eval_steps="
+                                  f"{self.eval_steps!r} (give both as counts, or both as ratios)")  # fmt: skip
+            if round(save * 1_000_000) % round(every * 1_000_000):
+                raise ConfigError(f"load_best_model_at_end=True needs save_steps to be a multiple of eval_steps, so "
+                                  f"that every checkpoint has an evaluation; got save_steps={self.save_steps!r}, "
+                                  f"eval_steps={self.eval_steps!r}")  # fmt: skip
+
+    def _resolve_precision(self) -> None:
+        if self.bf16 and self.fp16:
+            raise ConfigError("bf16=True and fp16=True ask for two precisions; set one of them")
+        from_flags = _PRECISION_OF["bf16"] if self.bf16 else _PRECISION_OF["fp16"] if self.fp16 else None
+        if self.precision is None:
+            self.precision = from_flags
+            return
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"unknown precision {self.precision!r}; valid precisions: {', '.join(PRECISIONS)}")
+        if from_flags is not None and from_flags != self.precision:
+            flag = "bf16" if self.bf16 else "fp16"
+            raise ConfigError(f"precision={self.precision!r} and {flag}=True disagree; say it once (precision="
+                              f"{from_flags!r}, or drop {flag})")  # fmt: skip
+        self.bf16, self.fp16 = self.precision == "bf16-mixed", self.precision == "fp16-mixed"
+
+    def _check_strategy(self) -> None:
+        names = strategy_names()
+        if self.strategy is not None and self.strategy not in names:
+            close = difflib.get_close_matches(self.strategy, names, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(f"unknown strategy {self.strategy!r}; {hint}valid strategies: {', '.join(names)}")
+        if not isinstance(self.strategy_options, dict):
+            raise ConfigError(f"strategy_options must be a dict of Engine knobs; got {self.strategy_options!r}")
+        knobs = [f.name for _, f in engine_fields() if f.name not in _OWNED]
+        for key in self.strategy_options:
+            if key in _OWNED:
+                raise ConfigError(f"strategy_options[{key!r}] is set by the TrainingArguments field {_OWNED[key]}; "
+                                  "use that field")  # fmt: skip
+            if key not in knobs:
+                close = difflib.get_close_matches(key, knobs, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise ConfigError(f"strategy_options: unknown Engine knob {key!r}; {hint}valid: {', '.join(knobs)}")
+        if self.strategy is not None:
+            # The knobs' values and the strategy's rules; with no strategy here, the Engine checks them at start.
+            from phalanx.config import EngineConfig
+
+            precision = self.precision or ("fp16-mixed" if any(k.startswith("loss_scale") for k in self.strategy_options)
+                                           else "fp32")  # fmt: skip
+            EngineConfig(strategy=self.strategy, precision=precision, **self.strategy_options)
+
+    def _check_deepspeed(self) -> None:
+        """Read the DeepSpeed config now, and refuse a value that contradicts these arguments (as transformers does);
+        "auto" values are left out of the mapping, so these arguments fill them."""
+        data = self.deepspeed if isinstance(self.deepspeed, dict) else read_deepspeed(str(self.deepspeed))
+        where = "deepspeed (dict)" if isinstance(self.deepspeed, dict) else str(self.deepspeed)
+        ours = self._engine_values()
+        for key, value, source in from_deepspeed(data, where).values:
+            if ours.get(key) is not None and ours[key] != value:
+                raise ConfigError(f"the DeepSpeed config {where} says {source} -> {key}={value!r}, but TrainingArguments "
+                                  f"says {key}={ours[key]!r} (from {_OWNED[key]}); make them agree, or write \"auto\" "
+                                  "in the DeepSpeed config")  # fmt: skip
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def train_batch_size(self) -> int:
+        """Samples per process per micro-batch in training (phalanx runs one device per process)."""
+        return self.per_device_train_batch_size
+
+    @property
+    def eval_batch_size(self) -> int:
+        """Samples per process per batch in evaluation."""
+        return self.per_device_eval_batch_size
+
+    def get_warmup_steps(self, num_training_steps: int) -> int:
+        """The warmup in optimizer steps for a run of ``num_training_steps`` (transformers' method name)."""
+        from phalanx.trainer.schedules import warmup_steps_for
+
+        return warmup_steps_for(self, num_training_steps)
+
+    def _engine_values(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"strategy": self.strategy, "precision": self.precision,
+                               "grad_accum_steps": self.gradient_accumulation_steps, "seed": self.seed,
+                               "max_grad_norm": float(self.max_grad_norm) if self.max_grad_norm else None}  # fmt: skip
+        return out
+
+    def engine_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``phalanx.Engine(**args.engine_options())``.
+
+        strategy and precision appear only when these arguments say them, so that ``phalanx launch --strategy`` or
+        ``--precision`` decides otherwise; accumulation, clipping and the seed always appear, as transformers' own
+        values. A dict ``deepspeed`` is written to ``output_dir/ds_config.json`` (the Engine reads a path).
+        """
+        out = {k: v for k, v in self._engine_values().items() if v is not None or k == "max_grad_norm"}
+        if self.deepspeed is not None:
+            out["deepspeed"] = self._deepspeed_path()
+        out.update(self.strategy_options)
+        return out
+
+    def _deepspeed_path(self) -> str:
+        if not isinstance(self.deepspeed, dict):
+            return str(self.deepspeed)
+        path = Path(str(self.output_dir)) / "ds_config.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(self.deepspeed, indent=2, sort_keys=True)
+        if not path.is_file() or path.read_text() != text:
+            # Every rank may write it at once: each writes its own temporary file and renames it into place.
+            tmp = path.with_name(f".ds_config.{os.getpid()}.json")
+            tmp.write_text(text)
+            os.replace(tmp, path)
+        return str(path)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field by name, as plain values (transformers' ``to_dict``)."""
+        return dataclasses.asdict(self)
+
+    def to_json_string(self) -> str:
+        """:meth:`to_dict` as indented JSON."""
+        return json.dumps(self.to_dict(), indent=2)
+
+
+def _unknown_argument(key: str, names: list[str]) -> UnknownArgumentError:
+    if key in _HF_ELSEWHERE:
+        return UnknownArgumentError(f"TrainingArguments: {key!r} is a transformers argument that phalanx does not take; "
+                                    f"{_HF_ELSEWHERE[key]}")  # fmt: skip
+    knobs = {f.name for _, f in engine_fields()} - set(_OWNED)
+    if key in knobs:
+        return UnknownArgumentError(f"TrainingArguments: {key!r} is an Engine knob; pass it as strategy_options="
+                                    f"{{{key!r}: ...}}")  # fmt: skip
+    close = difflib.get_close_matches(key, names, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return UnknownArgumentError(f"TrainingArguments: unknown argument {key!r}; {hint}(see the fields of "
+                                "phalanx.TrainingArguments)")  # fmt: skip
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        close = difflib.get_close_matches(value, choices, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"invalid {name}: got {value!r}; {hint}use one of: {', '.join(choices)}")
+
+
+def _json_object(value: Any, name: str) -> Any:
+    """A string holding a JSON object becomes the dict (transformers reads command-line dicts this way)."""
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"invalid {name}: {value!r} is not a JSON object ({e})") from None
+    if name == "lr_scheduler_kwargs" and value is not None and not isinstance(value, dict):
+        raise ConfigError(f"invalid lr_scheduler_kwargs: got {value!r} (use a dict such as {{'num_cycles': 0.5}})")
+    return value
+
+
+def _report_to(value: str | list[str] | None) -> list[str]:
+    """transformers' normalisation: 'none' -> [], 'all' -> the sinks installed, a name -> [name]."""
+    if value is None or value == "none" or value == ["none"]:
+        return []
+    if value == "all" or value == ["all"]:
+        return ["tensorboard"] if importlib.util.find_spec("tensorboard") is not None else []
+    return [value] if isinstance(value, str) else list(value)
