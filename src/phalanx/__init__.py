@@ -13,6 +13,10 @@ from phalanx.compat.dummies import DummyOptim, DummyScheduler
 from phalanx.engine import Engine
 from phalanx.spawn import spawn
 from phalanx.trainer.arguments import TrainingArguments
+from phalanx.trainer.trainer import EvalPrediction, Trainer
 
 
-__all__ = ["Engine", "spawn", "checkpoint", "DummyOptim", "DummyScheduler", "TrainingArguments", "__version__"]
+__all__ = [
+    "Engine", "spawn", "checkpoint", "DummyOptim", "DummyScheduler", "TrainingArguments", "Trainer", "EvalPrediction",
+    "__version__",
+]

@@ -1,2 +1,2 @@
 """The Trainer: Hugging Face's Trainer shape (TrainingArguments, callbacks, trainer_state.json) on every phalanx
-strategy, as a client of the Engine only. Under construction (issue 14): the arguments and the callbacks come first."""
+strategy, as a client of the Engine only."""

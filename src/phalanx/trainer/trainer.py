@@ -1,0 +1,427 @@
+"""``phalanx.Trainer``: Hugging Face's Trainer shape on every phalanx strategy, a client of the Engine only.
+
+    args = phalanx.TrainingArguments(output_dir="out", per_device_train_batch_size=16, eval_strategy="epoch",
+                                      save_strategy="epoch", load_best_model_at_end=True, metric_for_best_model="f1")
+    trainer = phalanx.Trainer(model, args, train_dataset=train, eval_dataset=val, compute_metrics=f1)
+    trainer.train()
+
+A *step* is an optimizer step everywhere. Losses are normalised by the true item count (labels that are not -100)
+of the whole accumulation window over every rank, never per micro-batch; the logged training loss is the mean over
+the logging window; resume continues at the next sample without replaying batches; evaluation gathers each sample
+exactly once and moves predictions to the CPU batch by batch.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import time
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, default_collate
+
+from phalanx.engine import Engine
+from phalanx.trainer.arguments import TrainingArguments
+from phalanx.trainer.callbacks import CallbackHandler, TrainerCallback
+from phalanx.trainer.reporting import default_callbacks
+from phalanx.trainer.rotation import rotate_checkpoints, sorted_checkpoints
+from phalanx.trainer.schedules import get_scheduler
+from phalanx.trainer.state import TrainerControl, TrainerState, record_best_metric
+
+__all__ = ["Trainer", "EvalPrediction", "TrainOutput", "PredictionOutput"]
+
+IGNORE_INDEX = -100
+
+
+class EvalPrediction(NamedTuple):
+    """What ``compute_metrics`` receives: every sample's predictions and labels, in dataset order, on the CPU."""
+
+    predictions: Any
+    label_ids: Any
+    inputs: Any = None
+
+
+class TrainOutput(NamedTuple):
+    global_step: int
+    training_loss: float
+    metrics: dict[str, float]
+
+
+class PredictionOutput(NamedTuple):
+    predictions: Any
+    label_ids: Any
+    metrics: dict[str, float]
+
+
+class _StateHolder:
+    """Puts the TrainerState inside the engine's atomic checkpoint, so that a resume finds it with the weights."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        import dataclasses
+
+        return {"trainer_state": dataclasses.asdict(self.trainer.state)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = dict(state["trainer_state"])
+        for key in ("is_local_process_zero", "is_world_process_zero"):
+            saved[key] = getattr(self.trainer.state, key)
+        self.trainer.state = TrainerState(**saved)
+
+
+def _items(labels: Any, causal: bool) -> int | None:
+    """Labels that count in the loss: not -100, one position shifted for a causal LM (its loss predicts the next)."""
+    if not isinstance(labels, torch.Tensor):
+        return None
+    if labels.is_floating_point():
+        return labels.numel()
+    if causal and labels.dim() >= 2:
+        labels = labels[..., 1:]
+    return int((labels != IGNORE_INDEX).sum())
+
+
+class Trainer:
+    """Trains, evaluates and checkpoints a model with :class:`TrainingArguments`, on the strategy they (or the
+    launcher) choose. ``compute_loss`` and ``training_step`` may be overridden as in Hugging Face's Trainer."""
+
+    def __init__(
+        self, model: nn.Module | None = None, args: TrainingArguments | None = None, data_collator: Callable | None = None,
+        train_dataset: Dataset | None = None, eval_dataset: Dataset | None = None, processing_class: Any = None,
+        compute_loss_func: Callable | None = None, compute_metrics: Callable[[EvalPrediction], dict] | None = None,
+        callbacks: list[TrainerCallback | type[TrainerCallback]] | None = None,
+        optimizers: tuple[Any, Any] = (None, None), preprocess_logits_for_metrics: Callable | None = None,
+    ) -> None:  # fmt: skip
+        if model is None:
+            raise ValueError("Trainer needs a model: Trainer(model, args, train_dataset=...)")
+        self.args = args if args is not None else TrainingArguments()
+        self.engine = Engine(**self.args.engine_options())
+        self.model, self._raw_model = model, model
+        self.data_collator, self.processing_class = data_collator, processing_class
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.compute_loss_func, self.compute_metrics = compute_loss_func, compute_metrics
+        self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
+        self.optimizer, self.lr_scheduler = optimizers
+        self.state = TrainerState(is_local_process_zero=self.engine.is_local_main_process,
+                                  is_world_process_zero=self.engine.is_main_process)  # fmt: skip
+        self.control = TrainerControl()
+        self.callback_handler = CallbackHandler([*default_callbacks(self.args), *(callbacks or [])], model,
+                                                processing_class, self.optimizer, self.lr_scheduler)  # fmt: skip
+        self._causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+        self._forward_params = self._forward_parameters(model)
+        self._train_loader: Any = None
+        self._train_loader_raw: Any = None
+        self._eval_loader: Any = None
+        self._prepared = False
+        self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
+
+    @property
+    def output_dir(self) -> str:
+        return str(self.args.output_dir or "trainer_output")
+
+    # ------------------------------------------------------------------------------------------- callbacks
+    def add_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
+        self.callback_handler.add_callback(callback)
+
+    def pop_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> TrainerCallback | None:
+        return self.callback_handler.pop_callback(callback)
+
+    def remove_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
+        self.callback_handler.remove_callback(callback)
+
+    # ------------------------------------------------------------------------------------------------- data
+    @staticmethod
+    def _forward_parameters(model: nn.Module) -> set[str] | None:
+        params = inspect.signature(model.forward).parameters.values()
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            return None  # takes anything
+        return {p.name for p in params}
+
+    def _collate(self, samples: list[Any]) -> Any:
+        batch = self.data_collator(samples) if self.data_collator is not None else default_collate(samples)
+        if isinstance(batch, Mapping):
+            batch = dict(batch)
+            if "label" in batch and "labels" not in batch:
+                batch["labels"] = batch.pop("label")  # as transformers' default collator
+            if self.args.remove_unused_columns and self._forward_params is not None:
+                keep = self._forward_params | set(self.args.label_names or ["labels"])
+                batch = {k: v for k, v in batch.items() if k in keep}
+        return batch
+
+    def _loader(self, dataset: Dataset, batch_size: int, shuffle: bool) -> DataLoader:
+        return DataLoader(
+            dataset, batch_size=batch_size, shuffle=shuffle, collate_fn=self._collate,
+            drop_last=self.args.dataloader_drop_last and shuffle, num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory and self.engine.device.type == "cuda",
+        )  # fmt: skip
+
+    def get_train_dataloader(self) -> DataLoader:
+        if self.train_dataset is None:
+            raise ValueError("Trainer.train needs a train_dataset: Trainer(model, args, train_dataset=...)")
+        return self._loader(self.train_dataset, self.args.per_device_train_batch_size, shuffle=True)
+
+    def get_eval_dataloader(self, eval_dataset: Dataset | None = None) -> DataLoader:
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("Trainer.evaluate needs an eval_dataset (given to Trainer or to evaluate)")
+        return self._loader(dataset, self.args.per_device_eval_batch_size, shuffle=False)
+
+    # ----------------------------------------------------------------------------------- optimizer, schedule
+    def create_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW with the arguments' lr, betas, eps and weight decay, which spares biases and norm weights (as HF)."""
+        no_decay = {
+            id(p) for m in self.model.modules() for n, p in m.named_parameters(recurse=False)
+            if n.endswith("bias") or "norm" in type(m).__name__.lower()
+        }  # fmt: skip
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if id(p) not in no_decay], "weight_decay": self.args.weight_decay},
+            {"params": [p for p in params if id(p) in no_decay], "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=self.args.learning_rate,
+                                 betas=(self.args.adam_beta1, self.args.adam_beta2), eps=self.args.adam_epsilon)  # fmt: skip
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer) -> Any:
+        return get_scheduler(self.args.lr_scheduler_type, optimizer, self.args.get_warmup_steps(num_training_steps),
+                             num_training_steps, kwargs if isinstance(kwargs := self.args.lr_scheduler_kwargs, dict) else None)  # fmt: skip
+
+    def _prepare(self, max_steps: int) -> None:
+        """Prepare the model, optimizer, loaders and schedule once, in a fixed order (resume needs the same)."""
+        if self._prepared:
+            return
+        optimizer = self.optimizer if self.optimizer is not None else self.create_optimizer()
+        scheduler = self.lr_scheduler if self.lr_scheduler is not None else self.create_scheduler(max_steps, optimizer)
+        self.model, self.optimizer, self._train_loader, self.lr_scheduler = self.engine.prepare(
+            self.model, optimizer, self._train_loader_raw, scheduler
+        )
+        if self.eval_dataset is not None:
+            self._eval_loader = self.engine.prepare(self.get_eval_dataloader())
+        self.engine.register_for_checkpointing(_StateHolder(self))
+        for name in ("model", "optimizer", "lr_scheduler"):
+            setattr(self.callback_handler, name, getattr(self, name))
+        self.callback_handler.train_dataloader, self.callback_handler.eval_dataloader = self._train_loader, self._eval_loader
+        self._prepared = True
+
+    # ------------------------------------------------------------------------------------------------- loss
+    def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
+                     num_items_in_batch: int | None = None) -> Any:  # fmt: skip
+        """The mean loss of one micro-batch: the model's own (``labels`` in the batch), or ``compute_loss_func(outputs,
+        labels, num_items_in_batch=...)``. A ``(inputs, labels)`` batch calls ``model(inputs)``."""
+        labels = self._labels(inputs)
+        if isinstance(inputs, Mapping):
+            outputs = model(**inputs)
+        elif isinstance(inputs, (tuple, list)) and len(inputs) == 2:
+            outputs = model(inputs[0])
+        else:
+            outputs = model(inputs)
+        if self.compute_loss_func is not None:
+            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+        elif isinstance(outputs, Mapping) and outputs.get("loss") is not None:
+            loss = outputs["loss"]
+        elif getattr(outputs, "loss", None) is not None:
+            loss = outputs.loss
+        else:
+            raise ValueError(
+                f"the model returned no loss ({type(outputs).__name__}): put labels in the batch (a 'labels' key) for a "
+                "model that computes its loss, or pass compute_loss_func=lambda outputs, labels, num_items_in_batch: ..."
+            )
+        return (loss, outputs) if return_outputs else loss
+
+    def _labels(self, inputs: Any) -> Any:
+        if isinstance(inputs, Mapping):
+            names = self.args.label_names or ["labels"]
+            return inputs.get(names[0])
+        if isinstance(inputs, (tuple, list)) and len(inputs) == 2:
+            return inputs[1]
+        return None
+
+    def training_step(self, model: nn.Module, inputs: Any) -> tuple[torch.Tensor, int]:
+        """Backward of one micro-batch; returns its loss sum and item count (for the logged mean)."""
+        n = _items(self._labels(inputs), self._causal)
+        loss = self.compute_loss(model, inputs, num_items_in_batch=n)
+        if n is None:  # no labels to count: each micro-batch's mean weighs the same
+            self.engine.backward(loss)
+            return loss.detach().float(), 1
+        # The mean over this micro-batch's n items, as a sum: the engine divides by the window's items on all ranks.
+        self.engine.backward(loss * n, items=n)
+        # A micro-batch with no real label has a 0/0 mean (NaN) and adds nothing to the window's sum.
+        return (loss.detach().float() * n if n else torch.zeros((), device=loss.device)), n
+
+    # ------------------------------------------------------------------------------------------------ train
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
+        args = self.args
+        self._train_loader_raw = self.get_train_dataloader()
+        per_epoch = max(1, math.ceil(len(self._train_loader_raw) / self.engine.num_processes
+                                     / args.gradient_accumulation_steps))  # fmt: skip
+        max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * per_epoch)
+        self._prepare(max_steps)
+        per_epoch = max(1, math.ceil(len(self._train_loader) / args.gradient_accumulation_steps))
+        resume = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
+        if resume:
+            self._resume(resume)
+        # These follow the arguments of this run, also on resume (a longer max_steps trains on), as in HF.
+        self.state.max_steps, self.state.num_train_epochs = max_steps, math.ceil(max_steps / per_epoch)
+        self.state.train_batch_size = args.per_device_train_batch_size
+        self.state.compute_steps(args, max_steps)
+        self.control._new_training()
+        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        window: list[Any] = [torch.zeros((), dtype=torch.float64), 0]  # loss sum and items since the last log
+        total: list[Any] = [0.0, 0]
+        started = time.perf_counter()
+        while self.engine.epoch < self.state.num_train_epochs and not self.control.should_training_stop:
+            self.control._new_epoch()
+            self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
+            micro = 0
+            for batch in self._train_loader:
+                if micro % args.gradient_accumulation_steps == 0:
+                    self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+                micro += 1
+                with self.engine.accumulate(self.model):
+                    loss_sum, n = self.training_step(self.model, batch)
+                    if self.engine.sync_gradients:
+                        self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
+                        self.optimizer.step()
+                        self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
+                        self.lr_scheduler.step()
+                        self.optimizer.zero_grad()
+                window[0] = window[0] + loss_sum.double().cpu()
+                window[1] += n
+                if not self.engine.sync_gradients:
+                    self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
+                    continue
+                micro = 0
+                self.state.global_step += 1
+                self.state.epoch = self.engine.epoch + self._position_in_epoch()
+                self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+                self._log_save_evaluate(window, total)
+                if self.control.should_epoch_stop or self.control.should_training_stop:
+                    break
+            self.state.epoch = float(self.engine.epoch) if not self.control.should_training_stop else self.state.epoch
+            self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
+            self._log_save_evaluate(window, total)
+            if self.state.global_step >= self.state.max_steps:
+                break
+        if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
+            self.engine.load_state(self.state.best_model_checkpoint)
+        self.control = self.callback_handler.on_train_end(args, self.state, self.control)
+        runtime = time.perf_counter() - started
+        mean = total[0] / total[1] if total[1] else float("nan")
+        metrics = {"train_runtime": runtime, "train_steps_per_second": self.state.global_step / max(runtime, 1e-9),
+                   "train_loss": mean}  # fmt: skip
+        return TrainOutput(self.state.global_step, mean, metrics)
+
+    def _position_in_epoch(self) -> float:
+        loader = self._train_loader
+        done = loader.state_dict()["samples_done"]
+        size = max(1, len(loader.dataset)) if hasattr(loader, "dataset") else 1
+        return min(1.0, float(done) / size)
+
+    def _resume(self, resume: str | bool) -> None:
+        if resume is True:
+            found = sorted_checkpoints(self.output_dir)
+            if not found:
+                raise ValueError(
+                    f"resume_from_checkpoint=True found no complete checkpoint-<step> in {self.args.output_dir!r} "
+                    "(train without it to start fresh, or give the checkpoint's path)"
+                )
+            resume = str(found[-1][1])
+        self.engine.load_state(str(resume))  # the TrainerState comes back with it (_StateHolder)
+
+    def _log_save_evaluate(self, window: list[Any], total: list[Any]) -> None:
+        if self.control.should_log and window[1]:
+            sums = self.engine.reduce(torch.tensor([float(window[0]), float(window[1])]), "sum")
+            loss = (sums[0] / sums[1]).item()  # the true mean over every item of the logging window, on all ranks
+            total[0], total[1] = total[0] + sums[0].item(), total[1] + int(sums[1].item())
+            window[0], window[1] = torch.zeros((), dtype=torch.float64), 0
+            self.log({"loss": loss, "learning_rate": self.optimizer.param_groups[0]["lr"]})
+        metrics = None
+        if self.control.should_evaluate:
+            metrics = self.evaluate()
+        if self.control.should_save:
+            self._save_checkpoint(new_best=metrics is not None and self.state.best_global_step == self.state.global_step)
+            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+
+    def _save_checkpoint(self, new_best: bool) -> None:
+        path = Path(self.output_dir) / f"checkpoint-{self.state.global_step}"
+        if new_best:
+            self.state.best_model_checkpoint = str(path)
+        self.engine.save_state(path)
+        if self.engine.is_main_process:
+            self.state.save_to_json(path / "trainer_state.json")  # for tools that read HF's file
+            rotate_checkpoints(self.output_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
+        self.engine.wait_for_everyone()
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        logs = {**logs, "epoch": self.state.epoch}
+        self.state.log_history.append({**logs, "step": self.state.global_step})
+        self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs=logs)
+
+    # ----------------------------------------------------------------------------------- evaluate, predict
+    def _loop(self, loader: Any, prefix: str) -> PredictionOutput:
+        self.model.eval()
+        preds: list[Any] = []
+        labels: list[Any] = []
+        losses: list[torch.Tensor] = []
+        started = time.perf_counter()
+        with torch.no_grad():
+            for batch in loader:
+                label = self._labels(batch)
+                loss, outputs = self.compute_loss(self.model, batch, return_outputs=True,
+                                                  num_items_in_batch=_items(label, self._causal))  # fmt: skip
+                logits = outputs.get("logits") if isinstance(outputs, Mapping) else getattr(outputs, "logits", outputs)
+                if self.preprocess_logits_for_metrics is not None:
+                    logits = self.preprocess_logits_for_metrics(logits, label)
+                size = len(typing.cast(torch.Tensor, logits))
+                # Each sample carries its batch's mean loss, so that dropping the padding counts each sample once.
+                gathered = self.engine.gather_for_metrics((logits, label, loss.detach().float().expand(size)))
+                preds.append(gathered[0].cpu())
+                labels.append(gathered[1].cpu() if gathered[1] is not None else None)
+                losses.append(gathered[2].cpu())
+                self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
+        self.model.train()
+        predictions = torch.cat(preds) if preds else None
+        label_ids = torch.cat(labels) if labels and labels[0] is not None else None
+        metrics: dict[str, float] = {}
+        if self.compute_metrics is not None and predictions is not None and label_ids is not None:
+            metrics = {f"{prefix}_{k}": v for k, v in self.compute_metrics(EvalPrediction(predictions, label_ids)).items()}
+        if losses:
+            metrics[f"{prefix}_loss"] = torch.cat(losses).mean().item()
+        runtime = time.perf_counter() - started
+        n = len(predictions) if predictions is not None else 0
+        metrics |= {f"{prefix}_runtime": runtime, f"{prefix}_samples_per_second": n / max(runtime, 1e-9)}
+        return PredictionOutput(predictions, label_ids, metrics)
+
+    def evaluate(self, eval_dataset: Dataset | None = None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Loss and ``compute_metrics`` over every sample of the eval set exactly once; logs them and returns them."""
+        if eval_dataset is None and self._eval_loader is not None:
+            loader = self._eval_loader
+        else:
+            loader = self.engine.prepare(self.get_eval_dataloader(eval_dataset))
+            if not self._prepared:
+                self.model = self.engine.prepare(self.model)
+                self._prepared = True
+        metrics = self._loop(loader, metric_key_prefix).metrics
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
+        if metric_key_prefix == "eval":
+            record_best_metric(self.args, self.state, metrics)
+        return metrics
+
+    def predict(self, test_dataset: Dataset, metric_key_prefix: str = "test") -> PredictionOutput:
+        if not self._prepared:
+            self.model = self.engine.prepare(self.model)
+            self._prepared = True
+        out = self._loop(self.engine.prepare(self.get_eval_dataloader(test_dataset)), metric_key_prefix)
+        self.control = self.callback_handler.on_predict(self.args, self.state, self.control, metrics=out.metrics)
+        return out
+
+    def save_model(self, output_dir: str | None = None) -> Path:
+        """The whole model as a directory ``from_pretrained`` loads (weights gathered under every strategy)."""
+        target = self.model if self._prepared else self.engine.prepare(self.model)
+        return self.engine.save_model(target, output_dir or self.output_dir)

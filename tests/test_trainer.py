@@ -1,0 +1,148 @@
+"""phalanx.Trainer: the same run on 2 ranks with accumulation as on one process with the full batch (losses
+normalised by the true item count of the window, not per micro-batch), exact resume, every eval sample once, and
+rotation that keeps the best and the newest checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import phalanx
+from phalanx.trainer.rotation import sorted_checkpoints
+
+N, FEATURES, CLASSES = 64, 13, 5
+
+
+def _data(n: int = N, seed: int = 3) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, FEATURES, generator=g)
+    y = torch.randint(0, CLASSES, (n,), generator=g)
+    y[torch.rand(n, generator=g) < 0.4] = -100  # uneven counts of real labels per micro-batch
+    return TensorDataset(x, y)
+
+
+def _loss(outputs: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int | None = None) -> torch.Tensor:
+    return F.cross_entropy(outputs, labels, ignore_index=-100)  # the mean over this micro-batch's real labels
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(7)
+    return nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, CLASSES))
+
+
+def _args(tmp: str, **kw) -> phalanx.TrainingArguments:
+    base = dict(output_dir=tmp, learning_rate=0.01, lr_scheduler_type="constant", num_train_epochs=1, logging_steps=1,
+                save_strategy="no", eval_strategy="no", disable_tqdm=True, report_to=[], seed=0)  # fmt: skip
+    return phalanx.TrainingArguments(**{**base, **kw})
+
+
+def _train(tmp: str, per_device: int, accum: int, strategy: str = "ddp") -> dict:
+    trainer = phalanx.Trainer(_model(), _args(tmp, per_device_train_batch_size=per_device,
+                                              gradient_accumulation_steps=accum, strategy=strategy),
+                              train_dataset=_data(), compute_loss_func=_loss)  # fmt: skip
+    out = trainer.train()
+    state = {k: v.clone() for k, v in trainer.engine.get_state_dict(trainer.model).items()}
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return {"state": state, "losses": losses, "steps": out.global_step}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_accumulation_on_two_ranks_equals_one_process_on_the_full_batch(run_ranks, tmp_path, strategy):
+    # 2 per device x 4 micro-batches x 2 ranks = 16 = the one process's batch; 40% of labels are ignored, unevenly.
+    ranks = run_ranks(_train, 2, str(tmp_path / "two"), 2, 4, strategy)
+    one = _train(str(tmp_path / "one"), 16, 1)
+    assert ranks[0]["steps"] == one["steps"] == N // 16
+    for key, value in one["state"].items():
+        torch.testing.assert_close(ranks[0]["state"][key], value, rtol=0, atol=2e-6)
+    # The logged loss is the mean over every real label of the step's window, on all ranks.
+    assert ranks[0]["losses"] == pytest.approx(one["losses"], abs=1e-6) and ranks[0]["losses"] == ranks[1]["losses"]
+
+
+def test_per_micro_batch_normalisation_would_differ(tmp_path):
+    # The check above can fail: averaging micro-batch means (HF's bug #34191) gives other parameters here.
+    x, y = _data().tensors
+    model = _model()
+    micro = [F.cross_entropy(model(x[i:i + 4]), y[i:i + 4], ignore_index=-100) for i in range(0, 16, 4)]
+    whole = F.cross_entropy(model(x[:16]), y[:16], ignore_index=-100)
+    assert abs(torch.stack(micro).mean().item() - whole.item()) > 1e-3
+
+
+def test_resume_continues_exactly_without_replaying(tmp_path):
+    straight = phalanx.Trainer(_model(), _args(str(tmp_path / "a"), per_device_train_batch_size=8, max_steps=6),
+                               train_dataset=_data(), compute_loss_func=_loss)  # fmt: skip
+    straight.train()
+    first = phalanx.Trainer(_model(), _args(str(tmp_path / "b"), per_device_train_batch_size=8, max_steps=3,
+                                            save_strategy="steps", save_steps=3),
+                            train_dataset=_data(), compute_loss_func=_loss)  # fmt: skip
+    first.train()
+    assert [s for s, _ in sorted_checkpoints(tmp_path / "b")] == [3]
+    assert json.loads((tmp_path / "b" / "checkpoint-3" / "trainer_state.json").read_text())["global_step"] == 3
+    resumed = phalanx.Trainer(_model(), _args(str(tmp_path / "b"), per_device_train_batch_size=8, max_steps=6),
+                              train_dataset=_data(), compute_loss_func=_loss)  # fmt: skip
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 6
+    a = straight.engine.get_state_dict(straight.model)
+    b = resumed.engine.get_state_dict(resumed.model)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    steps = [h["step"] for h in resumed.state.log_history if "loss" in h]
+    assert steps == [1, 2, 3, 4, 5, 6]  # the first three came back with the checkpoint, none were replayed
+
+
+def _evaluate(tmp: str) -> dict:
+    seen: dict = {}
+
+    def metrics(pred: phalanx.EvalPrediction) -> dict:
+        seen["labels"] = pred.label_ids.tolist()
+        seen["rows"] = len(pred.predictions)
+        return {"n": float(len(pred.label_ids))}
+
+    x, y = _data(7).tensors
+    trainer = phalanx.Trainer(_model(), _args(tmp, per_device_eval_batch_size=2), eval_dataset=TensorDataset(x, y.clamp(min=0)),
+                              compute_loss_func=_loss, compute_metrics=metrics)  # fmt: skip
+    out = trainer.evaluate()
+    return {**seen, "metrics": out}
+
+
+def test_evaluation_sees_every_sample_once_in_order(run_ranks, tmp_path):
+    _, y = _data(7).tensors
+    for result in run_ranks(_evaluate, 2, str(tmp_path)):
+        assert result["labels"] == y.clamp(min=0).tolist() and result["rows"] == 7  # 7 samples on 2 ranks: padding dropped
+        assert result["metrics"]["eval_n"] == 7.0 and "eval_loss" in result["metrics"]
+
+
+def test_rotation_keeps_the_best_and_the_newest_and_loads_the_best(tmp_path):
+    scores = iter([0.9, 0.5, 0.4])
+
+    def metrics(pred: phalanx.EvalPrediction) -> dict:
+        return {"acc": next(scores)}
+
+    args = _args(str(tmp_path), per_device_train_batch_size=16, num_train_epochs=3, eval_strategy="epoch",
+                 save_strategy="epoch", save_total_limit=1, load_best_model_at_end=True, metric_for_best_model="acc")  # fmt: skip
+    trainer = phalanx.Trainer(_model(), args, train_dataset=_data(), eval_dataset=_data(8, seed=5),
+                              compute_loss_func=_loss, compute_metrics=metrics)  # fmt: skip
+    trainer.train()
+    per_epoch = N // 16
+    assert [s for s, _ in sorted_checkpoints(tmp_path)] == [per_epoch, 3 * per_epoch]
+    assert trainer.state.best_metric == 0.9
+    assert trainer.state.best_model_checkpoint == str(tmp_path / f"checkpoint-{per_epoch}")
+    # load_best_model_at_end: the weights are the best checkpoint's again.
+    from phalanx.checkpoint import Checkpoint
+
+    with Checkpoint(tmp_path / f"checkpoint-{per_epoch}") as ck:
+        best = ck.state_dict(0)
+    now = trainer.engine.get_state_dict(trainer.model)
+    assert all(torch.equal(best[k], now[k]) for k in best)
+
+
+def test_save_model_and_a_model_without_a_loss(tmp_path):
+    trainer = phalanx.Trainer(_model(), _args(str(tmp_path)), train_dataset=_data())
+    with pytest.raises(ValueError, match="the model returned no loss"):
+        trainer.train()
+    path = phalanx.Trainer(_model(), _args(str(tmp_path)), train_dataset=_data(), compute_loss_func=_loss).save_model()
+    assert Path(path).name == "model.safetensors" and Path(path).is_file()
