@@ -64,6 +64,15 @@ def test_accumulation_on_two_ranks_equals_one_process_on_the_full_batch(run_rank
     assert ranks[0]["losses"] == pytest.approx(one["losses"], abs=1e-6) and ranks[0]["losses"] == ranks[1]["losses"]
 
 
+def test_the_trainer_runs_the_pipeline_through_its_schedule(run_ranks, tmp_path):
+    # Two stages, one replica: each step is one batch of 16 in micro-batches, with the same item normalisation.
+    ranks = run_ranks(_train, 2, str(tmp_path / "pipe"), 16, 1, "pipeline")
+    one = _train(str(tmp_path / "one"), 16, 1)
+    for key, value in one["state"].items():
+        torch.testing.assert_close(ranks[0]["state"][key], value, rtol=0, atol=2e-6)
+    assert ranks[0]["losses"] == pytest.approx(one["losses"], abs=1e-6)
+
+
 def test_per_micro_batch_normalisation_would_differ(tmp_path):
     # The check above can fail: averaging micro-batch means (HF's bug #34191) gives other parameters here.
     x, y = _data().tensors

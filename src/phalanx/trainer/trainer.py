@@ -253,11 +253,17 @@ class Trainer:
         # A micro-batch with no real label has a 0/0 mean (NaN) and adds nothing to the window's sum.
         return (loss.detach().float() * n if n else torch.zeros((), device=loss.device)), n
 
+    def _stage_loss(self, model: nn.Module, inputs: Any) -> Any:
+        """One micro-batch's loss under the pipeline, as (sum, items) when labels can be counted."""
+        n = _items(self._labels(inputs), self._causal)
+        loss = self.compute_loss(model, inputs, num_items_in_batch=n)
+        return (loss * n, n) if n is not None else loss
+
     # ------------------------------------------------------------------------------------------------ train
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
         args = self.args
         self._train_loader_raw = self.get_train_dataloader()
-        per_epoch = max(1, math.ceil(len(self._train_loader_raw) / self.engine.num_processes
+        per_epoch = max(1, math.ceil(len(self._train_loader_raw) / self.engine.topology.dp_size
                                      / args.gradient_accumulation_steps))  # fmt: skip
         max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * per_epoch)
         self._prepare(max_steps)
@@ -282,14 +288,18 @@ class Trainer:
                 if micro % args.gradient_accumulation_steps == 0:
                     self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
                 micro += 1
-                with self.engine.accumulate(self.model):
-                    loss_sum, n = self.training_step(self.model, batch)
-                    if self.engine.sync_gradients:
-                        self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
-                        self.optimizer.step()
-                        self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
-                        self.lr_scheduler.step()
-                        self.optimizer.zero_grad()
+                if self.engine.strategy.drives_backward:
+                    # The pipeline's schedule runs the whole step (its micro-batches are pp_microbatches).
+                    loss_sum, n = self.engine.train_step(batch, self._stage_loss), 1
+                else:
+                    with self.engine.accumulate(self.model):
+                        loss_sum, n = self.training_step(self.model, batch)
+                        if self.engine.sync_gradients:
+                            self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
+                            self.optimizer.step()
+                            self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
+                            self.lr_scheduler.step()
+                            self.optimizer.zero_grad()
                 window[0] = window[0] + loss_sum.double().cpu()
                 window[1] += n
                 if not self.engine.sync_gradients:
