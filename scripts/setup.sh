@@ -28,7 +28,12 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   pip_install "torch==2.13.0" || { echo "installing torch==2.13.0 failed" >&2; exit 1; }
   .venv/bin/python -W ignore -c "import torch" || { echo "installing torch==2.13.0 failed" >&2; exit 1; }
 fi
-pip_install -e ".[dev]" || { echo "installing phalanx and its dependencies (pip install -e '.[dev]') failed" >&2; exit 1; }
+# Every install is constrained to the torch now in .venv, so that no package (transformers, for the tests) can make
+# pip swap it for another build.
+constraints=.venv/torch-constraint.txt
+.venv/bin/python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > "$constraints"
+pip_install -c "$constraints" -e ".[dev,test]" || {
+  echo "installing phalanx and its dependencies (pip install -e '.[dev,test]') failed" >&2; exit 1; }
 mode="reusing system packages"
 if ! sees_system; then
   mode="isolated"
