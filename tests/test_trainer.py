@@ -155,3 +155,28 @@ def test_save_model_and_a_model_without_a_loss(tmp_path):
         trainer.train()
     path = phalanx.Trainer(_model(), _args(str(tmp_path)), train_dataset=_data(), compute_loss_func=_loss).save_model()
     assert Path(path).name == "model.safetensors" and Path(path).is_file()
+
+
+def _bert_run(tmp: str) -> dict:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, num_labels=2, max_position_embeddings=16)  # fmt: skip
+    model = transformers.BertForSequenceClassification(config)
+    g = torch.Generator().manual_seed(1)
+    rows = [{"input_ids": torch.randint(1, 50, (8,), generator=g), "attention_mask": torch.ones(8, dtype=torch.long),
+             "label": int(i % 2)} for i in range(32)]  # fmt: skip
+    trainer = phalanx.Trainer(model, _args(tmp, per_device_train_batch_size=4, strategy="zero3", max_steps=3),
+                              train_dataset=rows)  # fmt: skip
+    trainer.train()
+    trainer.save_model(f"{tmp}/final")
+    ours = {k: v.clone() for k, v in trainer.engine.get_state_dict(trainer.model).items()}
+    loaded = transformers.BertForSequenceClassification.from_pretrained(f"{tmp}/final").state_dict()
+    same = all(torch.equal(loaded[k], v) for k, v in ours.items() if k in loaded)
+    return {"same": same, "missing": sorted(set(ours) - set(loaded)), "steps": trainer.state.global_step}
+
+
+def test_a_transformers_model_trains_under_zero3_and_saves_for_from_pretrained(run_ranks, tmp_path):
+    pytest.importorskip("transformers")
+    for result in run_ranks(_bert_run, 2, str(tmp_path)):
+        assert result["steps"] == 3 and result["same"] and result["missing"] == [], result
