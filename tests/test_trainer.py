@@ -180,3 +180,23 @@ def test_a_transformers_model_trains_under_zero3_and_saves_for_from_pretrained(r
     pytest.importorskip("transformers")
     for result in run_ranks(_bert_run, 2, str(tmp_path)):
         assert result["steps"] == 3 and result["same"] and result["missing"] == [], result
+
+
+def test_phalanx_plot_reads_the_trainer_log(tmp_path):
+    from phalanx.cli import main
+    from phalanx.trainer.plot import read_log
+
+    trainer = phalanx.Trainer(_model(), _args(str(tmp_path), per_device_train_batch_size=16, max_steps=3),
+                              train_dataset=_data(), compute_loss_func=_loss)  # fmt: skip
+    trainer.train()
+    series = read_log(tmp_path)
+    assert [s for s, _ in series["loss"]] == [1, 2, 3]
+    assert [v for _, v in series["loss"]] == [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert all(v > 0 for _, v in series["steps_per_second"])
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert main(["plot", str(tmp_path)]) == 2  # says to pip install phalanx[plot]
+    else:
+        assert main(["plot", str(tmp_path)]) == 0 and (tmp_path / "training.png").stat().st_size > 1000
+    assert main(["plot", str(tmp_path / "nowhere")]) == 2

@@ -84,6 +84,10 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
 
     add("env", help="print versions, devices and backends")
 
+    p = add("plot", help="a PNG of a Trainer run's losses, learning rate and throughput (needs matplotlib)")
+    p.add_argument("output_dir", help="the Trainer's output_dir (it holds log.jsonl)")
+    p.add_argument("-o", "--output", help="the PNG to write (default OUTPUT_DIR/training.png)")
+
     p = add("checkpoint", help="inspect or consolidate a checkpoint written by engine.save_state")
     ck = p.add_subparsers(dest="checkpoint_command", required=True)
     q = ck.add_parser("info", help="what a checkpoint holds: world size, strategy, counters, models, files")
@@ -258,6 +262,15 @@ def _main(args: list[str]) -> int:
         print(_unknown(command, unknown, list(spellings)), file=sys.stderr)
         return 2
     try:
+        if command == "plot":
+            from phalanx.trainer.plot import plot
+
+            try:
+                print(f"wrote {plot(ns.output_dir, ns.output)}")
+            except (ImportError, FileNotFoundError, ValueError) as e:
+                print(f"phalanx plot: {e}", file=sys.stderr)
+                return 2
+            return 0
         if command == "env":
             print(_env_report())
             return 0

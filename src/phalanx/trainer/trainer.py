@@ -117,6 +117,7 @@ class Trainer:
         self._forward_params = self._forward_parameters(model)
         self._train_loader: Any = None
         self._train_loader_raw: Any = None
+        self._last_log = (0.0, 0)  # (time, optimizer step) of the last training log, for steps_per_second
         self._eval_loader: Any = None
         self._prepared = False
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
@@ -280,6 +281,7 @@ class Trainer:
         window: list[Any] = [torch.zeros((), dtype=torch.float64), 0]  # loss sum and items since the last log
         total: list[Any] = [0.0, 0]
         started = time.perf_counter()
+        self._last_log = (started, self.state.global_step)
         while self.engine.epoch < self.state.num_train_epochs and not self.control.should_training_stop:
             self.control._new_epoch()
             self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
@@ -349,7 +351,10 @@ class Trainer:
             loss = (sums[0] / sums[1]).item()  # the true mean over every item of the logging window, on all ranks
             total[0], total[1] = total[0] + sums[0].item(), total[1] + int(sums[1].item())
             window[0], window[1] = torch.zeros((), dtype=torch.float64), 0
-            self.log({"loss": loss, "learning_rate": self.optimizer.param_groups[0]["lr"]})
+            now, (since, at) = time.perf_counter(), self._last_log
+            rate = (self.state.global_step - at) / (now - since) if now > since else 0.0
+            self._last_log = (now, self.state.global_step)
+            self.log({"loss": loss, "learning_rate": self.optimizer.param_groups[0]["lr"], "steps_per_second": rate})
         metrics = None
         if self.control.should_evaluate:
             metrics = self.evaluate()
