@@ -200,3 +200,26 @@ def test_phalanx_plot_reads_the_trainer_log(tmp_path):
     else:
         assert main(["plot", str(tmp_path)]) == 0 and (tmp_path / "training.png").stat().st_size > 1000
     assert main(["plot", str(tmp_path / "nowhere")]) == 2
+
+
+def test_gradient_checkpointing_needs_a_model_that_has_it(tmp_path):
+    with pytest.raises(ValueError, match="has no gradient_checkpointing_enable"):
+        phalanx.Trainer(_model(), _args(str(tmp_path), gradient_checkpointing=True), train_dataset=_data())
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=64, num_labels=2)  # fmt: skip
+    model = transformers.BertForSequenceClassification(config)
+    phalanx.Trainer(model, _args(str(tmp_path), gradient_checkpointing=True))
+    assert model.is_gradient_checkpointing
+
+
+def test_early_stopping_ends_the_run(tmp_path):
+    scores = iter([0.5, 0.4, 0.3, 0.2, 0.1, 0.0])
+    args = _args(str(tmp_path), per_device_train_batch_size=16, num_train_epochs=6, eval_strategy="epoch",
+                 save_strategy="epoch", load_best_model_at_end=True, metric_for_best_model="acc")  # fmt: skip
+    trainer = phalanx.Trainer(_model(), args, train_dataset=_data(), eval_dataset=_data(8, seed=5),
+                              compute_loss_func=_loss, compute_metrics=lambda p: {"acc": next(scores)},
+                              callbacks=[phalanx.EarlyStoppingCallback(early_stopping_patience=2)])  # fmt: skip
+    trainer.train()
+    # Best at the first evaluation, then two without improvement: training stops after epoch 3 of 6.
+    assert trainer.state.global_step == 3 * (N // 16)

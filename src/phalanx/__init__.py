@@ -13,10 +13,12 @@ from phalanx.compat.dummies import DummyOptim, DummyScheduler
 from phalanx.engine import Engine
 from phalanx.spawn import spawn
 from phalanx.trainer.arguments import TrainingArguments
+from phalanx.trainer.callbacks import EarlyStoppingCallback, TrainerCallback
+from phalanx.trainer.state import TrainerControl, TrainerState
 from phalanx.trainer.trainer import EvalPrediction, Trainer
 
 
 __all__ = [
     "Engine", "spawn", "checkpoint", "DummyOptim", "DummyScheduler", "TrainingArguments", "Trainer", "EvalPrediction",
-    "__version__",
+    "TrainerCallback", "EarlyStoppingCallback", "TrainerState", "TrainerControl", "__version__",
 ]

@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from phalanx.engine import Engine
+from phalanx.logging import warn_once
 from phalanx.trainer.arguments import TrainingArguments
 from phalanx.trainer.callbacks import CallbackHandler, TrainerCallback
 from phalanx.trainer.reporting import default_callbacks
@@ -114,6 +115,21 @@ class Trainer:
         self.callback_handler = CallbackHandler([*default_callbacks(self.args), *(callbacks or [])], model,
                                                 processing_class, self.optimizer, self.lr_scheduler)  # fmt: skip
         self._causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+        if self.args.gradient_checkpointing:
+            enable = getattr(model, "gradient_checkpointing_enable", None)
+            if enable is None:
+                raise ValueError(
+                    f"gradient_checkpointing=True, but {type(model).__name__} has no gradient_checkpointing_enable() "
+                    "(a transformers model has it); wrap its blocks in torch.utils.checkpoint.checkpoint yourself, or "
+                    "set gradient_checkpointing=False"
+                )
+            enable()
+        if not self.args.average_tokens_across_devices:
+            warn_once(
+                "average_tokens_across_devices=False is not honoured: phalanx always normalises the loss by the items "
+                "of the whole window over every rank, which is what makes the gradient equal one process's on the full "
+                "batch (leave it True)"
+            )
         self._forward_params = self._forward_parameters(model)
         self._train_loader: Any = None
         self._train_loader_raw: Any = None
@@ -320,7 +336,11 @@ class Trainer:
             if self.state.global_step >= self.state.max_steps:
                 break
         if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
+            # load_state also brings back the TrainerState saved with the best checkpoint (_StateHolder); keep this
+            # run's, or global_step, epoch and log_history would rewind to the best step.
+            state, global_step = self.state, self.engine.global_step
             self.engine.load_state(self.state.best_model_checkpoint)
+            self.state, self.engine.global_step = state, global_step
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         runtime = time.perf_counter() - started
         mean = total[0] / total[1] if total[1] else float("nan")
