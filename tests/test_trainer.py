@@ -223,3 +223,21 @@ def test_early_stopping_ends_the_run(tmp_path):
     trainer.train()
     # Best at the first evaluation, then two without improvement: training stops after epoch 3 of 6.
     assert trainer.state.global_step == 3 * (N // 16)
+
+
+def test_train_loss_counts_the_steps_after_the_last_log(tmp_path):
+    trainer = phalanx.Trainer(_model(), _args(str(tmp_path), per_device_train_batch_size=16, max_steps=3, logging_steps=2),
+                              train_dataset=_data(), compute_loss_func=_loss)  # fmt: skip
+    out = trainer.train()
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(logged) == 1  # step 2 only; step 3 is after the last log
+    every = phalanx.Trainer(_model(), _args(str(tmp_path / "b"), per_device_train_batch_size=16, max_steps=3),
+                            train_dataset=_data(), compute_loss_func=_loss)  # fmt: skip
+    every.train()
+    x, y = _data().tensors
+    # The item-weighted mean of the three steps' losses: recover it from the per-step logs of the twin run.
+    per_step = [h["loss"] for h in every.state.log_history if "loss" in h]
+    order = [int(i) for i in torch.randperm(N, generator=torch.Generator().manual_seed(0))]
+    counts = [int((y[order[16 * s:16 * s + 16]] != -100).sum()) for s in range(3)]
+    expected = sum(l * c for l, c in zip(per_step, counts)) / sum(counts)
+    assert out.training_loss == pytest.approx(expected, rel=1e-6)

@@ -59,7 +59,7 @@ class UnknownArgumentError(ConfigError, TypeError):
 def _deprecated(message: str) -> None:
     if message not in _WARNED:
         _WARNED.add(message)
-        warnings.warn(message, FutureWarning, stacklevel=4)  # _deprecated < __post_init__ < __init__ < the caller
+        warnings.warn(message, FutureWarning, stacklevel=5)  # _deprecated < _read_deprecated < __post_init__ < __init__ < the caller
 
 
 @dataclass

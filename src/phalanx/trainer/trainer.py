@@ -335,6 +335,9 @@ class Trainer:
             self._log_save_evaluate(window, total)
             if self.state.global_step >= self.state.max_steps:
                 break
+        # The steps since the last log count in train_loss too. Every rank reduces, whatever its own window holds.
+        sums = self.engine.reduce(torch.tensor([float(window[0]), float(window[1])]), "sum")
+        total[0], total[1] = total[0] + sums[0].item(), total[1] + int(sums[1].item())
         if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             # load_state also brings back the TrainerState saved with the best checkpoint (_StateHolder); keep this
             # run's, or global_step, epoch and log_history would rewind to the best step.
@@ -366,7 +369,9 @@ class Trainer:
         self.engine.load_state(str(resume))  # the TrainerState comes back with it (_StateHolder)
 
     def _log_save_evaluate(self, window: list[Any], total: list[Any]) -> None:
-        if self.control.should_log and window[1]:
+        if self.control.should_log:
+            # Every rank reduces (should_log follows the step count, the same everywhere), even one whose window
+            # holds no item: a rank that skipped the collective would leave the others waiting.
             sums = self.engine.reduce(torch.tensor([float(window[0]), float(window[1])]), "sum")
             loss = (sums[0] / sums[1]).item()  # the true mean over every item of the logging window, on all ranks
             total[0], total[1] = total[0] + sums[0].item(), total[1] + int(sums[1].item())
