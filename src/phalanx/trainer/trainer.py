@@ -116,7 +116,10 @@ class Trainer:
                                                 processing_class, self.optimizer, self.lr_scheduler)  # fmt: skip
         self._causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
         if self.args.gradient_checkpointing:
-            enable = getattr(model, "gradient_checkpointing_enable", None)
+            # transformers 5 renamed it activation_checkpointing_enable (the old name warns).
+            enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
+                model, "gradient_checkpointing_enable", None
+            )
             if enable is None:
                 raise ValueError(
                     f"gradient_checkpointing=True, but {type(model).__name__} has no gradient_checkpointing_enable() "
