@@ -224,3 +224,16 @@ def pipe_reference_run(
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class Indices(torch.utils.data.Dataset):
+    """The dataset 0, 1, ..., n-1: each sample is its own index, so gathers and orders can be read off directly."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i

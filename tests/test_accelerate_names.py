@@ -18,22 +18,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import phalanx
 
-from _common import OddNet, global_order, make_data
-
-
-class _Indices(Dataset):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        return i
+from _common import Indices, OddNet, global_order, make_data
 
 
 # ------------------------------------------------------------------------------------ accumulate(*models)
@@ -86,7 +75,7 @@ def test_sync_gradients_is_true_outside_a_window_and_counts_steps_after_the_bloc
     assert engine.sync_gradients is True  # no window open yet
     model = nn.Linear(1, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    loader = DataLoader(_Indices(7), batch_size=1)
+    loader = DataLoader(Indices(7), batch_size=1)
     model, optimizer, loader = engine.prepare(model, optimizer, loader)
     inside, counted = [], 0
     for idx in loader:
@@ -138,7 +127,7 @@ def _world_and_collectives(root: str) -> dict:
     except TypeError as e:
         out["bad"] = str(e)
     # After a pass whose last global batch was padded: gather keeps the padding, gather_for_metrics drops it.
-    loader = engine.prepare(DataLoader(_Indices(7), batch_size=1))
+    loader = engine.prepare(DataLoader(Indices(7), batch_size=1))
     out["pass_gather"], out["pass_metrics"] = [], []
     for idx in loader:
         out["pass_gather"] += engine.gather(idx).tolist()
@@ -264,7 +253,7 @@ def _epoch_run(root: str, resume: bool) -> dict:
     torch.manual_seed(0)
     model = nn.Linear(1, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    loader = DataLoader(_Indices(N_SAMPLES), batch_size=GLOBAL_BATCH // engine.world_size, shuffle=True)
+    loader = DataLoader(Indices(N_SAMPLES), batch_size=GLOBAL_BATCH // engine.world_size, shuffle=True)
     model, optimizer, loader = engine.prepare(model, optimizer, loader)
     out: dict = {"epochs": [], "batches": []}
 
@@ -316,8 +305,8 @@ def test_epoch_without_a_loader_is_an_error():
     engine = phalanx.Engine()
     with pytest.raises(RuntimeError, match="no DataLoader was prepared"):
         _ = engine.epoch
-    engine.prepare(DataLoader(_Indices(4), batch_size=2))
-    engine.prepare(DataLoader(_Indices(4), batch_size=4))  # an eval loader prepared second does not count
+    engine.prepare(DataLoader(Indices(4), batch_size=2))
+    engine.prepare(DataLoader(Indices(4), batch_size=4))  # an eval loader prepared second does not count
     assert engine.epoch == 0
 
 

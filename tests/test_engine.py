@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 import phalanx
-from _common import OddNet, global_order, make_data, reference_run
+from _common import Indices, OddNet, global_order, make_data, reference_run
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -141,20 +141,9 @@ def test_scheduler_counts_optimizer_steps_whatever_the_world_size(run_ranks):
 
 
 # ------------------------------------------------------------------------ metrics and sampler
-class _Indices(Dataset):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        return i
-
-
 def _gather_pass(n: int, per_rank_batch: int, shuffle: bool, epochs: int) -> dict:
     engine = phalanx.Engine(seed=11)
-    loader = engine.prepare(DataLoader(_Indices(n), batch_size=per_rank_batch, shuffle=shuffle))
+    loader = engine.prepare(DataLoader(Indices(n), batch_size=per_rank_batch, shuffle=shuffle))
     out = {"epochs": [], "batches": []}
     for _ in range(epochs):  # no set_epoch call: the loader advances its epoch by itself
         seen, batches = [], []
@@ -365,7 +354,7 @@ def test_sampler_resumes_mid_epoch_on_another_world_size():
     straight = global_batches(1)
     assert len(straight) == 12
     engine = phalanx.Engine(seed=5)
-    loader = engine.prepare(DataLoader(_Indices(96), batch_size=8, shuffle=True))
+    loader = engine.prepare(DataLoader(Indices(96), batch_size=8, shuffle=True))
     loader.set_epoch(1)
     it = iter(loader)
     consumed = [next(it).tolist() for _ in range(3)]
@@ -374,7 +363,7 @@ def test_sampler_resumes_mid_epoch_on_another_world_size():
     assert consumed == straight[:3]
     for world in (1, 2, 4):
         assert global_batches(world, start=state["samples_done"] // 8) == straight[3:], world
-    resumed = engine.prepare(DataLoader(_Indices(96), batch_size=8, shuffle=True))
+    resumed = engine.prepare(DataLoader(Indices(96), batch_size=8, shuffle=True))
     resumed.load_state_dict(state)
     assert resumed.state_dict() == state  # saving again before the first batch keeps the position
     assert [b.tolist() for b in resumed] == straight[3:]
@@ -400,7 +389,7 @@ def test_main_process_first_runs_rank_0_before_the_others(run_ranks, tmp_path):
 
 def _gather_after_a_padded_pass() -> dict:
     engine = phalanx.Engine()
-    loader = engine.prepare(DataLoader(_Indices(3), batch_size=1))  # 3 samples on 2 ranks: the tail is padded
+    loader = engine.prepare(DataLoader(Indices(3), batch_size=1))  # 3 samples on 2 ranks: the tail is padded
     inside = [engine.gather_for_metrics(batch).tolist() for batch in loader]
     after = engine.gather_for_metrics(torch.tensor([float(engine.rank)])).tolist()
     return {"inside": inside, "after": after}
