@@ -22,7 +22,7 @@ import phalanx
 from phalanx.demo import ByteChunks, GPTConfig, TinyGPT, load_stdlib_bytes
 
 
-def next_byte_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int | None = None) -> torch.Tensor:
+def next_byte_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: torch.Tensor | None = None) -> torch.Tensor:
     """The mean cross-entropy of every next-byte prediction in the micro-batch."""
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
 

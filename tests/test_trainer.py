@@ -275,3 +275,12 @@ def test_predict_returns_every_row_in_order(tmp_path):
     assert out.predictions.shape == (9, CLASSES) and torch.equal(out.label_ids, labels)
     assert out.metrics["test_rows"] == 9.0 and "test_loss" in out.metrics
     torch.testing.assert_close(out.predictions, _model()(x))
+
+
+def test_eval_on_start_evaluates_before_the_first_step(tmp_path):
+    trainer = phalanx.Trainer(_model(), _args(str(tmp_path), per_device_train_batch_size=16, max_steps=1,
+                                              eval_on_start=True), train_dataset=_data(), eval_dataset=_data(8, seed=5),
+                              compute_loss_func=_loss)  # fmt: skip
+    trainer.train()
+    evals = [h for h in trainer.state.log_history if "eval_loss" in h]
+    assert [h["step"] for h in evals] == [0]

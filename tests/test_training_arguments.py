@@ -276,3 +276,9 @@ def test_to_dict_round_trips(tmp_path):
     assert again == args and again.to_dict() == args.to_dict()
     assert pickle.loads(pickle.dumps(args)) == args
     assert dataclasses.replace(args, seed=1).seed == 1
+
+
+def test_no_clipping_in_the_arguments_contradicts_a_deepspeed_gradient_clipping(tmp_path):
+    # max_grad_norm=0 means "do not clip"; the file's gradient_clipping must not win without a word.
+    with pytest.raises(ConfigError, match=r"gradient_clipping -> max_grad_norm=1.0.*max_grad_norm=0.0"):
+        TrainingArguments(output_dir=str(tmp_path), max_grad_norm=0, deepspeed={"gradient_clipping": 1.0})

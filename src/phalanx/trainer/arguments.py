@@ -328,6 +328,8 @@ class TrainingArguments:
         data = self.deepspeed if isinstance(self.deepspeed, dict) else read_deepspeed(str(self.deepspeed))
         where = "deepspeed (dict)" if isinstance(self.deepspeed, dict) else str(self.deepspeed)
         ours = self._engine_values()
+        if self.max_grad_norm == 0:
+            ours["max_grad_norm"] = 0.0  # "do not clip" is a value too: a gradient_clipping in the file contradicts it
         for key, value, source in from_deepspeed(data, where).values:
             if ours.get(key) is not None and ours[key] != value:
                 raise ConfigError(f"the DeepSpeed config {where} says {source} -> {key}={value!r}, but TrainingArguments "

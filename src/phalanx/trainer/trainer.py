@@ -77,15 +77,16 @@ class _StateHolder:
         self.trainer.state = TrainerState(**saved)
 
 
-def _items(labels: Any, causal: bool) -> int | None:
-    """Labels that count in the loss: not -100, one position shifted for a causal LM (its loss predicts the next)."""
+def _items(labels: Any, causal: bool) -> torch.Tensor | None:
+    """Labels that count in the loss: not -100, one position shifted for a causal LM (its loss predicts the next).
+    A 0-d tensor on the labels' device, so that counting costs no host sync."""
     if not isinstance(labels, torch.Tensor):
         return None
     if labels.is_floating_point():
-        return labels.numel()
+        return torch.tensor(labels.numel(), device=labels.device)
     if causal and labels.dim() >= 2:
         labels = labels[..., 1:]
-    return int((labels != IGNORE_INDEX).sum())
+    return (labels != IGNORE_INDEX).sum()
 
 
 class Trainer:
@@ -133,6 +134,16 @@ class Trainer:
                 "of the whole window over every rank, which is what makes the gradient equal one process's on the full "
                 "batch (leave it True)"
             )
+        if self.args.data_seed is not None and self.args.data_seed != self.args.seed:
+            warn_once(
+                f"data_seed={self.args.data_seed} is not honoured: the data order follows seed={self.args.seed} (one "
+                "seed drives both in phalanx, so the order is the same on any world size); set seed instead"
+            )
+        if self.args.save_only_model:
+            warn_once(
+                "save_only_model=True is not honoured: a phalanx checkpoint always holds what resuming needs "
+                "(optimizer, schedule, data position); call trainer.save_model(dir) for the weights alone"
+            )
         self._forward_params = self._forward_parameters(model)
         self._train_loader: Any = None
         self._train_loader_raw: Any = None
@@ -177,7 +188,7 @@ class Trainer:
     def _loader(self, dataset: Dataset, batch_size: int, shuffle: bool) -> DataLoader:
         return DataLoader(
             dataset, batch_size=batch_size, shuffle=shuffle, collate_fn=self._collate,
-            drop_last=self.args.dataloader_drop_last and shuffle, num_workers=self.args.dataloader_num_workers,
+            drop_last=self.args.dataloader_drop_last and shuffle,  # evaluation always sees every sample once num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory and self.engine.device.type == "cuda",
         )  # fmt: skip
 
@@ -230,7 +241,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------- loss
     def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
-                     num_items_in_batch: int | None = None) -> Any:  # fmt: skip
+                     num_items_in_batch: torch.Tensor | None = None) -> Any:  # fmt: skip
         """The mean loss of one micro-batch: the model's own (``labels`` in the batch), or ``compute_loss_func(outputs,
         labels, num_items_in_batch=...)``. A ``(inputs, labels)`` batch calls ``model(inputs)``."""
         labels = self._labels(inputs)
@@ -261,17 +272,18 @@ class Trainer:
             return inputs[1]
         return None
 
-    def training_step(self, model: nn.Module, inputs: Any) -> tuple[torch.Tensor, int]:
-        """Backward of one micro-batch; returns its loss sum and item count (for the logged mean)."""
+    def training_step(self, model: nn.Module, inputs: Any) -> torch.Tensor:
+        """Backward of one micro-batch; returns ``[loss sum, items]`` on the device (for the logged mean)."""
         n = _items(self._labels(inputs), self._causal)
         loss = self.compute_loss(model, inputs, num_items_in_batch=n)
         if n is None:  # no labels to count: each micro-batch's mean weighs the same
             self.engine.backward(loss)
-            return loss.detach().float(), 1
+            return torch.stack([loss.detach().double(), torch.ones((), dtype=torch.float64, device=loss.device)])
         # The mean over this micro-batch's n items, as a sum: the engine divides by the window's items on all ranks.
         self.engine.backward(loss * n, items=n)
         # A micro-batch with no real label has a 0/0 mean (NaN) and adds nothing to the window's sum.
-        return (loss.detach().float() * n if n else torch.zeros((), device=loss.device)), n
+        total = torch.where(n > 0, loss.detach().double() * n, torch.zeros((), dtype=torch.float64, device=loss.device))
+        return torch.stack([total, n.double()])
 
     def _stage_loss(self, model: nn.Module, inputs: Any) -> Any:
         """One micro-batch's loss under the pipeline, as (sum, items) when labels can be counted."""
@@ -297,7 +309,10 @@ class Trainer:
         self.state.compute_steps(args, max_steps)
         self.control._new_training()
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
-        window: list[Any] = [torch.zeros((), dtype=torch.float64), 0]  # loss sum and items since the last log
+        if args.eval_on_start and self.state.global_step == 0:
+            self.evaluate()  # a baseline before the first step, as HF's eval_on_start
+        # Loss sum and items since the last log, on the device: read (one host sync) only when a log reduces it.
+        window = torch.zeros(2, dtype=torch.float64, device=self.engine.device)
         total: list[Any] = [0.0, 0]
         started = time.perf_counter()
         self._last_log = (started, self.state.global_step)
@@ -311,18 +326,17 @@ class Trainer:
                 micro += 1
                 if self.engine.strategy.drives_backward:
                     # The pipeline's schedule runs the whole step (its micro-batches are pp_microbatches).
-                    loss_sum, n = self.engine.train_step(batch, self._stage_loss), 1
+                    step_mean = self.engine.train_step(batch, self._stage_loss).double()
+                    window += torch.stack([step_mean, torch.ones_like(step_mean)])
                 else:
                     with self.engine.accumulate(self.model):
-                        loss_sum, n = self.training_step(self.model, batch)
+                        window += self.training_step(self.model, batch)
                         if self.engine.sync_gradients:
                             self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
                             self.optimizer.step()
                             self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
                             self.lr_scheduler.step()
                             self.optimizer.zero_grad()
-                window[0] = window[0] + loss_sum.double().cpu()
-                window[1] += n
                 if not self.engine.sync_gradients:
                     self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
                     continue
@@ -339,8 +353,8 @@ class Trainer:
             if self.state.global_step >= self.state.max_steps:
                 break
         # The steps since the last log count in train_loss too. Every rank reduces, whatever its own window holds.
-        sums = self.engine.reduce(torch.tensor([float(window[0]), float(window[1])]), "sum")
-        total[0], total[1] = total[0] + sums[0].item(), total[1] + int(sums[1].item())
+        loss_sum, items = self.engine.reduce(window, "sum").tolist()
+        total[0], total[1] = total[0] + loss_sum, total[1] + int(items)
         if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             # load_state also brings back the TrainerState saved with the best checkpoint (_StateHolder); keep this
             # run's, or global_step, epoch and log_history would rewind to the best step.
@@ -371,14 +385,14 @@ class Trainer:
             resume = str(found[-1][1])
         self.engine.load_state(str(resume))  # the TrainerState comes back with it (_StateHolder)
 
-    def _log_save_evaluate(self, window: list[Any], total: list[Any]) -> None:
+    def _log_save_evaluate(self, window: torch.Tensor, total: list[Any]) -> None:
         if self.control.should_log:
             # Every rank reduces (should_log follows the step count, the same everywhere), even one whose window
             # holds no item: a rank that skipped the collective would leave the others waiting.
-            sums = self.engine.reduce(torch.tensor([float(window[0]), float(window[1])]), "sum")
-            loss = (sums[0] / sums[1]).item()  # the true mean over every item of the logging window, on all ranks
-            total[0], total[1] = total[0] + sums[0].item(), total[1] + int(sums[1].item())
-            window[0], window[1] = torch.zeros((), dtype=torch.float64), 0
+            loss_sum, items = self.engine.reduce(window, "sum").tolist()
+            loss = loss_sum / items if items else float("nan")  # the mean over every item of the window, all ranks
+            total[0], total[1] = total[0] + loss_sum, total[1] + int(items)
+            window.zero_()
             now, (since, at) = time.perf_counter(), self._last_log
             rate = (self.state.global_step - at) / (now - since) if now > since else 0.0
             self._last_log = (now, self.state.global_step)
