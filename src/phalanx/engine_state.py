@@ -127,6 +127,27 @@ class EngineState(EngineCollectives):
         counters = load_checkpoint(input_dir, self._parts(), self.strategy, self.topology, self.device, verify)
         self.global_step = counters.get("global_step", 0)
 
+    def load_model(self, path: str | os.PathLike[str], model: nn.Module | None = None) -> None:
+        """Load weights only into a prepared model (the only one, or ``model``): the optimizer, schedulers, loaders,
+        counters and RNG stay as they are. Every rank must call it; each reads only the slices it holds.
+
+        ``path`` is a ``save_state`` checkpoint (saved on any world size under any strategy), a ``.safetensors``
+        file, or a directory that ``save_model`` or transformers' ``save_pretrained`` wrote (``model.safetensors``,
+        or shards with ``model.safetensors.index.json``). Names and shapes are checked on every rank before anything
+        is read; a tied weight may be stored under any of its names; pickles (``pytorch_model.bin``) are refused.
+        """
+        from phalanx.model_files import load_weights
+
+        if model is None:
+            if len(self._models) != 1:
+                raise TypeError(f"engine.load_model(path) needs one prepared model; {len(self._models)} are prepared: "
+                                "pass model=")  # fmt: skip
+            model = self._models[0]
+        index = next((i for i, m in enumerate(self._models) if model is m or model is self.unwrap_model(m)), None)
+        if index is None:
+            raise ValueError("engine.load_model(model=...) got a model that engine.prepare did not return")
+        load_weights(self.strategy, self._models[index], path, index, self.device)
+
     def save_model(self, *args: Any, metadata: dict[str, str] | None = None) -> Path:
         """``save_model(save_directory)`` or ``save_model(model, save_directory)``: the whole model in a directory that
         loads back; returns the path of its ``model.safetensors``. Every rank must call it; rank 0 writes.
