@@ -73,6 +73,65 @@ def test_the_trainer_runs_the_pipeline_through_its_schedule(run_ranks, tmp_path)
     assert ranks[0]["losses"] == pytest.approx(one["losses"], abs=1e-6)
 
 
+class _Steps(phalanx.TrainerCallback):
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def on_pre_optimizer_step(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
+        self.events.append("pre")
+
+    def on_optimizer_step(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
+        self.events.append("step")
+
+
+def _train_best(tmp: str, strategy: str, per_device: int = 16) -> dict:
+    """Log every 2 steps (windows whose steps hold different numbers of real labels), evaluate and save every
+    epoch, and load the best weights at the end."""
+    scores = iter([0.9, 0.5])
+    steps = _Steps()
+    args = _args(tmp, per_device_train_batch_size=per_device, num_train_epochs=2, logging_steps=2, eval_strategy="epoch",
+                 save_strategy="epoch", load_best_model_at_end=True, metric_for_best_model="acc", strategy=strategy)  # fmt: skip
+    trainer = phalanx.Trainer(_model(), args, train_dataset=_data(), eval_dataset=_data(8, seed=5), compute_loss_func=_loss,
+                              compute_metrics=lambda pred: {"acc": next(scores)}, callbacks=[steps])  # fmt: skip
+    trainer.train()
+    return {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h], "events": steps.events,
+            "state": trainer.engine.get_state_dict(trainer.model), "best": trainer.state.best_model_checkpoint,
+            "step": trainer.state.global_step, "exp_avg": trainer.optimizer.state_dict()["state"] != {}}  # fmt: skip
+
+
+@pytest.mark.parametrize("strategy,per_device", [("pipeline", 16), ("zero3", 8)])  # one process's batch: 16
+def test_logging_windows_optimizer_events_and_the_best_weights_on_two_ranks(run_ranks, tmp_path, strategy, per_device):
+    ranks = run_ranks(_train_best, 2, str(tmp_path / "two"), strategy, per_device)
+    one = _train_best(str(tmp_path / "one"), "ddp")
+    per_epoch = N // 16
+    for rank in ranks:
+        # The true mean over every real label of each 2-step window (not the mean of the steps' means).
+        assert rank["losses"] == pytest.approx(one["losses"], abs=1e-6) and len(rank["losses"]) == per_epoch
+        assert rank["events"] == ["pre", "step"] * 2 * per_epoch  # HF's events around each optimizer step
+        assert rank["best"] == str(tmp_path / "two" / f"checkpoint-{per_epoch}") and rank["step"] == 2 * per_epoch
+    # load_best_model_at_end brought back the weights of the first epoch's checkpoint, the same on every rank.
+    for key, value in one["state"].items():
+        torch.testing.assert_close(ranks[0]["state"][key], value, rtol=0, atol=2e-6)
+    from phalanx.checkpoint import Checkpoint
+
+    with Checkpoint(tmp_path / "two" / f"checkpoint-{per_epoch}") as ck:
+        best = ck.state_dict(0)
+    assert all(torch.equal(best[k], ranks[0]["state"][k]) for k in best)
+
+
+def _window_means_differ() -> bool:
+    """The check above can fail: with these data, the mean of two steps' means is not the window's mean."""
+    x, y = _data().tensors
+    model = _model()
+    steps = [F.cross_entropy(model(x[i:i + 16]), y[i:i + 16], ignore_index=-100) for i in (0, 16)]
+    window = F.cross_entropy(model(x[:32]), y[:32], ignore_index=-100)
+    return abs(torch.stack(steps).mean().item() - window.item()) > 1e-4
+
+
+def test_the_window_check_can_fail():
+    assert _window_means_differ()
+
+
 def test_per_micro_batch_normalisation_would_differ(tmp_path):
     # The check above can fail: averaging micro-batch means (HF's bug #34191) gives other parameters here.
     x, y = _data().tensors
@@ -284,3 +343,10 @@ def test_eval_on_start_evaluates_before_the_first_step(tmp_path):
     trainer.train()
     evals = [h for h in trainer.state.log_history if "eval_loss" in h]
     assert [h["step"] for h in evals] == [0]
+
+
+def test_optim_picks_the_fused_kernel_by_default_as_transformers(tmp_path):
+    fused = phalanx.Trainer(_model(), _args(str(tmp_path)), train_dataset=_data()).create_optimizer()
+    foreach = phalanx.Trainer(_model(), _args(str(tmp_path), optim="adamw_torch"), train_dataset=_data()).create_optimizer()
+    assert fused.defaults["fused"] is True and not foreach.defaults["fused"]
+    assert [g["weight_decay"] for g in fused.param_groups] == [0.0, 0.0]  # _args has weight_decay 0: both groups

@@ -313,7 +313,7 @@ class Engine(EngineState):
             return True
         return False
 
-    def train_step(self, batch: Any, loss_fn: Callable[[nn.Module, Any], Any]) -> torch.Tensor:
+    def train_step(self, batch: Any, loss_fn: Callable[[nn.Module, Any], Any], optimizer_step: bool = True) -> torch.Tensor:
         """One micro-batch of training: forward, backward and, at the window's end, clip and step.
 
         ``loss_fn(model, batch)`` returns a mean loss, or a tuple ``(loss_sum, items)``. Returns the
@@ -321,7 +321,16 @@ class Engine(EngineState):
         optimizer; a prepared scheduler, if any, steps with them. Under ``strategy="pipeline"`` one call
         is a whole step: the batch is split into micro-batches that the schedule pushes through the stages,
         ``loss_fn`` runs once per micro-batch, and the step's mean loss is returned on every stage.
+        ``optimizer_step=False`` (pipeline only, as torch's ``schedule.step()``) stops after the gradients are
+        reduced: the caller then calls ``optimizer.step()`` (which clips to ``max_grad_norm``), the scheduler's
+        ``step()`` and ``optimizer.zero_grad()``.
         """
+        if not optimizer_step and not self.strategy.drives_backward:
+            raise ValueError(
+                f"engine.train_step(optimizer_step=False) is for strategy='pipeline', where one call is a whole step; "
+                f"under strategy={self.config.strategy!r} write engine.backward(loss) inside engine.accumulate() and step "
+                "the optimizer yourself"
+            )
         if len(self._models) != 1 or len(self._optimizers) != 1:
             raise RuntimeError(
                 f"engine.train_step needs exactly one prepared model and one optimizer; got {len(self._models)} "
@@ -330,6 +339,8 @@ class Engine(EngineState):
         model, optimizer = self._models[0], self._optimizers[0]
         if self.strategy.drives_backward:
             loss = self.strategy.train_step(model, batch, loss_fn)
+            if not optimizer_step:
+                return loss
             if self.config.max_grad_norm is not None:
                 self.clip_grad_norm_(self.config.max_grad_norm)
             optimizer.step()

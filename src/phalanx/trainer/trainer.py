@@ -29,15 +29,13 @@ from phalanx.engine import Engine
 from phalanx.logging import warn_once
 from phalanx.trainer.arguments import TrainingArguments
 from phalanx.trainer.callbacks import CallbackHandler, TrainerCallback
+from phalanx.trainer.loss import LossMixin, items_of
 from phalanx.trainer.reporting import default_callbacks
 from phalanx.trainer.rotation import rotate_checkpoints, sorted_checkpoints
 from phalanx.trainer.schedules import get_scheduler
 from phalanx.trainer.state import TrainerControl, TrainerState, record_best_metric
 
 __all__ = ["Trainer", "EvalPrediction", "TrainOutput", "PredictionOutput"]
-
-IGNORE_INDEX = -100
-
 
 class EvalPrediction(NamedTuple):
     """What ``compute_metrics`` receives: every sample's predictions and labels, in dataset order, on the CPU."""
@@ -77,19 +75,7 @@ class _StateHolder:
         self.trainer.state = TrainerState(**saved)
 
 
-def _items(labels: Any, causal: bool) -> torch.Tensor | None:
-    """Labels that count in the loss: not -100, one position shifted for a causal LM (its loss predicts the next).
-    A 0-d tensor on the labels' device, so that counting costs no host sync."""
-    if not isinstance(labels, torch.Tensor):
-        return None
-    if labels.is_floating_point():
-        return torch.tensor(labels.numel(), device=labels.device)
-    if causal and labels.dim() >= 2:
-        labels = labels[..., 1:]
-    return (labels != IGNORE_INDEX).sum()
-
-
-class Trainer:
+class Trainer(LossMixin):
     """Trains, evaluates and checkpoints a model with :class:`TrainingArguments`, on the strategy they (or the
     launcher) choose. ``compute_loss`` and ``training_step`` may be overridden as in Hugging Face's Trainer."""
 
@@ -116,6 +102,7 @@ class Trainer:
         self.callback_handler = CallbackHandler([*default_callbacks(self.args), *(callbacks or [])], model,
                                                 processing_class, self.optimizer, self.lr_scheduler)  # fmt: skip
         self._causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+        self._window = torch.zeros(2, dtype=torch.float64)  # the pipeline's last stage adds to train()'s window
         if self.args.gradient_checkpointing:
             # transformers 5 renamed it activation_checkpointing_enable (the old name warns).
             enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
@@ -205,7 +192,8 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------- optimizer, schedule
     def create_optimizer(self) -> torch.optim.Optimizer:
-        """AdamW with the arguments' lr, betas, eps and weight decay, which spares biases and norm weights (as HF)."""
+        """AdamW with the arguments' lr, betas, eps and weight decay, which spares biases and norm weights (as HF);
+        ``optim`` picks its fused or foreach kernel."""
         no_decay = {
             id(p) for m in self.model.modules() for n, p in m.named_parameters(recurse=False)
             if n.endswith("bias") or "norm" in type(m).__name__.lower()
@@ -216,7 +204,8 @@ class Trainer:
             {"params": [p for p in params if id(p) in no_decay], "weight_decay": 0.0},
         ]
         return torch.optim.AdamW([g for g in groups if g["params"]], lr=self.args.learning_rate,
-                                 betas=(self.args.adam_beta1, self.args.adam_beta2), eps=self.args.adam_epsilon)  # fmt: skip
+                                 betas=(self.args.adam_beta1, self.args.adam_beta2), eps=self.args.adam_epsilon,
+                                 fused=self.args.optim == "adamw_torch_fused" or None)  # fmt: skip
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer) -> Any:
         return get_scheduler(self.args.lr_scheduler_type, optimizer, self.args.get_warmup_steps(num_training_steps),
@@ -239,59 +228,15 @@ class Trainer:
         self.callback_handler.train_dataloader, self.callback_handler.eval_dataloader = self._train_loader, self._eval_loader
         self._prepared = True
 
-    # ------------------------------------------------------------------------------------------------- loss
-    def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
-                     num_items_in_batch: torch.Tensor | None = None) -> Any:  # fmt: skip
-        """The mean loss of one micro-batch: the model's own (``labels`` in the batch), or ``compute_loss_func(outputs,
-        labels, num_items_in_batch=...)``. A ``(inputs, labels)`` batch calls ``model(inputs)``."""
-        labels = self._labels(inputs)
-        if isinstance(inputs, Mapping):
-            outputs = model(**inputs)
-        elif isinstance(inputs, (tuple, list)) and len(inputs) == 2:
-            outputs = model(inputs[0])
-        else:
-            outputs = model(inputs)
-        if self.compute_loss_func is not None:
-            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
-        elif isinstance(outputs, Mapping) and outputs.get("loss") is not None:
-            loss = outputs["loss"]
-        elif getattr(outputs, "loss", None) is not None:
-            loss = outputs.loss
-        else:
-            raise ValueError(
-                f"the model returned no loss ({type(outputs).__name__}): put labels in the batch (a 'labels' key) for a "
-                "model that computes its loss, or pass compute_loss_func=lambda outputs, labels, num_items_in_batch: ..."
-            )
-        return (loss, outputs) if return_outputs else loss
-
-    def _labels(self, inputs: Any) -> Any:
-        if isinstance(inputs, Mapping):
-            names = self.args.label_names or ["labels"]
-            return inputs.get(names[0])
-        if isinstance(inputs, (tuple, list)) and len(inputs) == 2:
-            return inputs[1]
-        return None
-
-    def training_step(self, model: nn.Module, inputs: Any) -> torch.Tensor:
-        """Backward of one micro-batch; returns ``[loss sum, items]`` on the device (for the logged mean)."""
-        n = _items(self._labels(inputs), self._causal)
-        loss = self.compute_loss(model, inputs, num_items_in_batch=n)
-        if n is None:  # no labels to count: each micro-batch's mean weighs the same
-            self.engine.backward(loss)
-            return torch.stack([loss.detach().double(), torch.ones((), dtype=torch.float64, device=loss.device)])
-        # The mean over this micro-batch's n items, as a sum: the engine divides by the window's items on all ranks.
-        self.engine.backward(loss * n, items=n)
-        # A micro-batch with no real label has a 0/0 mean (NaN) and adds nothing to the window's sum.
-        total = torch.where(n > 0, loss.detach().double() * n, torch.zeros((), dtype=torch.float64, device=loss.device))
-        return torch.stack([total, n.double()])
-
-    def _stage_loss(self, model: nn.Module, inputs: Any) -> Any:
-        """One micro-batch's loss under the pipeline, as (sum, items) when labels can be counted."""
-        n = _items(self._labels(inputs), self._causal)
-        loss = self.compute_loss(model, inputs, num_items_in_batch=n)
-        return (loss * n, n) if n is not None else loss
-
     # ------------------------------------------------------------------------------------------------ train
+    def _optimizer_step(self) -> None:
+        """The step at a window's end, between HF's two optimizer events (optimizer.step clips to max_grad_norm)."""
+        self.control = self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)
+        self.optimizer.step()
+        self.control = self.callback_handler.on_optimizer_step(self.args, self.state, self.control)
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad()
+
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
         args = self.args
         self._train_loader_raw = self.get_train_dataloader()
@@ -325,18 +270,16 @@ class Trainer:
                     self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
                 micro += 1
                 if self.engine.strategy.drives_backward:
-                    # The pipeline's schedule runs the whole step (its micro-batches are pp_microbatches).
-                    step_mean = self.engine.train_step(batch, self._stage_loss).double()
-                    window += torch.stack([step_mean, torch.ones_like(step_mean)])
+                    # The pipeline's schedule runs forward and backward of the whole step (its micro-batches are
+                    # pp_microbatches); the last stage adds each micro-batch's loss sum and items to the window.
+                    self._window = window
+                    self.engine.train_step(batch, self._stage_loss, optimizer_step=False)
+                    self._optimizer_step()
                 else:
                     with self.engine.accumulate(self.model):
                         window += self.training_step(self.model, batch)
                         if self.engine.sync_gradients:
-                            self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
-                            self.optimizer.step()
-                            self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
-                            self.lr_scheduler.step()
-                            self.optimizer.zero_grad()
+                            self._optimizer_step()
                 if not self.engine.sync_gradients:
                     self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
                     continue
@@ -353,14 +296,10 @@ class Trainer:
             if self.state.global_step >= self.state.max_steps:
                 break
         # The steps since the last log count in train_loss too. Every rank reduces, whatever its own window holds.
-        loss_sum, items = self.engine.reduce(window, "sum").tolist()
+        loss_sum, items = self._reduce_window(window).tolist()
         total[0], total[1] = total[0] + loss_sum, total[1] + int(items)
         if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
-            # load_state also brings back the TrainerState saved with the best checkpoint (_StateHolder); keep this
-            # run's, or global_step, epoch and log_history would rewind to the best step.
-            state, global_step = self.state, self.engine.global_step
-            self.engine.load_state(self.state.best_model_checkpoint)
-            self.state, self.engine.global_step = state, global_step
+            self.engine.load_model(self.state.best_model_checkpoint)  # the weights only, as HF
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         runtime = time.perf_counter() - started
         mean = total[0] / total[1] if total[1] else float("nan")
@@ -389,7 +328,7 @@ class Trainer:
         if self.control.should_log:
             # Every rank reduces (should_log follows the step count, the same everywhere), even one whose window
             # holds no item: a rank that skipped the collective would leave the others waiting.
-            loss_sum, items = self.engine.reduce(window, "sum").tolist()
+            loss_sum, items = self._reduce_window(window).tolist()
             loss = loss_sum / items if items else float("nan")  # the mean over every item of the window, all ranks
             total[0], total[1] = total[0] + loss_sum, total[1] + int(items)
             window.zero_()
@@ -430,7 +369,7 @@ class Trainer:
             for batch in loader:
                 label = self._labels(batch)
                 loss, outputs = self.compute_loss(self.model, batch, return_outputs=True,
-                                                  num_items_in_batch=_items(label, self._causal))  # fmt: skip
+                                                  num_items_in_batch=items_of(label, self._causal))  # fmt: skip
                 logits = outputs.get("logits") if isinstance(outputs, Mapping) else getattr(outputs, "logits", outputs)
                 if self.preprocess_logits_for_metrics is not None:
                     logits = self.preprocess_logits_for_metrics(logits, label)
