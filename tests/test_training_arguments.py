@@ -33,6 +33,7 @@ def test_important_defaults_are_transformers_defaults():
     expected = {
         "per_device_train_batch_size": 8, "per_device_eval_batch_size": 8, "gradient_accumulation_steps": 1,
         "learning_rate": 5e-5, "weight_decay": 0.0, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8,
+        "optim": "adamw_torch_fused",
         "max_grad_norm": 1.0, "num_train_epochs": 3.0, "max_steps": -1, "lr_scheduler_type": "linear",
         "lr_scheduler_kwargs": None, "warmup_steps": 0, "logging_strategy": "steps", "logging_steps": 500,
         "logging_first_step": False, "eval_strategy": "no", "eval_steps": None, "eval_on_start": False,
@@ -193,6 +194,8 @@ def test_choices_and_counts_are_checked():
         TrainingArguments(per_device_train_batch_size=0)
     with pytest.raises(ConfigError, match="invalid gradient_accumulation_steps: got 0"):
         TrainingArguments(gradient_accumulation_steps=0)
+    with pytest.raises(ConfigError, match=r"optim='adafactor' is not built in; .* Trainer\(optimizers=\(optimizer, None\)\)"):
+        TrainingArguments(optim="adafactor")
 
 
 def test_strategy_and_its_knobs_are_checked():

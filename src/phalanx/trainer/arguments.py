@@ -31,6 +31,8 @@ __all__ = ["TrainingArguments", "UnknownArgumentError"]
 
 _INTERVALS = ("no", "steps", "epoch")
 _SAVES = ("no", "steps", "epoch", "best")
+# transformers' optim names that build torch's AdamW (its default since torch 2.8 is the fused kernel).
+OPTIMS = ("adamw_torch_fused", "adamw_torch")
 _PRECISION_OF = {"bf16": "bf16-mixed", "fp16": "fp16-mixed"}
 # Engine settings that a TrainingArguments field already says; a knob of the same name would say it twice.
 _OWNED = {
@@ -43,7 +45,7 @@ _HF_ELSEWHERE = {
     "fsdp": "use strategy='zero3'", "fsdp_config": "use strategy='zero3' and strategy_options",
     "ddp_bucket_cap_mb": "use strategy_options={'bucket_mb': ...}", "ddp_timeout": "use strategy_options={'timeout_s': ...}",
     "use_cpu": "use strategy_options={'device': 'cpu'}", "no_cuda": "use strategy_options={'device': 'cpu'}",
-    "local_rank": "phalanx reads the rank from the launcher", "optim": "pass Trainer(optimizers=(optimizer, None))",
+    "local_rank": "phalanx reads the rank from the launcher", "optim_args": "pass Trainer(optimizers=(optimizer, None))",
     "do_train": "it is a flag for your script, not for the Trainer: remove it", "do_eval": "remove it",
     "do_predict": "remove it", "overwrite_output_dir": "remove it (phalanx never deletes output_dir)",
     "logging_dir": "phalanx logs to output_dir (JSONL, and TensorBoard with report_to)",
@@ -84,6 +86,9 @@ class TrainingArguments:
     """AdamW's beta2."""
     adam_epsilon: float = 1e-8
     """AdamW's epsilon."""
+    optim: str = "adamw_torch_fused"
+    """The optimizer the Trainer builds: adamw_torch_fused (torch's AdamW, fused kernel; transformers' default) or
+    adamw_torch (its foreach kernel). Any other: pass ``Trainer(optimizers=(optimizer, None))``."""
     max_grad_norm: float | None = 1.0
     """Clip the global gradient norm to this; 0 (or None) does not clip."""
     num_train_epochs: float = 3.0
@@ -187,11 +192,16 @@ class TrainingArguments:
         if self.disable_tqdm is None:
             self.disable_tqdm = False
         self._read_deprecated()
-        for name in ("lr_scheduler_type", "logging_strategy", "eval_strategy", "save_strategy"):
+        for name in ("lr_scheduler_type", "logging_strategy", "eval_strategy", "save_strategy", "optim"):
             setattr(self, name, str(getattr(getattr(self, name), "value", getattr(self, name))))  # an HF enum too
         _choice("logging_strategy", self.logging_strategy, _INTERVALS)
         _choice("eval_strategy", self.eval_strategy, _INTERVALS)
         _choice("save_strategy", self.save_strategy, _SAVES)
+        if self.optim not in OPTIMS:
+            raise ConfigError(
+                f"TrainingArguments: optim={self.optim!r} is not built in; phalanx builds {' or '.join(OPTIMS)}. For "
+                "another optimizer, build it and pass Trainer(optimizers=(optimizer, None))"
+            )
         kwargs = self.lr_scheduler_kwargs
         check_schedule_kwargs(self.lr_scheduler_type, kwargs if isinstance(kwargs, dict) else {})
         self._check_counts()
