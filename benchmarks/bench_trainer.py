@@ -2,7 +2,8 @@
 Trainer, 2 ranks on gloo, 1 thread each.
 
     /tmp/tf-venv/bin/python benchmarks/bench_trainer.py --rounds 5             # 3 rows (about 5 min on 2 idle cores)
-    /tmp/tf-venv/bin/python benchmarks/bench_trainer.py --rounds 5 --hf-default-optim   # + HF with its default AdamW
+    /tmp/tf-venv/bin/python benchmarks/bench_trainer.py --rounds 5 --optim adamw_torch   # every row on AdamW's foreach kernel
+    python benchmarks/bench_trainer.py --gpu --nprocs 1 --bf16 --d 4096 --batch 256   # one GPU, bf16 autocast
     .venv/bin/python benchmarks/bench_trainer.py --rounds 5                    # without transformers: the HF row is skipped
     /tmp/tf-venv/bin/python benchmarks/bench_trainer.py --rounds 1 --only phalanx_trainer,engine_loop \
         --profile /tmp/trainer-prof --no-json                                    # cProfile of rank 0's timed steps
@@ -35,7 +36,7 @@ from harness import (  # noqa: E402
 )
 
 WORKER = HERE / "trainer_workers.py"
-NRANKS = 2
+NRANKS = 2  # the default of --nprocs
 OVERHEAD_TARGET = 0.03
 HF_RATIO_TARGET = 1.0
 
@@ -58,9 +59,7 @@ def configurations(args: argparse.Namespace) -> list[dict[str, Any]]:
     ]
     ok, why = hf_status()
     if ok:
-        configs.append({"name": "HF Trainer", "kind": "hf_trainer", "hf_optim": "adamw_torch"})
-        if args.hf_default_optim:
-            configs.append({"name": "HF Trainer, default optim", "kind": "hf_trainer", "hf_optim": "default"})
+        configs.append({"name": "HF Trainer", "kind": "hf_trainer"})
     else:
         print(f"[skip] HF Trainer: {why}")
     if args.only:
@@ -69,20 +68,20 @@ def configurations(args: argparse.Namespace) -> list[dict[str, Any]]:
     return configs
 
 
-def run_config(cfg: dict[str, Any], base: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
-    """One run: torch.distributed.run with 2 ranks of trainer_workers.py; their results in rank order."""
-    spec = dict(base, **{k: v for k, v in cfg.items() if k == "hf_optim"})
+def run_config(cfg: dict[str, Any], base: dict[str, Any], timeout: float, nprocs: int) -> list[dict[str, Any]]:
+    """One run: torch.distributed.run with ``nprocs`` ranks of trainer_workers.py; their results in rank order."""
+    spec = dict(base)
     env = dict(os.environ, OMP_NUM_THREADS=str(RANK_THREADS), TOKENIZERS_PARALLELISM="false",
                PYTHONWARNINGS="ignore")  # fmt: skip
     for key in [k for k in env if k.startswith("PHALANX_")]:
         del env[key]  # the runs take their world from torch.distributed.run only
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as out:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(NRANKS), "--master-addr", "127.0.0.1",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nprocs), "--master-addr", "127.0.0.1",
                "--master-port", str(free_port()), str(WORKER), "--kind", cfg["kind"], "--spec", json.dumps(spec), "--out", out]  # fmt: skip
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
             raise RuntimeError(f"{cfg['name']} exited with {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}")
-        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(NRANKS)]
+        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(nprocs)]
 
 
 def summarize_round(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -129,10 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--only", default="", help="comma-separated kinds or names (phalanx_trainer, engine_loop, hf_trainer)")
-    p.add_argument("--hf-default-optim", action="store_true",
-                   help="add a row with the HF Trainer's default optim (adamw_torch_fused on torch >= 2.8)")
+    p.add_argument("--optim", default="adamw_torch_fused", choices=("adamw_torch_fused", "adamw_torch"),
+                   help="the AdamW kernel of every row (the Trainers' optim; the Engine loop's fused=); default: both "
+                        "Trainers' default, the fused kernel")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="cProfile of rank 0's timed steps into DIR/<kind>.rank0.{prof,txt} (use with --no-json)")
+    p.add_argument("--nprocs", type=int, default=NRANKS, help="ranks of every row")
+    p.add_argument("--gpu", action="store_true",
+                   help="one GPU per rank (NCCL; HF with use_cpu=False, pinned loaders); the step clock synchronises the GPU")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast in every row (bf16=True, precision='bf16-mixed')")
     add_output_flags(p, HERE / "results", "trainer-mlp")
     return p
 
@@ -143,16 +147,19 @@ def main(argv: list[str] | None = None) -> int:
     base = {
         "seed": args.seed, "batch": args.batch, "grad_accum": args.grad_accum, "logging_steps": args.logging_steps,
         "d": args.d, "layers": args.layers, "lr": args.lr, "warmup": args.warmup, "steps": args.steps,
-        "threads": RANK_THREADS, **({"profile": str(Path(args.profile).resolve())} if args.profile else {}),
+        "threads": RANK_THREADS, "gpu": args.gpu, "bf16": args.bf16, "optim": args.optim,
+        **({"profile": str(Path(args.profile).resolve())} if args.profile else {}),
     }  # fmt: skip
     configs = configurations(args)
-    gb = args.batch * args.grad_accum * NRANKS
-    print(f"\n=== MLP {args.layers} x Linear({args.d}, {args.d}), {NRANKS} ranks x {RANK_THREADS} thread on gloo, "
+    NR = args.nprocs
+    gb = args.batch * args.grad_accum * NR
+    where = "one GPU each, NCCL" if args.gpu else f"{RANK_THREADS} thread on gloo"
+    print(f"\n=== MLP {args.layers} x Linear({args.d}, {args.d}){' bf16' if args.bf16 else ''}, {NR} ranks x {where}, "
           f"global batch {gb} ({args.batch} x accum {args.grad_accum} per rank), logging every {args.logging_steps} steps, "
           f"{args.warmup} warm-up + {args.steps} timed steps, {args.rounds} rounds ===", flush=True)
     src_start = source_state()
     rounds, failures, wall = interleaved_rounds(
-        configs, args, lambda cfg: run_config(cfg, base, args.timeout), summarize_round,
+        configs, args, lambda cfg: run_config(cfg, base, args.timeout, NR), summarize_round,
         lambda s: f"median {s['median_ms']:7.1f} ms/step, mean {s['mean_ms']:7.1f}",
     )
     sources = source_record(src_start, source_state())
@@ -165,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         meds, means = [r["median_ms"] for r in rs], [r["mean_ms"] for r in rs]
         rows.append({
             **cfg, "median_ms": statistics.median(meds), "round_medians_ms": meds, "mean_ms": statistics.median(means),
-            "round_means_ms": means, "cpu_ms_per_step_per_rank": per_rank_median(rs, "cpu_ms_per_step", NRANKS),
-            "peak_hwm_mib_per_rank": per_rank_median(rs, "peak_hwm_mib", NRANKS),
+            "round_means_ms": means, "cpu_ms_per_step_per_rank": per_rank_median(rs, "cpu_ms_per_step", NR),
+            "peak_hwm_mib_per_rank": per_rank_median(rs, "peak_hwm_mib", NR),
             "logged_losses": rs[0]["logged_losses"], "param_checksum": rs[0]["param_checksum"],
             "optimizer": rs[0]["optimizer"], "threads": rs[0]["threads"],
             **{k: rs[0][k] for k in ("distributed_type", "backend", "hf_world_size", "describe") if k in rs[0]},
@@ -227,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "workload": {"model": f"MLPRegressor: {args.layers} x Linear({args.d}, {args.d}) with ReLU between, MSE",
                      "data": "randn inputs and labels, one epoch covers every step", "global_batch": gb, **base},
-        "nranks": NRANKS, "rounds": args.rounds, "wall_s": wall, "launcher": "python -m torch.distributed.run --nproc-per-node 2",
+        "nranks": NR, "rounds": args.rounds, "wall_s": wall, "launcher": f"python -m torch.distributed.run --nproc-per-node {NR}",
         "definitions": {
             "step": "the interval between consecutive on_step_end events (the same TimingCallback in both Trainers; the "
                     "Engine loop takes the clock at the same point): batch fetch, forward, backward, clipping, optimizer "
@@ -236,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             "mean_ms": "median over rounds of the mean step time over the timed steps (the log steps amortised)",
             "trainer_over_engine_loop": "per round phalanx.Trainer / Engine loop, then median, min, max over rounds; "
                                         "overhead = ratio - 1, target < 0.03",
-            "trainer_over_hf_trainer": "per round phalanx.Trainer / HF Trainer (optim adamw_torch, the same torch AdamW), "
+            "trainer_over_hf_trainer": "per round phalanx.Trainer / HF Trainer (the same optim, the same torch AdamW), "
                                        "median over rounds, target <= 1.0",
         },
         "headline": headline, "setup_checks": checks, "failures": failures, **sources,

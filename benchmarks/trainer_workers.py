@@ -19,7 +19,6 @@ import argparse
 import cProfile
 import io
 import json
-import math
 import os
 import pstats
 import sys
@@ -100,11 +99,14 @@ class StepClock:
     def __init__(self, spec: dict[str, Any], rank: int) -> None:
         self.stamps: list[float] = []
         self.warmup = spec["warmup"]
+        self.gpu = bool(spec.get("gpu"))
         # CPU time, not wall time: the shared machine's other processes then do not inflate what a function costs.
         self.profiler = cProfile.Profile(time.process_time) if spec.get("profile") and rank == 0 else None
         self.cpu0 = 0.0
 
     def step_end(self) -> None:
+        if self.gpu:
+            torch.cuda.synchronize()  # the step's GPU work is done: every row is timed alike
         self.stamps.append(time.perf_counter())
         if len(self.stamps) == self.warmup:  # the timed steps start here
             self.cpu0 = time.process_time()
@@ -145,6 +147,7 @@ def run_phalanx_trainer(spec: dict[str, Any], rank: int, world_size: int, out_di
         output_dir=out_dir, per_device_train_batch_size=spec["batch"], gradient_accumulation_steps=spec["grad_accum"],
         learning_rate=spec["lr"], weight_decay=0.01, max_steps=total_steps(spec), logging_steps=spec["logging_steps"],
         save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True, seed=spec["seed"], strategy="ddp",
+        bf16=bool(spec.get("bf16")), optim=spec["optim"],
     )  # fmt: skip
     trainer = phalanx.Trainer(model, args, train_dataset=RandomRegression(dataset_size(spec, world_size), spec["d"], spec["seed"]),
                               callbacks=[make_timing_callback(TrainerCallback, clock)])  # fmt: skip
@@ -166,11 +169,12 @@ def run_engine_loop(spec: dict[str, Any], rank: int, world_size: int, out_dir: s
 
     clock = StepClock(spec, rank)
     model = build_model(spec)
-    engine = phalanx.Engine(strategy="ddp", grad_accum_steps=spec["grad_accum"], seed=spec["seed"], max_grad_norm=1.0)
+    engine = phalanx.Engine(strategy="ddp", grad_accum_steps=spec["grad_accum"], seed=spec["seed"], max_grad_norm=1.0,
+                            precision="bf16-mixed" if spec.get("bf16") else "fp32")  # fmt: skip
     decay = [p for n, p in model.named_parameters() if not n.endswith("bias")]
     no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=spec["lr"])  # fmt: skip
+                            lr=spec["lr"], fused=spec["optim"] == "adamw_torch_fused" or None)  # fmt: skip
     n_steps = total_steps(spec)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, (n_steps - s) / max(1, n_steps)))
     data = RandomRegression(dataset_size(spec, world_size), spec["d"], spec["seed"])
@@ -212,26 +216,27 @@ def run_engine_loop(spec: dict[str, Any], rank: int, world_size: int, out_dir: s
 
 def run_hf_trainer(spec: dict[str, Any], rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
     """transformers.Trainer with use_cpu=True on the torch.distributed.run world (Accelerate MULTI_CPU on gloo);
-    ``spec["hf_optim"]``: "adamw_torch" (torch.optim.AdamW, what phalanx.Trainer creates) or its default."""
+    ``spec["optim"]``: the same optim as the phalanx rows (torch's AdamW, fused or foreach). On ``spec["gpu"]``, the
+    GPU with ``use_cpu=False``."""
     import torch.distributed as dist
     import transformers
     from accelerate.utils import DistributedType
 
     clock = StepClock(spec, rank)
     model = build_model(spec)
-    optim = {} if spec["hf_optim"] == "default" else {"optim": spec["hf_optim"]}
+    optim = {"optim": spec["optim"]}
     args = transformers.TrainingArguments(
-        output_dir=out_dir, use_cpu=True, per_device_train_batch_size=spec["batch"],
+        output_dir=out_dir, use_cpu=not spec.get("gpu"), per_device_train_batch_size=spec["batch"],
         gradient_accumulation_steps=spec["grad_accum"], learning_rate=spec["lr"], weight_decay=0.01,
         max_steps=total_steps(spec), logging_steps=spec["logging_steps"], save_strategy="no", eval_strategy="no",
-        report_to="none", disable_tqdm=True, seed=spec["seed"], dataloader_pin_memory=False, **optim,
+        report_to="none", disable_tqdm=True, seed=spec["seed"], dataloader_pin_memory=bool(spec.get("gpu")), bf16=bool(spec.get("bf16")), **optim,
     )  # fmt: skip
     trainer = transformers.Trainer(model=model, args=args,
                                    train_dataset=RandomRegression(dataset_size(spec, world_size), spec["d"], spec["seed"]),
                                    callbacks=[make_timing_callback(transformers.TrainerCallback, clock)])  # fmt: skip
     dtype = trainer.accelerator.distributed_type
     backend = dist.get_backend() if dist.is_initialized() else None
-    if world_size > 1 and (dtype != DistributedType.MULTI_CPU or trainer.args.world_size != world_size or backend != "gloo"):
+    if world_size > 1 and not spec.get("gpu") and (dtype != DistributedType.MULTI_CPU or trainer.args.world_size != world_size or backend != "gloo"):
         raise RuntimeError(f"the HF Trainer runs {dtype} with world_size={trainer.args.world_size}, backend={backend}, "
                            f"not MULTI_CPU x {world_size} on gloo: the comparison would be void")  # fmt: skip
     trainer.train()
