@@ -115,3 +115,58 @@ def test_checkpoint_on_the_gpu_resumes_bitwise(tmp_path, strategy, options):
     resumed = engine.get_state_dict(model)
     for k, v in straight.items():
         assert torch.equal(resumed[k], v), k
+
+
+def _trainer_run(tmp: str, bf16: bool) -> tuple[phalanx.Trainer, dict[str, torch.Tensor], list[float]]:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(96, 8, generator=g), torch.randint(0, 3, (96,), generator=g)
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 3))
+    args = phalanx.TrainingArguments(output_dir=tmp, per_device_train_batch_size=16, num_train_epochs=3, logging_steps=2,
+                                     learning_rate=1e-2, lr_scheduler_type="constant", save_strategy="no", report_to=[],
+                                     disable_tqdm=True, seed=0, bf16=bf16)  # fmt: skip
+    trainer = phalanx.Trainer(model, args, train_dataset=TensorDataset(x, y), eval_dataset=TensorDataset(x[:10], y[:10]),
+                              compute_loss_func=lambda out, labels, num_items_in_batch=None: torch.nn.functional.cross_entropy(out, labels))  # fmt: skip
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return trainer, trainer.engine.get_state_dict(trainer.model), losses
+
+
+@cuda
+@pytest.mark.cuda
+def test_the_trainer_on_one_gpu_matches_the_cpu_and_trains_in_bf16(tmp_path, monkeypatch):
+    trainer, gpu_state, gpu_losses = _trainer_run(str(tmp_path / "gpu"), bf16=False)
+    assert trainer.engine.device.type == "cuda" and next(trainer.model.parameters()).is_cuda
+    pred = trainer.predict(trainer.eval_dataset)
+    assert isinstance(pred.predictions, torch.Tensor) and pred.predictions.device.type == "cpu"  # moved batch by batch
+    assert pred.predictions.shape == (10, 3) and pred.label_ids.device.type == "cpu"
+    monkeypatch.setenv("PHALANX_DEVICE", "cpu")
+    _, cpu_state, cpu_losses = _trainer_run(str(tmp_path / "cpu"), bf16=False)
+    monkeypatch.delenv("PHALANX_DEVICE")
+    for k, v in cpu_state.items():
+        torch.testing.assert_close(gpu_state[k], v, rtol=1e-4, atol=1e-5, msg=k)
+    assert gpu_losses == pytest.approx(cpu_losses, rel=1e-4)
+    bf16, _, bf16_losses = _trainer_run(str(tmp_path / "bf16"), bf16=True)
+    assert bf16.engine.precision_report()["compute"] == "bfloat16"
+    assert bf16_losses[-1] < bf16_losses[0] and bf16_losses == pytest.approx(cpu_losses, rel=5e-2)
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.filterwarnings("ignore:strategy .* shards nothing")
+@pytest.mark.parametrize("strategy,offload", [("ddp", "none"), ("zero3", "cpu")])
+def test_load_model_onto_the_gpu(tmp_path, strategy, offload):
+    import safetensors.torch
+
+    torch.manual_seed(1)
+    source = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    safetensors.torch.save_file(source.state_dict(), str(tmp_path / "model.safetensors"))
+    engine = phalanx.Engine(strategy=strategy, offload=offload, device="cuda")
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    model, _ = engine.prepare(model, torch.optim.AdamW(model.parameters()))
+    engine.load_model(tmp_path)
+    got = engine.get_state_dict(model)
+    assert all(torch.equal(got[k], v) for k, v in source.state_dict().items())
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(model(x.cuda()).cpu(), source(x), rtol=1e-5, atol=1e-5)
