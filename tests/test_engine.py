@@ -461,3 +461,19 @@ def test_review_regressions(run_ranks):
         assert not res["skipped"] and res["scale"][1] == res["scale"][0]
     # a process group the script made itself is the world
     assert run_ranks(_existing_process_group, 2) == [(0, 2, 1.5), (1, 2, 1.5)]
+
+
+def test_a_scheduler_built_on_the_prepared_optimizer_counts_its_steps():
+    """Accelerate users often build the scheduler after prepare(optimizer): it must step once per optimizer step (it
+    silently never stepped: the prepared scheduler compared it with the optimizer inside)."""
+    engine = phalanx.Engine(grad_accum_steps=2)
+    net = torch.nn.Linear(3, 1)
+    model, opt = engine.prepare(net, torch.optim.SGD(net.parameters(), lr=1.0))
+    sched = engine.prepare(torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s))
+    for _ in range(6):
+        with engine.accumulate(model):
+            engine.backward(model(torch.ones(2, 3)).sum())
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    assert sched.scheduler.last_epoch == 3 and opt.param_groups[0]["lr"] == 0.125

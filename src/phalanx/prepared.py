@@ -95,12 +95,15 @@ class PreparedScheduler:
     def __init__(self, scheduler: LRScheduler, engine: Engine) -> None:
         self.scheduler = scheduler
         self._engine = engine
+        # A scheduler built on the optimizer that prepare returned counts the steps of the optimizer inside it.
+        target = scheduler.optimizer
+        self._optimizer = target.optimizer if isinstance(target, PreparedOptimizer) else target
         for opt in engine._optimizers:
-            if opt.optimizer is scheduler.optimizer:
+            if opt.optimizer is self._optimizer:
                 opt.schedulers.append(self)
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        if self._engine._consume_step(self.scheduler.optimizer):
+        if self._engine._consume_step(self._optimizer):
             self.scheduler.step(*args, **kwargs)
 
     def get_last_lr(self) -> list[Any]:
