@@ -27,7 +27,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["GradScale", "build_buckets", "second_backward_error", "unused_parameters_error", "frozen_after_prepare_error"]
+__all__ = ["GradScale", "build_buckets", "clip_to_norm_", "second_backward_error", "unused_parameters_error",
+           "frozen_after_prepare_error"]  # fmt: skip
 
 
 class GradScale:
@@ -56,6 +57,19 @@ class GradScale:
             return
         value = self.value
         tensor.mul_(value.to(tensor.device) if isinstance(value, torch.Tensor) else value)
+
+
+def clip_to_norm_(grads: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
+    """Scale ``grads`` by ``max_norm / total`` when ``total`` (their global norm) is above ``max_norm``. A non-finite
+    norm leaves them as they are (torch would multiply every gradient by NaN), so that the non-finite guard can
+    name the parameters the NaN is in. No host sync."""
+    coef = torch.clamp(max_norm / (total.float() + 1e-6), max=1.0)
+    coef = torch.where(torch.isfinite(total), coef, torch.ones_like(coef))
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    for device, group in by_device.items():
+        torch._foreach_mul_(group, coef.to(device))
 
 
 def build_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:

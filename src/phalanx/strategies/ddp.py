@@ -21,7 +21,7 @@ from phalanx.shards import (
     ShardEntry, StateReader, balanced_slices, keys_by_param, load_whole_tensors, named_tensors, read_optimizer_state,
 )  # fmt: skip
 from phalanx.strategies._grads import (
-    GradScale, build_buckets, frozen_after_prepare_error, second_backward_error, unused_parameters_error,
+    GradScale, build_buckets, clip_to_norm_, frozen_after_prepare_error, second_backward_error, unused_parameters_error,
 )  # fmt: skip
 from phalanx.strategies._memory import memory_report_dict, nbytes, state_bytes_per_element, state_tensors
 from phalanx.strategies._replicas import check_prepared_once, check_trainable, optimizer_list, replicate_from_first
@@ -265,7 +265,12 @@ class DDPStrategy(Strategy):
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
         # After the all-reduce every replica holds the same gradients, so the local norm is the global one.
-        return torch.nn.utils.clip_grad_norm_([p for p in parameters if p.grad is not None], max_norm, norm_type=norm_type)
+        grads = [p.grad for p in parameters if p.grad is not None]
+        if not grads:
+            return torch.zeros((), device=self.device)
+        total = torch.nn.utils.get_total_norm(grads, norm_type)
+        clip_to_norm_(grads, max_norm, total)
+        return total
 
     def sharded_state(self, model: nn.Module, optimizers: Any = None) -> list[ShardEntry]:
         # Every replica holds everything. So that a save writes in parallel, the replicas split the bytes evenly:

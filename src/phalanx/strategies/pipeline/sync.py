@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.shards import ShardEntry, StateReader, balanced_slices, load_whole_tensors, named_tensors
+from phalanx.strategies._grads import clip_to_norm_
 from phalanx.strategies.base import Strategy
 from phalanx.strategies.ddp import DDPStrategy
 from phalanx.strategies.pipeline.options import PipelineOptions
@@ -99,8 +100,7 @@ class WholeStageSync(StageSync):
         else:
             total = local
         total = total.to(grads[0].dtype if grads else torch.float32)
-        if params:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        clip_to_norm_(grads, max_norm, total)
         return total
 
 
