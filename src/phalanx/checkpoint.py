@@ -118,6 +118,7 @@ def save_checkpoint(
     try:
         for i, model in enumerate(parts.models):
             entries += [_rekey(e, i) for e in strategy.sharded_state(model, parts.optimizers)]
+        _refuse_nonfinite(entries, target)
         if rank == 0:
             extra: dict[str, torch.Tensor] = {}
             state = _global_state(parts, strategy, extra)
@@ -164,6 +165,17 @@ def save_checkpoint(
             error = f"{type(e).__name__}: {e}"
     agree(error, device, f"saving the checkpoint {target}")
     return target
+
+
+def _refuse_nonfinite(entries: list[ShardEntry], target: Path) -> None:
+    """A checkpoint is never written from weights or optimizer state holding a NaN or inf."""
+    bad = [e.key for e in entries if e.data.is_floating_point() and e.data.numel() and not bool(torch.isfinite(e.data).all())]
+    if bad:
+        raise CheckpointError(
+            f"non-finite values (NaN or inf) in {', '.join(bad[:5])}{' and more' if len(bad) > 5 else ''}: a checkpoint "
+            f"is never written from non-finite state, so {target} was left as it was. Training stepped into a NaN "
+            "(on_nonfinite='raise', the default, stops it at that step instead; was it set to 'ignore'?)"
+        )
 
 
 def _rekey(e: ShardEntry, model_index: int) -> ShardEntry:

@@ -56,6 +56,11 @@ class GeneralOptions(Options):
         "this step (as DeepSpeed's gradient_clipping).",
         check=lambda v: v > 0, fix="use a positive norm, or leave it unset to not clip",
     )  # fmt: skip
+    on_nonfinite: str = option(
+        "raise", "A NaN or inf loss or gradient at an optimizer step (fp32, bf16): raise (name the step, the ranks and "
+        "the parameters; nothing is stepped), skip (do not apply the step, warn) or ignore (no check). fp16 keeps its "
+        "loss scaler.", choices=("raise", "skip", "ignore"),
+    )  # fmt: skip
     device: str = option(
         "auto", "auto (CUDA of the local rank when there is one, else CPU), cpu or cuda.", choices=("auto", "cpu", "cuda")
     )

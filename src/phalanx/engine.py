@@ -36,6 +36,7 @@ from phalanx.guards import (
     warn_accumulation_unused,
 )  # fmt: skip
 from phalanx.logging import configure_logging, warn_once
+from phalanx.nonfinite import NonFiniteGuard
 from phalanx.precision import Precision, loss_scaling
 from phalanx.prepared import PreparedOptimizer, PreparedScheduler, autocast_forward, kind_of
 from phalanx.runtime import WorldInfo, detect_world, init_distributed, pick_device, seed_everything
@@ -86,6 +87,7 @@ class Engine(EngineState):
         """A fresh strategy, precision and training loop state, with nothing prepared (at start, and free_memory)."""
         strategy_cls = get_strategy_class(self.config.strategy)
         self.precision = Precision(self.config.precision, self.device, loss_scaling(self.config))
+        self._nonfinite = NonFiniteGuard(self.config.on_nonfinite, self.device, self.precision.scaler is not None)
         self.strategy = strategy_cls(self.config, self.topology, self.device, self.precision)
         shard_group = self.strategy.grad_shard_group()
         if self.strategy.shards_gradients and comm_world_size(shard_group) > 1:
@@ -255,6 +257,7 @@ class Engine(EngineState):
                 self.strategy.set_grad_scale((1.0 / total).to(torch.float32))
         if boundary:
             self._window_items, self._window_mode = None, None
+        self._nonfinite.note_loss(loss)
         self.precision.scale_loss(loss).backward(**kwargs)
         if boundary:
             self.strategy.finish_gradient_sync()
@@ -285,22 +288,40 @@ class Engine(EngineState):
         self.strategy.finish_gradient_sync()
         for opt in self._optimizers:
             self.precision.unscale_(opt.optimizer)  # clip the true gradients, not the loss-scaled ones
+        every = len(args) == 1
+        if not every:
+            self._check_nonfinite()  # these parameters' norm is not every gradient's: look at them all
         self._clipped = True
-        return self.strategy.clip_grad_norm_(params, max_norm, norm_type)
+        total = self.strategy.clip_grad_norm_(params, max_norm, norm_type)
+        if every:
+            self._check_nonfinite(total)  # the global norm says it; a non-finite one left the gradients unscaled
+        return total
+
+    def _check_nonfinite(self, norm: torch.Tensor | None = None) -> bool:
+        """on_nonfinite, once per round of optimizer steps: True when the step must be skipped (or raise). ``norm``:
+        the global norm of every gradient, when clipping computed it (else the gradients are read once)."""
+        grads = [p.grad for o in self._optimizers for g in o.param_groups for p in g["params"] if p.grad is not None]
+        return self._nonfinite.check(
+            grads, self.global_step + 1, lambda: [n for m in self._models for n in self.strategy.nonfinite_grad_names(m, 4)],
+            norm,
+        )
 
     def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.config.grad_accum_steps > 1 and not self._in_accumulate:
             warn_accumulation_unused(self.config.grad_accum_steps, self._origins.get("grad_accum_steps", "default"))
-        if optimizer is self._optimizers[0].optimizer:
-            self.global_step += 1
         if self.config.max_grad_norm is not None and not self._clipped:
             # max_grad_norm (DeepSpeed's gradient_clipping) is honoured in a hand-written loop too.
             self.clip_grad_norm_(self.config.max_grad_norm)
-        self._round.add(id(optimizer))
-        if self._round >= {id(o.optimizer) for o in self._optimizers}:
-            self._clipped, self._round = False, set()  # every optimizer stepped: the next step clips afresh
         self.strategy.finish_gradient_sync()
-        self.step_was_skipped = self.precision.step(optimizer)
+        skip = self._check_nonfinite()
+        if optimizer is self._optimizers[0].optimizer:
+            self.global_step += 1
+        self._round.add(id(optimizer))
+        round_done = self._round >= {id(o.optimizer) for o in self._optimizers}
+        if round_done:
+            self._clipped, self._round = False, set()  # every optimizer stepped: the next step clips afresh
+            self._nonfinite.end_round()
+        self.step_was_skipped = True if skip else self.precision.step(optimizer)
         if not self.step_was_skipped:
             self._stepped.add(id(optimizer))
         self.precision.end_round_if_complete([o.optimizer for o in self._optimizers])

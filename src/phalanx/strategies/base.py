@@ -127,6 +127,16 @@ class Strategy(ABC):
             first.setdefault(id(t), name)
         return {k: first.get(id(v), k) for k, v in module.state_dict(keep_vars=True).items()}
 
+    def nonfinite_grad_names(self, model: nn.Module, limit: int) -> list[str]:
+        """The first ``limit`` parameters of ``model`` whose gradient, as this rank holds it, has a NaN or inf."""
+        out = []
+        for name, p in model.named_parameters():
+            if p.grad is not None and p.grad.numel() and not bool(torch.isfinite(p.grad).all()):
+                out.append(name)
+                if len(out) >= limit:
+                    break
+        return out
+
     def grad_shard_group(self) -> Any:
         """The process group over which reduced gradients are spread when ``shards_gradients`` (None: the world)."""
         return self.topology.dp_group

@@ -21,7 +21,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from phalanx.shards import ShardEntry, StateReader, named_tensors
-from phalanx.strategies._grads import GradScale, second_backward_error, unused_parameters_error
+from phalanx.strategies._grads import GradScale, clip_to_norm_, second_backward_error, unused_parameters_error
 from phalanx.strategies._memory import memory_report_dict, nbytes, state_bytes_per_element, state_tensors
 from phalanx.strategies._replicas import (
     check_prepared_once, check_trainable, group_rank0, optimizer_list, replicate_from_first,
@@ -388,10 +388,11 @@ class ZeroStrategy(Strategy):
                 total += (g.norm(norm_type) ** norm_type).to(self.device)
             self._all_reduce_norm(total, dist.ReduceOp.SUM)
             total = total ** (1.0 / norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in slices:
-            g.mul_(coef.to(g.device))
+        clip_to_norm_([g for g in slices if g.numel()], max_norm, total)
         return total
+
+    def nonfinite_grad_names(self, model: nn.Module, limit: int) -> list[str]:
+        return state.nonfinite_grad_names(self, model, limit)
 
     def _all_reduce_norm(self, total: torch.Tensor, op: Any) -> None:
         """Combine the ranks' parts of the gradient norm (``total``: a max, or a sum of powers) in place."""

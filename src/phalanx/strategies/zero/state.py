@@ -16,7 +16,7 @@ from phalanx.shards import (
 if TYPE_CHECKING:
     from phalanx.strategies.zero.base import ZeroStrategy
 
-__all__ = ["sharded_state", "load_sharded_state"]
+__all__ = ["sharded_state", "load_sharded_state", "nonfinite_grad_names"]
 
 
 def sharded_state(zs: ZeroStrategy, model: nn.Module, optimizers: Any = None) -> list[ShardEntry]:
@@ -101,3 +101,19 @@ def load_sharded_state(zs: ZeroStrategy, model: nn.Module, optimizers: Any, read
         if state:
             opt.state[piece] = state
     zs.store.release()
+
+
+def nonfinite_grad_names(zs: ZeroStrategy, model: nn.Module, limit: int) -> list[str]:
+    """From this rank's slices of the reduced gradients: the parameters they hold a NaN or inf of."""
+    zs.finish_gradient_sync()
+    out: list[str] = []
+    for s in zs._models[id(model)].segments:
+        if s.master_grad is None:
+            continue
+        for i, _, _, xa, xb in s.param_runs(0, s.shard_numel):
+            name = zs._names[s.params[i]]
+            if xb > xa and name not in out and not bool(torch.isfinite(s.master_grad[xa:xb]).all()):
+                out.append(name)
+                if len(out) >= limit:
+                    return out
+    return out
