@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_ddp.py                      # both workloads, 5 rounds
     .venv/bin/python benchmarks/bench_ddp.py --workload mlp --rounds 3 --steps 10
     .venv/bin/python benchmarks/bench_ddp.py --workload mlp --bucket-mb 4,8,50   # extra phalanx bucket sizes
+    .venv/bin/python benchmarks/bench_ddp.py --workload mlp --guard-off --only phalanx_ddp   # the non-finite guard's cost
 
 Each configuration runs in fresh processes started by phalanx.spawn (2 ranks with 1 thread each, or 1 process
 with 1 or 2 threads). Runs are interleaved: every round runs every configuration once, in a rotated order, so
@@ -60,6 +61,9 @@ def configurations(args: argparse.Namespace, gb: int, nranks: int) -> list[dict[
     for mb in args.bucket_mb:
         configs.append({"name": f"phalanx ddp bucket_mb={mb:g}", "kind": "phalanx_ddp", "nprocs": nranks, "threads": RANK_THREADS,
                         "local_batch": per_rank, "bucket_mb": mb})
+    if args.guard_off:
+        configs.append({"name": "phalanx ddp on_nonfinite=ignore", "kind": "phalanx_ddp", "nprocs": nranks,
+                        "threads": RANK_THREADS, "local_batch": per_rank, "on_nonfinite": "ignore"})
     if not args.no_accelerate:
         ok, why = accelerate_status()
         if ok:
@@ -82,6 +86,8 @@ def run_config(
         spec["bucket_mb"] = cfg["bucket_mb"]
     if "ddp_kwargs" in cfg:
         spec["ddp_kwargs"] = cfg["ddp_kwargs"]
+    if "on_nonfinite" in cfg:
+        spec["on_nonfinite"] = cfg["on_nonfinite"]
     if cfg["kind"] == "accelerate":
         spec["master_port"] = free_port()
     if profile_dir:
@@ -269,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (default: per workload)")
     p.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps per run (default: per workload)")
     p.add_argument("--global-batch", type=int, default=None, help="global batch (default: mlp 64, gpt 16)")
+    p.add_argument("--guard-off", action="store_true",
+                   help="add a row of phalanx ddp with on_nonfinite='ignore': the non-finite guard's cost, side by side")
     p.add_argument("--bucket-mb", type=lambda s: [float(x) for x in s.split(",") if x], default=[],
                    help="extra phalanx ddp configurations with these bucket sizes, e.g. 4,8,50")
     p.add_argument("--torch-bucket-view", action="store_true",

@@ -133,6 +133,8 @@ def run_phalanx_ddp(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"strategy": "ddp"}
     if spec.get("bucket_mb") is not None:
         kwargs["bucket_mb"] = spec["bucket_mb"]
+    if spec.get("on_nonfinite") is not None:
+        kwargs["on_nonfinite"] = spec["on_nonfinite"]
     engine = phalanx.Engine(**kwargs)
     model = build_model(workload, spec["seed"])  # after Engine(), which reseeds
     opt = make_optimizer(model, spec)
