@@ -34,8 +34,9 @@ class NonFiniteError(RuntimeError):
     """A loss or gradient was NaN or inf at an optimizer step under ``on_nonfinite='raise'``; nothing was stepped."""
 
 
-def _all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """A 0-d bool tensor: every element of every tensor is finite. One norm per tensor (grouped by device), no sync."""
+def _all_finite(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """A 0-d bool tensor on ``device``: every element of every tensor is finite. One norm per tensor (grouped by
+    device), no host sync."""
     verdicts = []
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
@@ -43,8 +44,8 @@ def _all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
             by_device.setdefault(t.device, []).append(t)
     for group in by_device.values():
         norms = torch._foreach_norm(group) if hasattr(torch, "_foreach_norm") else [t.norm() for t in group]
-        verdicts.append(torch.isfinite(torch.stack([n.float() for n in norms])).all().cpu())
-    return torch.stack(verdicts).all() if verdicts else torch.tensor(True)
+        verdicts.append(torch.isfinite(torch.stack([n.float() for n in norms])).all().to(device))
+    return torch.stack(verdicts).all() if verdicts else torch.ones((), dtype=torch.bool, device=device)
 
 
 class NonFiniteGuard:
@@ -75,10 +76,12 @@ class NonFiniteGuard:
             return False
         if self.verdict is not None:
             return self.verdict
-        bad_loss = bool(self._bad_loss.item()) if self._bad_loss is not None else False
+        # Everything stays on the device until the exchange: one host sync per step, after it.
+        zero = torch.zeros((), dtype=torch.bool, device=self.device)
+        bad_loss = self._bad_loss.to(self.device) if self._bad_loss is not None else zero
         self._bad_loss = None
-        finite = bool(torch.isfinite(norm).all()) if norm is not None else bool(_all_finite(grads))
-        mine = torch.tensor([float(bad_loss), float(not finite)], device=self.device)
+        finite = torch.isfinite(norm).all().to(self.device) if norm is not None else _all_finite(grads, self.device)
+        mine = torch.stack([bad_loss, ~finite]).float()
         if dist.is_initialized() and dist.get_world_size() > 1:
             everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
             dist.all_gather(everyone, mine)
