@@ -33,6 +33,13 @@ def items_of(labels: Any, causal: bool) -> torch.Tensor | None:
     return (labels != IGNORE_INDEX).sum()
 
 
+def _as_sum(mean: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's mean loss times its item count. With no real label the mean is 0/0 (NaN): the sum is then 0,
+    and its backward still reaches every parameter (with zero gradients), so the ranks' reductions stay in step and
+    the non-finite guard sees no NaN that adds nothing."""
+    return torch.where(n > 0, mean, torch.zeros_like(mean)) * n
+
+
 class LossMixin:
     """The loss of one micro-batch, its backward, and the logging window (mixed into the Trainer)."""
 
@@ -81,10 +88,8 @@ class LossMixin:
             self.engine.backward(loss)
             return torch.stack([loss.detach().double(), torch.ones((), dtype=torch.float64, device=loss.device)])
         # The mean over this micro-batch's n items, as a sum: the engine divides by the window's items on all ranks.
-        self.engine.backward(loss * n, items=n)
-        # A micro-batch with no real label has a 0/0 mean (NaN) and adds nothing to the window's sum.
-        total = torch.where(n > 0, loss.detach().double() * n, torch.zeros((), dtype=torch.float64, device=loss.device))
-        return torch.stack([total, n.double()])
+        self.engine.backward(_as_sum(loss, n), items=n)
+        return torch.stack([_as_sum(loss.detach(), n).double(), n.double()])
 
     def _stage_loss(self, model: nn.Module, inputs: Any) -> Any:
         """One micro-batch's loss under the pipeline, as (sum, items) when labels can be counted. It returns on the
@@ -96,9 +101,8 @@ class LossMixin:
         if n is None:  # no labels to count: each micro-batch's mean weighs the same
             self._window += torch.stack([loss.detach().double(), one])
             return loss
-        total = torch.where(n > 0, loss.detach().double() * n, torch.zeros_like(one))
-        self._window += torch.stack([total, n.double()])
-        return loss * n, n
+        self._window += torch.stack([_as_sum(loss.detach(), n).double(), n.double()])
+        return _as_sum(loss, n), n
 
     def _reduce_window(self, window: torch.Tensor) -> torch.Tensor:
         """The window summed over the data-parallel ranks; under the pipeline over every rank (only the last stages
