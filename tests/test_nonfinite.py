@@ -112,3 +112,29 @@ def test_one_process_raises_and_bf16_is_guarded_too():
 def test_the_option_is_checked():
     with pytest.raises(phalanx.options.ConfigError, match="on_nonfinite"):
         phalanx.Engine(on_nonfinite="warn")
+
+
+def _pipeline_run(clip: bool) -> str | None:
+    from _common import pipe_loss, pipe_model
+
+    engine = phalanx.Engine(strategy="pipeline", pp_size=2, seed=0, max_grad_norm=1.0 if clip else None)
+    torch.manual_seed(7)
+    model = engine.prepare(pipe_model())
+    opt = engine.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    if engine.rank == 1:  # the last stage poisons one of its gradients
+        next(model.parameters()).register_hook(lambda g: g * float("inf"))
+    x, y = make_data(8)
+    try:
+        engine.train_step((x, y), pipe_loss)
+    except NonFiniteError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("clip", [True, False])
+def test_pipeline_stages_stop_together(run_ranks, clip):
+    for msg in run_ranks(_pipeline_run, 2, clip):
+        assert msg is not None and "non-finite values at optimizer step 1 on" in msg
+        # The stage that holds the NaN is named, with its parameter; with clipping, the global norm tells both stages.
+        assert ("rank 0 (gradients), rank 1 (gradients)" if clip else "on rank 1 (gradients)") in msg
+        assert "first parameters with non-finite gradients: rank 1:" in msg
