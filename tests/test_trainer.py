@@ -350,3 +350,28 @@ def test_optim_picks_the_fused_kernel_by_default_as_transformers(tmp_path):
     foreach = phalanx.Trainer(_model(), _args(str(tmp_path), optim="adamw_torch"), train_dataset=_data()).create_optimizer()
     assert fused.defaults["fused"] is True and not foreach.defaults["fused"]
     assert [g["weight_decay"] for g in fused.param_groups] == [0.0, 0.0]  # _args has weight_decay 0: both groups
+
+
+def test_a_deepspeed_config_with_optimizer_and_scheduler_blocks_builds_them(tmp_path):
+    """HF's Trainer builds the config's blocks, "auto" filled from the arguments; so does ours (it used to refuse them
+    with the script's 'two sources' error)."""
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "optimizer": {"type": "SGD", "params": {"lr": "auto", "momentum": 0.9, "weight_decay": "auto"}},
+          "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": "auto",
+                                                       "warmup_num_steps": "auto", "warmup_type": "linear"}}}  # fmt: skip
+    args = _args(str(tmp_path / "both"), per_device_train_batch_size=16, max_steps=4, warmup_steps=2, learning_rate=0.05,
+                 weight_decay=0.01, deepspeed=ds)  # fmt: skip
+    trainer = phalanx.Trainer(_model(), args, train_dataset=_data(), compute_loss_func=_loss)
+    trainer.train()
+    inner = trainer.optimizer.optimizer
+    assert isinstance(inner, torch.optim.SGD) and inner.defaults["momentum"] == 0.9 and inner.defaults["weight_decay"] == 0.01
+    assert trainer.lr_scheduler.scheduler.last_epoch == 4 and inner.param_groups[0]["lr"] == pytest.approx(0.05)
+    # An optimizer block alone: the arguments' schedule (constant here) runs on the block's optimizer.
+    only = {"optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}}
+    trainer = phalanx.Trainer(_model(), _args(str(tmp_path / "opt"), per_device_train_batch_size=16, max_steps=2,
+                                              deepspeed=only), train_dataset=_data(), compute_loss_func=_loss)  # fmt: skip
+    trainer.train()
+    inner = trainer.optimizer.optimizer
+    assert isinstance(inner, torch.optim.AdamW) and trainer.lr_scheduler.scheduler.last_epoch == 2
+    assert inner.defaults["betas"] == (0.9, 0.999) and inner.defaults["eps"] == 1e-8  # HF's "auto": the arguments'
+    assert inner.param_groups[0]["lr"] == 0.01  # lr_scheduler_type="constant" of _args, on the block's optimizer

@@ -17,7 +17,8 @@ __all__ = ["DummyOptim", "DummyScheduler", "realise_optimizer", "realise_schedul
 
 
 class DummyOptim:
-    """Stands for the DeepSpeed config's optimizer block. ``lr`` and ``weight_decay`` fill its ``"auto"`` values."""
+    """Stands for the DeepSpeed config's optimizer block. ``lr``, ``weight_decay`` and any other keyword (e.g.
+    ``betas``, ``eps``) fill its ``"auto"`` values."""
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, weight_decay: float = 0.0, **kwargs: Any) -> None:
         self.params = list(params)
@@ -26,8 +27,8 @@ class DummyOptim:
 
 
 class DummyScheduler:
-    """Stands for the DeepSpeed config's scheduler block; ``total_num_steps`` and ``warmup_num_steps`` fill its
-    ``"auto"`` values."""
+    """Stands for the DeepSpeed config's scheduler block; ``total_num_steps``, ``warmup_num_steps`` and any other
+    keyword (e.g. ``warmup_max_lr``) fill its ``"auto"`` values."""
 
     def __init__(
         self, optimizer: Any, total_num_steps: int | None = None, warmup_num_steps: int = 0, **kwargs: Any
@@ -58,7 +59,7 @@ def realise_optimizer(optimizer: Any, deepspeed: str | None) -> torch.optim.Opti
             )
         from phalanx.compat.deepspeed_blocks import build_optimizer
 
-        auto = {"lr": optimizer.lr, "weight_decay": optimizer.weight_decay}
+        auto = {**optimizer.kwargs, "lr": optimizer.lr, "weight_decay": optimizer.weight_decay}
         optimizer.realised = build_optimizer(blocks["optimizer"], optimizer.params, auto_values=auto)
         return optimizer.realised
     if "optimizer" in blocks:
@@ -89,7 +90,7 @@ def realise_scheduler(scheduler: Any, deepspeed: str | None) -> Any:
             optimizer = optimizer.optimizer  # a prepared optimizer: the scheduler drives the user's own
         from phalanx.compat.deepspeed_blocks import build_scheduler
 
-        auto = {"warmup_num_steps": scheduler.warmup_num_steps, "total_num_steps": scheduler.total_num_steps}
+        auto = {**scheduler.kwargs, "warmup_num_steps": scheduler.warmup_num_steps, "total_num_steps": scheduler.total_num_steps}
         return build_scheduler(blocks["scheduler"], optimizer, total_num_steps=scheduler.total_num_steps,
                                auto_values={k: v for k, v in auto.items() if v is not None})  # fmt: skip
     if "scheduler" in blocks:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from phalanx.compat.dummies import DummyOptim, DummyScheduler, config_blocks
 from phalanx.engine import Engine
 from phalanx.logging import warn_once
 from phalanx.trainer.arguments import TrainingArguments
@@ -191,9 +192,14 @@ class Trainer(LossMixin):
         return self._loader(dataset, self.args.per_device_eval_batch_size, shuffle=False)
 
     # ----------------------------------------------------------------------------------- optimizer, schedule
-    def create_optimizer(self) -> torch.optim.Optimizer:
+    def create_optimizer(self) -> Any:
         """AdamW with the arguments' lr, betas, eps and weight decay, which spares biases and norm weights (as HF);
-        ``optim`` picks its fused or foreach kernel."""
+        ``optim`` picks its fused or foreach kernel. A DeepSpeed config with an ``optimizer`` block builds that block
+        instead (its ``"auto"`` lr and weight_decay from the arguments), as HF's Trainer does."""
+        if "optimizer" in config_blocks(self.engine.config.deepspeed):
+            return DummyOptim([p for p in self.model.parameters() if p.requires_grad], lr=self.args.learning_rate,
+                              weight_decay=self.args.weight_decay, betas=[self.args.adam_beta1, self.args.adam_beta2],
+                              eps=self.args.adam_epsilon)  # fmt: skip
         no_decay = {
             id(p) for m in self.model.modules() for n, p in m.named_parameters(recurse=False)
             if n.endswith("bias") or "norm" in type(m).__name__.lower()
@@ -208,18 +214,26 @@ class Trainer(LossMixin):
                                  fused=self.args.optim == "adamw_torch_fused" or None)  # fmt: skip
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer) -> Any:
-        return get_scheduler(self.args.lr_scheduler_type, optimizer, self.args.get_warmup_steps(num_training_steps),
-                             num_training_steps, kwargs if isinstance(kwargs := self.args.lr_scheduler_kwargs, dict) else None)  # fmt: skip
+        """The ``lr_scheduler_type`` schedule, or a DeepSpeed config's ``scheduler`` block (its ``"auto"`` steps from
+        the run's length and warmup)."""
+        warmup = self.args.get_warmup_steps(num_training_steps)
+        if "scheduler" in config_blocks(self.engine.config.deepspeed):
+            # transformers fills these "auto" values so: the peak is the learning rate, the floor 0.
+            return DummyScheduler(optimizer, total_num_steps=num_training_steps, warmup_num_steps=warmup,
+                                  warmup_max_lr=self.args.learning_rate, warmup_min_lr=0.0)  # fmt: skip
+        kwargs = self.args.lr_scheduler_kwargs
+        return get_scheduler(self.args.lr_scheduler_type, optimizer, warmup, num_training_steps,
+                             kwargs if isinstance(kwargs, dict) else None)  # fmt: skip
 
     def _prepare(self, max_steps: int) -> None:
         """Prepare the model, optimizer, loaders and schedule once, in a fixed order (resume needs the same)."""
         if self._prepared:
             return
         optimizer = self.optimizer if self.optimizer is not None else self.create_optimizer()
-        scheduler = self.lr_scheduler if self.lr_scheduler is not None else self.create_scheduler(max_steps, optimizer)
-        self.model, self.optimizer, self._train_loader, self.lr_scheduler = self.engine.prepare(
-            self.model, optimizer, self._train_loader_raw, scheduler
-        )
+        self.model, self.optimizer, self._train_loader = self.engine.prepare(self.model, optimizer, self._train_loader_raw)
+        # The schedule is built on the prepared optimizer: a DeepSpeed optimizer block exists only from here on.
+        scheduler = self.lr_scheduler if self.lr_scheduler is not None else self.create_scheduler(max_steps, self.optimizer)
+        self.lr_scheduler = self.engine.prepare(scheduler)
         if self.eval_dataset is not None:
             self._eval_loader = self.engine.prepare(self.get_eval_dataloader())
         self.engine.register_for_checkpointing(_StateHolder(self))
@@ -257,7 +271,7 @@ class Trainer(LossMixin):
         if args.eval_on_start and self.state.global_step == 0:
             self.evaluate()  # a baseline before the first step, as HF's eval_on_start
         # Loss sum and items since the last log, on the device: read (one host sync) only when a log reduces it.
-        window = torch.zeros(2, dtype=torch.float64, device=self.engine.device)
+        window = self._window = torch.zeros(2, dtype=torch.float64, device=self.engine.device)
         total: list[Any] = [0.0, 0]
         started = time.perf_counter()
         self._last_log = (started, self.state.global_step)
@@ -272,7 +286,6 @@ class Trainer(LossMixin):
                 if self.engine.strategy.drives_backward:
                     # The pipeline's schedule runs forward and backward of the whole step (its micro-batches are
                     # pp_microbatches); the last stage adds each micro-batch's loss sum and items to the window.
-                    self._window = window
                     self.engine.train_step(batch, self._stage_loss, optimizer_step=False)
                     self._optimizer_step()
                 else:
