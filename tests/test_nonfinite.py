@@ -138,3 +138,10 @@ def test_pipeline_stages_stop_together(run_ranks, clip):
         # The stage that holds the NaN is named, with its parameter; with clipping, the global norm tells both stages.
         assert ("rank 0 (gradients), rank 1 (gradients)" if clip else "on rank 1 (gradients)") in msg
         assert "first parameters with non-finite gradients: rank 1:" in msg
+
+
+def test_an_explicit_on_nonfinite_under_fp16_says_the_loss_scaler_decides(capsys):
+    phalanx.Engine(precision="fp16-mixed", on_nonfinite="skip")
+    assert "on_nonfinite='skip' (argument) does not apply under precision='fp16-mixed'" in capsys.readouterr().err
+    phalanx.Engine(precision="fp16-mixed")  # the default: nothing to say
+    assert "on_nonfinite" not in capsys.readouterr().err

@@ -88,6 +88,10 @@ class Engine(EngineState):
         strategy_cls = get_strategy_class(self.config.strategy)
         self.precision = Precision(self.config.precision, self.device, loss_scaling(self.config))
         self._nonfinite = NonFiniteGuard(self.config.on_nonfinite, self.device, self.precision.scaler is not None)
+        if self.precision.scaler is not None and self._origins.get("on_nonfinite", "default") != "default":
+            warn_once(f"on_nonfinite={self.config.on_nonfinite!r} ({self._origins['on_nonfinite']}) does not apply under "
+                      f"precision={self.config.precision!r}: its loss scaler skips every step whose gradients hold an "
+                      "inf or NaN and lowers the scale (engine.step_was_skipped tells when); use bf16-mixed for the guard")  # fmt: skip
         self.strategy = strategy_cls(self.config, self.topology, self.device, self.precision)
         shard_group = self.strategy.grad_shard_group()
         if self.strategy.shards_gradients and comm_world_size(shard_group) > 1:
@@ -300,7 +304,9 @@ class Engine(EngineState):
     def _check_nonfinite(self, norm: torch.Tensor | None = None) -> bool:
         """on_nonfinite, once per round of optimizer steps: True when the step must be skipped (or raise). ``norm``:
         the global norm of every gradient, when clipping computed it (else the gradients are read once)."""
-        grads = [p.grad for o in self._optimizers for g in o.param_groups for p in g["params"] if p.grad is not None]
+        def grads() -> list[torch.Tensor]:
+            return [p.grad for o in self._optimizers for g in o.param_groups for p in g["params"] if p.grad is not None]
+
         return self._nonfinite.check(
             grads, self.global_step + 1, lambda: [n for m in self._models for n in self.strategy.nonfinite_grad_names(m, 4)],
             norm,

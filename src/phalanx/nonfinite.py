@@ -67,11 +67,11 @@ class NonFiniteGuard:
     def end_round(self) -> None:
         self.verdict = None
 
-    def check(self, grads: list[torch.Tensor], step: int, names: Callable[[], list[str]],
+    def check(self, grads: Callable[[], list[torch.Tensor]], step: int, names: Callable[[], list[str]],
               norm: torch.Tensor | None = None) -> bool:  # fmt: skip
-        """True when this step must be skipped; raises NonFiniteError under ``raise``. ``grads`` are the gradients
-        this rank holds, read only when ``norm`` (their global norm, which clipping computed) is not given;
-        ``names()`` lists the parameters whose gradients are non-finite (called only then)."""
+        """True when this step must be skipped; raises NonFiniteError under ``raise``. ``grads()`` gives the
+        gradients this rank holds, read only when ``norm`` (their global norm, which clipping computed) is not
+        given; ``names()`` lists the parameters whose gradients are non-finite (called only then)."""
         if not self.active:
             return False
         if self.verdict is not None:
@@ -80,7 +80,7 @@ class NonFiniteGuard:
         zero = torch.zeros((), dtype=torch.bool, device=self.device)
         bad_loss = self._bad_loss.to(self.device) if self._bad_loss is not None else zero
         self._bad_loss = None
-        finite = torch.isfinite(norm).all().to(self.device) if norm is not None else _all_finite(grads, self.device)
+        finite = torch.isfinite(norm).all().to(self.device) if norm is not None else _all_finite(grads(), self.device)
         mine = torch.stack([bad_loss, ~finite]).float()
         if dist.is_initialized() and dist.get_world_size() > 1:
             everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
@@ -117,14 +117,3 @@ class NonFiniteGuard:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-def nonfinite_names(named: Any, limit: int = _SHOWN) -> list[str]:
-    """The first ``limit`` names of ``(name, grad)`` pairs whose gradient holds a NaN or inf."""
-    out = []
-    for name, g in named:
-        if g is not None and g.numel() and not bool(torch.isfinite(g).all()):
-            out.append(name)
-            if len(out) >= limit:
-                break
-    return out
