@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/bench_ddp.py --workload mlp --rounds 3 --steps 10
     .venv/bin/python benchmarks/bench_ddp.py --workload mlp --bucket-mb 4,8,50   # extra phalanx bucket sizes
     .venv/bin/python benchmarks/bench_ddp.py --workload mlp --guard-off --only phalanx_ddp   # the non-finite guard's cost
+    .venv/bin/python benchmarks/bench_ddp.py --workload mlp --watchdog-rows --only phalanx_ddp   # the hang watchdog's
 
 Each configuration runs in fresh processes started by phalanx.spawn (2 ranks with 1 thread each, or 1 process
 with 1 or 2 threads). Runs are interleaved: every round runs every configuration once, in a rotated order, so
@@ -25,7 +26,7 @@ if str(HERE) not in sys.path:
 import ddp_workers  # noqa: E402
 from harness import (  # noqa: E402
     RANK_THREADS, add_output_flags, add_round_flags, environment, free_port, git_state, interleaved_rounds, mean_over_ranks,
-    per_rank_median, slowest_rank, spawn_ranks, write_result,
+    per_rank_median, slowest_rank, spawn_ranks, watchdog_rows, write_result,
 )
 
 WORKLOADS: dict[str, dict[str, Any]] = {
@@ -64,6 +65,10 @@ def configurations(args: argparse.Namespace, gb: int, nranks: int) -> list[dict[
     if args.guard_off:
         configs.append({"name": "phalanx ddp on_nonfinite=ignore", "kind": "phalanx_ddp", "nprocs": nranks,
                         "threads": RANK_THREADS, "local_batch": per_rank, "on_nonfinite": "ignore"})
+    if args.watchdog_rows:
+        for name, kw in watchdog_rows():
+            configs.append({"name": f"phalanx ddp {name}", "kind": "phalanx_ddp", "nprocs": nranks, "threads": RANK_THREADS,
+                            "local_batch": per_rank, "engine_kwargs": kw})
     if not args.no_accelerate:
         ok, why = accelerate_status()
         if ok:
@@ -88,6 +93,8 @@ def run_config(
         spec["ddp_kwargs"] = cfg["ddp_kwargs"]
     if "on_nonfinite" in cfg:
         spec["on_nonfinite"] = cfg["on_nonfinite"]
+    if "engine_kwargs" in cfg:
+        spec["engine_kwargs"] = cfg["engine_kwargs"]
     if cfg["kind"] == "accelerate":
         spec["master_port"] = free_port()
     if profile_dir:
@@ -275,6 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (default: per workload)")
     p.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps per run (default: per workload)")
     p.add_argument("--global-batch", type=int, default=None, help="global batch (default: mlp 64, gpt 16)")
+    p.add_argument("--watchdog-rows", action="store_true",
+                   help="add rows with the hang watchdog off (hang_timeout_s=0) and with debug_collectives: their cost")
     p.add_argument("--guard-off", action="store_true",
                    help="add a row of phalanx ddp with on_nonfinite='ignore': the non-finite guard's cost, side by side")
     p.add_argument("--bucket-mb", type=lambda s: [float(x) for x in s.split(",") if x], default=[],

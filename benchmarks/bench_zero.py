@@ -30,7 +30,7 @@ if str(HERE) not in sys.path:
 import zero_workers  # noqa: E402
 from harness import (  # noqa: E402
     RANK_THREADS, add_output_flags, add_round_flags, environment, interleaved_rounds, mean_over_ranks, per_rank_median,
-    slowest_rank, source_record, source_state, spawn_ranks, write_result,
+    slowest_rank, source_record, source_state, spawn_ranks, watchdog_rows, write_result,
 )
 
 WORKLOADS: dict[str, dict[str, Any]] = {
@@ -85,6 +85,11 @@ def configurations(args: argparse.Namespace, gb: int, nranks: int, ds_ok: bool, 
     for cls in args.zero3_units:
         c.append({"key": f"zero3_units_{cls}", "name": f"phalanx zero3 units={cls}", "kind": "phalanx",
                   "strategy": "zero3", "engine_kwargs": {"zero3_unit_classes": cls}})
+    if args.watchdog_rows:
+        for s in ("ddp", "zero3"):
+            for name, kw in watchdog_rows():
+                key = f"{s}_{name.replace(' ', '_')}"
+                c.append({"key": key, "name": f"phalanx {s} {name}", "kind": "phalanx", "strategy": s, "engine_kwargs": kw})
     c += [
         {"key": "zero_redundancy", "name": "DDP + ZeroRedundancyOpt", "kind": "torch_zero"},
         {"key": "fsdp2", "name": "FSDP2 per block", "kind": "fsdp2"},
@@ -373,6 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero3-units", type=lambda s: [x for x in s.split(";") if x], default=[],
                    help="extra phalanx zero3 rows with these zero3_unit_classes, ';'-separated, e.g. _Block")
     p.add_argument("--no-deepspeed", action="store_true")
+    p.add_argument("--watchdog-rows", action="store_true",
+                   help="add ddp and zero3 rows with the hang watchdog off (hang_timeout_s=0) and with debug_collectives")
     p.add_argument("--no-ds-warm", action="store_true", help="skip the untimed DeepSpeed warm-up run")
     p.add_argument("--gpt-data", choices=["stdlib", "random"], default="stdlib")
     p.add_argument("--adamw", choices=["default", "foreach", "fused"], default="default")

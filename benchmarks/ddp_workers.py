@@ -135,6 +135,7 @@ def run_phalanx_ddp(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
         kwargs["bucket_mb"] = spec["bucket_mb"]
     if spec.get("on_nonfinite") is not None:
         kwargs["on_nonfinite"] = spec["on_nonfinite"]
+    kwargs.update(spec.get("engine_kwargs", {}))
     engine = phalanx.Engine(**kwargs)
     model = build_model(workload, spec["seed"])  # after Engine(), which reseeds
     opt = make_optimizer(model, spec)

@@ -449,3 +449,9 @@ def train_loop(
         "threads": torch.get_num_threads(),
         "phalanx_file": getattr(sys.modules.get("phalanx"), "__file__", None),
     }
+
+
+def watchdog_rows() -> list[tuple[str, dict[str, Any]]]:
+    """Extra rows beside a strategy's default one (where the watchdog is on): the watchdog off, and the desync
+    check on. Their ratios to the default row are the costs."""
+    return [("watchdog off", {"hang_timeout_s": 0}), ("debug_collectives", {"debug_collectives": True})]

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx.collective_log import watched
 from phalanx.checkpoint_io import (
     FORMAT,
     MANIFEST,
@@ -356,7 +357,7 @@ def load_checkpoint(
     else:
         _reseed(m["seed"], counters.get("global_step", 0), topology.rank, device)
     if dist.is_initialized():
-        dist.barrier()
+        watched(dist.barrier)
     return counters
 
 

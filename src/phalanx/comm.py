@@ -8,6 +8,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from phalanx.collective_log import watched
+
 __all__ = [
     "CommStats", "REDUCE_OPS", "all_reduce", "broadcast_coalesced", "all_gather_varlen", "all_gather_bytes", "world_size",
 ]
@@ -62,7 +64,7 @@ def all_reduce(
     if stats is not None:
         stats.record("all_reduce", tensor, n)
     c10d_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-    work = dist.all_reduce(tensor, op=c10d_op, group=group, async_op=async_op)
+    work = watched(dist.all_reduce, tensor, op=c10d_op, group=group, async_op=async_op)
     if op == "mean":
         assert not async_op, "mean all-reduce divides after the wait; call it synchronously"
         tensor.div_(n)
@@ -80,7 +82,7 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0, group: An
         flat = torch.cat([t.detach().reshape(-1) for t in group_tensors])
         if stats is not None:
             stats.record("broadcast", flat)
-        dist.broadcast(flat, src=src, group=group)
+        watched(dist.broadcast, flat, src=src, group=group)
         offset = 0
         with torch.no_grad():
             for t in group_tensors:
@@ -98,14 +100,14 @@ def all_gather_varlen(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
         tensor = tensor.reshape(1)
     length = torch.tensor([tensor.shape[0]], dtype=torch.long, device=tensor.device)
     lengths = [torch.zeros_like(length) for _ in range(n)]
-    dist.all_gather(lengths, length, group=group)
+    watched(dist.all_gather, lengths, length, group=group)
     sizes = [int(x.item()) for x in lengths]
     longest = max(sizes)
     if tensor.shape[0] < longest:
         pad = tensor.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))
         tensor = torch.cat([tensor, pad])
     out = [torch.empty_like(tensor) for _ in range(n)]
-    dist.all_gather(out, tensor.contiguous(), group=group)
+    watched(dist.all_gather, out, tensor.contiguous(), group=group)
     return torch.cat([t[:s] for t, s in zip(out, sizes)])
 
 
@@ -117,10 +119,10 @@ def all_gather_bytes(data: bytes, device: torch.device, group: Any = None) -> li
     mine = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
     length = torch.tensor([mine.numel()], dtype=torch.long, device=device)
     lengths = [torch.zeros_like(length) for _ in range(n)]
-    dist.all_gather(lengths, length, group=group)
+    watched(dist.all_gather, lengths, length, group=group)
     sizes = [int(x.item()) for x in lengths]
     padded = torch.zeros(max(max(sizes), 1), dtype=torch.uint8, device=device)
     padded[: mine.numel()] = mine.to(device)
     out = [torch.empty_like(padded) for _ in range(n)]
-    dist.all_gather(out, padded, group=group)
+    watched(dist.all_gather, out, padded, group=group)
     return [t[:size].cpu().numpy().tobytes() for t, size in zip(out, sizes)]

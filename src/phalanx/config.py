@@ -68,6 +68,15 @@ class GeneralOptions(Options):
         1800.0, "Timeout of collectives and of process-group start-up, in seconds.",
         check=lambda v: v > 0, fix="use a positive number of seconds",
     )  # fmt: skip
+    hang_timeout_s: float | None = option(
+        None, "A rank that waits this long in one collective ends the job with a report naming the missing rank and "
+        "where it is (its Python stack). Default (unset): 300 on CPU, 600 on CUDA; 0 turns the watchdog off. Must be "
+        "below timeout_s.", check=lambda v: v >= 0, fix="use a positive number of seconds, or 0 to turn it off",
+    )  # fmt: skip
+    debug_collectives: bool = option(
+        False, "Before every collective, the ranks compare what they are about to call (op, size, dtype, label, line) "
+        "and stop at once when they differ, naming each rank's call: one more small all-gather per collective.",
+    )  # fmt: skip
     log_all_ranks: bool = option(False, "Log from every rank, not only rank 0.")
     deepspeed: str | None = option(
         None, "A DeepSpeed JSON config (ds_config.json): its settings are read as phalanx's, and engine.prepare builds "
@@ -161,6 +170,11 @@ class EngineConfig(GeneralOptions):
         if self.precision not in PRECISIONS:
             raise ConfigError(f"unknown precision {self.precision!r}; valid precisions: {', '.join(PRECISIONS)}")
         GeneralOptions.check_fields(self)
+        if self.hang_timeout_s is not None and self.hang_timeout_s >= self.timeout_s:
+            raise ConfigError(
+                f"hang_timeout_s={self.hang_timeout_s:g} is not below timeout_s={self.timeout_s:g}: collectives would "
+                "time out first, with a message that names no rank. Lower hang_timeout_s, or raise timeout_s"
+            )
         if self.precision != "fp16-mixed":
             for f in dataclasses.fields(GeneralOptions):
                 if f.name.startswith("loss_scale") and getattr(self, f.name) != f.default:

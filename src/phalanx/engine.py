@@ -42,6 +42,7 @@ from phalanx.prepared import PreparedOptimizer, PreparedScheduler, autocast_forw
 from phalanx.runtime import WorldInfo, detect_world, init_distributed, pick_device, seed_everything
 from phalanx.strategies import get_strategy_class
 from phalanx.topology import Topology
+from phalanx.watchdog import start_watchdog
 
 __all__ = ["Engine", "PreparedOptimizer", "PreparedScheduler"]  # the last two live in prepared.py
 
@@ -78,6 +79,8 @@ class Engine(EngineState):
         pp_size = get_strategy_class(self.config.strategy).pipeline_stages(self.config, self.world.world_size)
         self.topology = Topology(self.world.world_size, self.world.rank, pp_size)
         self.topology.build_groups(self.device.type)
+        start_watchdog(self.world.rank, self.world.world_size, self.device.type, self.config.hang_timeout_s,
+                       self.config.debug_collectives, self.topology)  # fmt: skip
         self._checkpointed: list[Any] = []  # register_for_checkpointing
         self._released: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models given up by free_memory
         self._start_training_state()

@@ -21,6 +21,7 @@ from typing import IO, Any, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
+from phalanx.collective_log import watched
 from phalanx.checkpoint_io import save_model_file
 from phalanx.comm import REDUCE_OPS, all_gather_varlen, all_reduce
 from phalanx.data import ActiveLoaders
@@ -118,7 +119,7 @@ class EngineCollectives:
             if self.topology.dp_size == 1:
                 return data
             parts: list[Any] = [None] * self.topology.dp_size
-            dist.all_gather_object(parts, data, group=self.topology.dp_group)
+            watched(dist.all_gather_object, parts, data, group=self.topology.dp_group)
             flat = [x for part in parts for x in part]
             return flat[: self._loaders.trim(len(flat))]
         raise TypeError(
@@ -143,7 +144,7 @@ class EngineCollectives:
     def wait(self) -> None:
         """Wait until every rank gets here."""
         if dist.is_initialized():
-            dist.barrier()
+            watched(dist.barrier)
 
     def wait_for_everyone(self) -> None:
         """Accelerate's name for ``wait``: return once every process has called it."""

@@ -146,21 +146,53 @@ def launch(cfg: PhalanxConfig, script: str, script_args: Sequence[str] = (), mod
         sys.stderr.write(stopper.line(sig) + "\n")
         return 128 + sig.value
     except ChildFailedError as e:
-        # The first failure in time is the cause; ranks that torchrun then stopped fail with a signal.
-        rank, first = e.get_first_failure()
-        own_errors = {r: f for r, f in e.failures.items() if f.exitcode > 0}
-        if first.exitcode < 0 and own_errors:  # killed by a signal: torchrun stopping it, not its own error
-            rank = min(own_errors, key=lambda r: (own_errors[r].timestamp, r))
-            first = own_errors[rank]
-        stopped = sorted(r for r in e.failures if r != rank)
-        sys.stderr.write(
-            f"phalanx launch: rank {rank} failed (exit code {first.exitcode}); its traceback is above. "
-            + (f"Stopped the other ranks: {', '.join(map(str, stopped))}.\n" if stopped else "\n")
-        )
+        sys.stderr.write(failure_summary(e.failures) + "\n")
+        first = _cause(e.failures)[1]
         return first.exitcode if first.exitcode > 0 else 1
     finally:
         del store
     return 0
+
+
+# torchrun stops the ranks that are still running with SIGTERM (SIGKILL after its grace period); any other signal
+# came from elsewhere: the kernel's out-of-memory killer, a `kill -9`, a crash in native code (SIGSEGV, SIGABRT).
+_STOPPING_SIGNALS = (-signal.SIGTERM.value, -signal.SIGINT.value, -signal.SIGHUP.value)
+
+
+def _cause(failures: dict[int, Any]) -> tuple[int, Any]:
+    """The rank whose failure caused the others. In order: a rank killed by a signal that torchrun does not send (its
+    peers then fail in their collectives, with errors of their own); the watchdog's report; the first error in time."""
+    from phalanx.watchdog import HANG_EXIT_CODE
+
+    def first_of(ranks: list[int]) -> int:
+        return min(ranks, key=lambda r: (failures[r].timestamp, r))
+
+    killed = [r for r, f in failures.items() if f.exitcode < 0 and f.exitcode not in _STOPPING_SIGNALS]
+    hung = [r for r, f in failures.items() if f.exitcode == HANG_EXIT_CODE]
+    own = [r for r, f in failures.items() if f.exitcode > 0]
+    for ranks in (killed, hung, own, list(failures)):
+        if ranks:
+            return first_of(ranks), failures[first_of(ranks)]
+    raise AssertionError("a ChildFailedError holds at least one failure")
+
+
+def failure_summary(failures: dict[int, Any]) -> str:
+    """One line for the launcher's end: which rank failed and how, and which ranks were stopped after it."""
+    from phalanx.watchdog import HANG_EXIT_CODE
+
+    rank, first = _cause(failures)
+    others = sorted(r for r in failures if r != rank)
+    stopped = f" Stopped the other ranks: {', '.join(map(str, others))}." if others else ""
+    if first.exitcode < 0:
+        sig = signal.Signals(-first.exitcode).name if -first.exitcode in signal.Signals._value2member_map_ else first.exitcode
+        why = ("the kernel's out-of-memory killer (see `dmesg`) or a `kill -9`" if first.exitcode == -signal.SIGKILL.value
+               else "a crash in native code" if first.exitcode in (-signal.SIGSEGV.value, -signal.SIGABRT.value, -signal.SIGBUS.value)
+               else "a signal from outside phalanx")  # fmt: skip
+        after = " The other ranks' errors above followed from it." if any(f.exitcode > 0 for f in failures.values()) else ""
+        return f"phalanx launch: rank {rank} (pid {first.pid}) was killed by {sig}: {why}.{after}{stopped}"
+    if first.exitcode == HANG_EXIT_CODE:
+        return f"phalanx launch: the hang watchdog stopped the job; its report is above.{stopped}"
+    return f"phalanx launch: rank {rank} failed (exit code {first.exitcode}); its traceback is above.{stopped}"
 
 
 def _wait_for_node_0(lc: LaunchConfig, timeout_s: float) -> None:

@@ -163,6 +163,7 @@ def load_weights(strategy: Any, model: torch.nn.Module, path: str | os.PathLike[
 
     from phalanx.checkpoint import agree
     from phalanx.checkpoint_read import Checkpoint
+    from phalanx.collective_log import watched
 
     error: str | None = None
     reader: Any = None
@@ -206,4 +207,4 @@ def load_weights(strategy: Any, model: torch.nn.Module, path: str | os.PathLike[
         if closer is not None:
             closer.close()
     if dist.is_initialized():
-        dist.barrier()
+        watched(dist.barrier)

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from phalanx.collective_log import watched
 from phalanx.comm import all_gather_bytes
 from phalanx.logging import get_logger
 
@@ -84,7 +85,7 @@ class NonFiniteGuard:
         mine = torch.stack([bad_loss, ~finite]).float()
         if dist.is_initialized() and dist.get_world_size() > 1:
             everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-            dist.all_gather(everyone, mine)
+            watched(dist.all_gather, everyone, mine)
             flags = torch.stack(everyone).cpu().tolist()
         else:
             flags = [mine.cpu().tolist()]

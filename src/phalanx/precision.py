@@ -134,8 +134,10 @@ class Precision:
         if self.sync_found_inf:
             import torch.distributed as dist
 
+            from phalanx.collective_log import watched
+
             for v in found.values():  # GradScaler.step reads these same tensors
-                dist.all_reduce(v, op=dist.ReduceOp.MAX, group=self.found_inf_group)
+                watched(dist.all_reduce, v, op=dist.ReduceOp.MAX, group=self.found_inf_group)
         # One host sync per step: GradScaler records whether this optimizer's gradients held an inf/nan.
         found_inf = sum(v.item() for v in found.values())
         self._overflow_in_round |= found_inf > 0

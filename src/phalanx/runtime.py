@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from phalanx.logging import get_logger
 
-__all__ = ["WorldInfo", "detect_world", "init_distributed", "pick_device", "teardown", "seed_everything"]
+__all__ = ["WorldInfo", "detect_world", "init_distributed", "pick_device", "teardown", "seed_everything", "script_failed"]
 
 
 @dataclass(frozen=True)
@@ -150,6 +150,11 @@ def init_distributed(world: WorldInfo, device: torch.device, timeout_s: float) -
         sys.excepthook = _mark_failure
     atexit.register(teardown)
     get_logger().debug(f"process group up: {backend}, rank {world.rank}/{world.world_size} via {world.source}")
+
+
+def script_failed() -> bool:
+    """Whether the script ended with an uncaught exception (known once it has: at exit)."""
+    return _FAILED
 
 
 def teardown() -> None:

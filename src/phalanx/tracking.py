@@ -200,11 +200,13 @@ def gather_peak_memory(device: torch.device) -> list[dict[str, float]]:
     """Every rank's :func:`peak_memory_mib`, in rank order. A collective: every rank must call it."""
     import torch.distributed as dist
 
+    from phalanx.collective_log import watched
+
     mine = peak_memory_mib(device)
     keys = sorted(mine)
     t = torch.tensor([[mine[k] for k in keys]], dtype=torch.float64, device=device)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, t)
+        watched(dist.all_gather, parts, t)
         t = torch.cat(parts)
     return [dict(zip(keys, row)) for row in t.cpu().tolist()]

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.collective_log import watched
 from phalanx.compat._hvd_world import (
     Average,
     HvdWorld,
@@ -120,7 +121,7 @@ def _reduce_(tensor: torch.Tensor, op: ReduceOp, prescale: float, postscale: flo
         scale_(tensor, prescale)
         if world.distributed:
             wire = to_comm_device(tensor, world)
-            dist.all_reduce(wire, op=c10d_op(op))
+            watched(dist.all_reduce, wire, op=c10d_op(op))
             if wire is not tensor:
                 tensor.copy_(wire)
         scale_(tensor, postscale)
@@ -196,7 +197,7 @@ def _gather(tensor: torch.Tensor, world: HvdWorld) -> tuple[torch.Tensor, list[i
         return tensor.clone(), [tensor.shape[0]]
     mine = (tuple(tensor.shape), str(tensor.dtype))
     shapes: list[Any] = [None] * world.info.world_size
-    dist.all_gather_object(shapes, mine)
+    watched(dist.all_gather_object, shapes, mine)
     if any(len(s) != len(mine[0]) or s[1:] != mine[0][1:] or d != mine[1] for s, d in shapes):
         listed = "; ".join(f"rank {r}: {tuple(s)} {d}" for r, (s, d) in enumerate(shapes))
         raise ValueError(
@@ -208,7 +209,7 @@ def _gather(tensor: torch.Tensor, world: HvdWorld) -> tuple[torch.Tensor, list[i
     if wire.shape[0] < max(sizes):  # all_gather needs equal sizes: pad, then cut each rank's rows back out
         wire = torch.cat([wire, wire.new_zeros((max(sizes) - wire.shape[0], *wire.shape[1:]))])
     parts = [torch.empty_like(wire) for _ in sizes]
-    dist.all_gather(parts, wire)
+    watched(dist.all_gather, parts, wire)
     return torch.cat([p[:s] for p, s in zip(parts, sizes)]).to(tensor.device), sizes
 
 
@@ -240,7 +241,7 @@ def _broadcast_(tensor: torch.Tensor, root_rank: int, world: HvdWorld) -> None:
         return
     with torch.no_grad():
         wire = to_comm_device(tensor, world)
-        dist.broadcast(wire, src=root_rank)
+        watched(dist.broadcast, wire, src=root_rank)
         if wire is not tensor:
             tensor.copy_(wire)
 

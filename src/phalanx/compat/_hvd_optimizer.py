@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
+from phalanx.collective_log import watched
 from phalanx.comm import CommStats
 from phalanx.compat._hvd_ops import Compression, c10d_op, check_compression
 from phalanx.compat._hvd_world import Average, ReduceOp, Sum, check_op, current
@@ -83,7 +84,7 @@ class _HorovodReducer(GradReducer):
         self.scale.apply_(bucket.flat)
         wire, ctx = self.compression.compress(bucket.flat)
         self.stats.record("all_reduce", wire, self.world_size)
-        work = dist.all_reduce(wire, op=c10d_op(self.op), group=self.group, async_op=True)
+        work = watched(dist.all_reduce, wire, op=c10d_op(self.op), group=self.group, async_op=True)
         bucket.work = _Reduced(work, wire, ctx, bucket.flat, self.compression, self.postscale)
 
     def open_window(self) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.collective_log import watched
 from phalanx.compat._hvd_ops import to_comm_device
 from phalanx.compat._hvd_world import HvdWorld, check_root, current
 
@@ -34,7 +35,7 @@ def _broadcast_tensors(tensors: list[torch.Tensor], root_rank: int, world: HvdWo
     with torch.no_grad():
         for members in groups.values():
             flat = to_comm_device(torch.cat([t.detach().reshape(-1) for t in members]), world)
-            dist.broadcast(flat, src=root_rank)
+            watched(dist.broadcast, flat, src=root_rank)
             if world.info.rank == root_rank:
                 continue
             offset = 0
@@ -49,7 +50,7 @@ def _agree(ok: bool, world: HvdWorld) -> bool:
     if not world.distributed:
         return ok
     flag = torch.tensor([1 if ok else 0], device=world.comm_device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    watched(dist.all_reduce, flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
 
@@ -84,7 +85,7 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
     layout = repr([(tuple(t.shape), str(t.dtype)) for _, t in named]).encode()
     signature = torch.tensor([len(named), zlib.crc32(layout)], dtype=torch.long, device=world.comm_device)
     both = torch.cat([signature, -signature])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    watched(dist.all_reduce, both, op=dist.ReduceOp.MAX)
     if not torch.equal(both[:2], -both[2:]):
         raise ValueError(
             f"{where}: the tensors differ between ranks in number, shape or dtype (this rank has {len(named)}); build "
@@ -179,7 +180,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> A
     if not world.distributed:
         return obj
     box = [obj if world.info.rank == root_rank else None]
-    dist.broadcast_object_list(box, src=root_rank, device=world.comm_device)
+    watched(dist.broadcast_object_list, box, src=root_rank, device=world.comm_device)
     return obj if world.info.rank == root_rank else box[0]
 
 
@@ -189,7 +190,7 @@ def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
     if not world.distributed:
         return [obj]
     out: list[Any] = [None] * world.info.world_size
-    dist.all_gather_object(out, obj)
+    watched(dist.all_gather_object, out, obj)
     return out
 
 
@@ -205,5 +206,5 @@ def join(device: int = -1) -> int:
         return 0
     arrived = torch.tensor([time.time()], dtype=torch.float64, device=world.comm_device)
     times = [torch.empty_like(arrived) for _ in range(world.info.world_size)]
-    dist.all_gather(times, arrived)
+    watched(dist.all_gather, times, arrived)
     return int(torch.stack(times).argmax())

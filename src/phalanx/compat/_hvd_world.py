@@ -15,6 +15,8 @@ import torch.distributed as dist
 
 from phalanx.config import resolve_config
 from phalanx.logging import configure_logging
+from phalanx.topology import Topology
+from phalanx.watchdog import start_watchdog
 from phalanx.runtime import (
     WorldInfo,
     detect_world,
@@ -109,6 +111,8 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     device = pick_device(config.device, world.local_rank)
     existed = dist.is_initialized()
     init_distributed(world, device, config.timeout_s)
+    start_watchdog(world.rank, world.world_size, device.type, config.hang_timeout_s, config.debug_collectives,
+                   Topology(world.world_size, world.rank))  # fmt: skip
     _WORLD = HvdWorld(world, device, owns_group=not existed and world.init_method is not None)
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx.collective_log import watched
 from phalanx.comm import CommStats, broadcast_coalesced
 
 __all__ = ["group_rank0", "check_same_model", "replicate_from_first", "check_trainable", "check_prepared_once", "optimizer_list"]
@@ -27,8 +28,8 @@ def check_same_model(model: nn.Module, group: Any, device: torch.device) -> None
     shapes = [tuple(p.shape) for p in model.parameters()] + [tuple(b.shape) for b in model.buffers()]
     signature = torch.tensor([len(shapes), sum(hash(s) % 1_000_003 for s in shapes)], dtype=torch.long, device=device)
     lo, hi = signature.clone(), signature.clone()
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    watched(dist.all_reduce, lo, op=dist.ReduceOp.MIN, group=group)
+    watched(dist.all_reduce, hi, op=dist.ReduceOp.MAX, group=group)
     if not torch.equal(lo, hi):
         raise RuntimeError(
             f"the model passed to engine.prepare differs between ranks (this rank: {int(signature[0])} tensors); "

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
+from phalanx.collective_log import watched
 from phalanx.comm import CommStats
 from phalanx.shards import (
     ShardEntry, StateReader, balanced_slices, keys_by_param, load_whole_tensors, named_tensors, read_optimizer_state,
@@ -118,7 +119,7 @@ class GradReducer:
         self.scale.apply_(bucket.flat)
         if self.world_size > 1:
             self.stats.record("all_reduce", bucket.flat, self.world_size)
-            bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+            bucket.work = watched(dist.all_reduce, bucket.flat, group=self.group, async_op=True, label=f"ddp bucket {bucket.index}")
 
     def _finalize_backward(self) -> None:
         self._callback_queued = False

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx.collective_log import watched
 from phalanx.engine import Engine
 from phalanx.trainer.arguments import TrainingArguments
 
@@ -109,6 +110,6 @@ class LossMixin:
         hold a loss, and each replica's once)."""
         if self.engine.strategy.drives_backward and dist.is_initialized():
             total = window.clone()
-            dist.all_reduce(total)
+            watched(dist.all_reduce, total)
             return total
         return self.engine.reduce(window, "sum")

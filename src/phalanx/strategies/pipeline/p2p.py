@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
+from phalanx.collective_log import watched
 from phalanx.comm import CommStats
 
 __all__ = ["StageLink", "Meta", "boundary_tensors", "flat_tensors", "meta_of", "encode_meta", "decode_meta"]
@@ -194,14 +195,14 @@ class StageLink:
             # One NCCL group: a send and a receive on the same pair of ranks progress together (NCCL may hand
             # back a single work for the whole group, so wait for all of it when something is received).
             ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends] + [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
-            works: list[Any] = list(dist.batch_isend_irecv(ops))
+            works: list[Any] = list(watched(dist.batch_isend_irecv, ops))
             if recvs:
                 self._wait(works)
             else:
                 self._sends.extend(works)
             return
-        self._sends.extend(dist.isend(t, dst=peer) for t, peer in sends)
-        self._wait([dist.irecv(t, src=peer) for t, peer in recvs])
+        self._sends.extend(watched(dist.isend, t, dst=peer) for t, peer in sends)
+        self._wait([watched(dist.irecv, t, src=peer) for t, peer in recvs])
 
     def _wait(self, works: list[Any]) -> None:
         if works:

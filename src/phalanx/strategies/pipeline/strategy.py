@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx.collective_log import watched
 from phalanx.comm import broadcast_coalesced
 from phalanx.logging import get_logger
 from phalanx.shards import ShardEntry, StateReader
@@ -267,12 +268,12 @@ class PipelineStrategy(Strategy):
             summary[0], summary[2] = losses.sum(), float(sum_mode)
             summary[1] = self._items if self._items is not None else 1.0
         if self.pp_size > 1:
-            dist.broadcast(summary, src=self.last_rank, group=self.topology.pp_group)
+            watched(dist.broadcast, summary, src=self.last_rank, group=self.topology.pp_group)
         loss_total, items, sum_mode = summary.tolist()
         if sum_mode:
             total = torch.tensor(items, dtype=torch.float64, device=self.device)
             if self.topology.dp_size > 1:
-                dist.all_reduce(total, group=self.topology.dp_group)
+                watched(dist.all_reduce, total, group=self.topology.dp_group)
             self.set_grad_scale((1.0 / total).to(torch.float32))
         else:
             self.set_grad_scale(1.0 / self.topology.dp_size)  # each micro-batch's loss was already divided by m
@@ -375,16 +376,16 @@ class PipelineStrategy(Strategy):
         if key not in self._out_meta:
             meta = encode_meta(meta_of(boundary_tensors(out, self.stage_index), isinstance(out, tuple))) if self.is_last else None
             length = torch.tensor([len(meta) if meta is not None else 0], dtype=torch.int64, device=self.device)
-            dist.broadcast(length, src=src, group=group)
+            watched(dist.broadcast, length, src=src, group=group)
             vec = meta.to(self.device) if meta is not None else torch.empty(int(length), dtype=torch.int64, device=self.device)
-            dist.broadcast(vec, src=src, group=group)
+            watched(dist.broadcast, vec, src=src, group=group)
             self._out_meta[key] = decode_meta(vec.cpu())
         is_tuple, specs = self._out_meta[key]
         tensors = boundary_tensors(out, self.stage_index) if self.is_last else [
             torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in specs
         ]
         for t in tensors:
-            dist.broadcast(t.contiguous() if self.is_last else t, src=src, group=group)
+            watched(dist.broadcast, t.contiguous() if self.is_last else t, src=src, group=group)
         return tuple(tensors) if is_tuple else tensors[0]
 
     def _partition_by_time(self, batch: Any, loss_fn: Callable[..., Any]) -> None:
@@ -394,7 +395,7 @@ class PipelineStrategy(Strategy):
         times = time_blocks(list(model.children()), batch, loss_fn, self.device)
         if dist.is_initialized() and self.topology.world_size > 1:
             times = times.to(self.device)  # NCCL reduces device tensors only
-            dist.all_reduce(times)  # every rank must cut at the same blocks: use the mean over ranks
+            watched(dist.all_reduce, times)  # every rank must cut at the same blocks: use the mean over ranks
             times = times.cpu() / self.topology.world_size
         self.block_costs = times.tolist()
         self._split(model, partition_blocks(self.block_costs, self.pp_size))
@@ -421,7 +422,7 @@ class PipelineStrategy(Strategy):
                     flat = torch.cat([local[n].detach().reshape(-1).to(self.device) for n, _ in entries])
                 else:
                     flat = torch.empty(sum(math.prod(sh) for _, sh in entries), dtype=dtype, device=self.device)
-                dist.broadcast(flat, src=src, group=self.topology.pp_group)
+                watched(dist.broadcast, flat, src=src, group=self.topology.pp_group)
                 flat, offset = flat.cpu(), 0
                 for name, shape in entries:
                     n = math.prod(shape)

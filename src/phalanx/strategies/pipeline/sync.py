@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx.collective_log import watched
 from phalanx.shards import ShardEntry, StateReader, balanced_slices, load_whole_tensors, named_tensors
 from phalanx.strategies._grads import clip_to_norm_
 from phalanx.strategies.base import Strategy
@@ -91,11 +92,11 @@ class WholeStageSync(StageSync):
         if self.topology.pp_size > 1:
             # Every stage holds different gradients (identical across its dp replicas after the reduction).
             if math.isinf(norm_type):
-                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.topology.pp_group)
+                watched(dist.all_reduce, local, op=dist.ReduceOp.MAX, group=self.topology.pp_group)
                 total = local
             else:
                 powered = local**norm_type
-                dist.all_reduce(powered, group=self.topology.pp_group)
+                watched(dist.all_reduce, powered, group=self.topology.pp_group)
                 total = powered ** (1.0 / norm_type)
         else:
             total = local
@@ -122,7 +123,7 @@ class _StageZero1(Zero1Strategy):
     def _all_reduce_norm(self, total: torch.Tensor, op: Any) -> None:
         # Slices differ across a stage's replicas and stages differ along the pipeline: sum over every rank.
         if self.topology.world_size > 1:
-            dist.all_reduce(total, op=op)
+            watched(dist.all_reduce, total, op=op)
 
 
 class Zero1StageSync(StageSync):

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
+from phalanx.collective_log import watched
 from phalanx.shards import ShardEntry, StateReader, named_tensors
 from phalanx.strategies._grads import GradScale, clip_to_norm_, second_backward_error, unused_parameters_error
 from phalanx.strategies._memory import memory_report_dict, nbytes, state_bytes_per_element, state_tensors
@@ -129,7 +130,7 @@ class ZeroStrategy(Strategy):
         for s in segments:
             if self.world > 1:  # every replica starts from rank 0's values: one in-place broadcast per flat buffer
                 self.stats.record("broadcast", s.full)
-                dist.broadcast(s.full, src=group_rank0(self.group), group=self.group)
+                watched(dist.broadcast, s.full, src=group_rank0(self.group), group=self.group)
             s.index = len(self.segments)
             self.segments.append(s)
             for i, p in enumerate(s.params):
@@ -394,10 +395,9 @@ class ZeroStrategy(Strategy):
     def nonfinite_grad_names(self, model: nn.Module, limit: int) -> list[str]:
         return state.nonfinite_grad_names(self, model, limit)
 
-    def _all_reduce_norm(self, total: torch.Tensor, op: Any) -> None:
-        """Combine the ranks' parts of the gradient norm (``total``: a max, or a sum of powers) in place."""
+    def _all_reduce_norm(self, total: torch.Tensor, op: Any) -> None:  # the ranks' parts: a max, or a sum of powers
         if self.world > 1:
-            dist.all_reduce(total, op=op, group=self.group)
+            watched(dist.all_reduce, total, op=op, group=self.group)
 
     # -------------------------------------------------------------------- state
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from phalanx.collective_log import watched
 from phalanx.comm import CommStats
 from phalanx.strategies.zero.layout import Segment
 
@@ -67,13 +68,13 @@ class SegmentComm:
             seg.work, seg.work_out = None, flat[seg.lo : seg.hi]
         elif self.mode == "allreduce":
             self.stats.record("all_reduce", flat, self.world)
-            seg.work = dist.all_reduce(flat, group=self.group, async_op=True)
+            seg.work = watched(dist.all_reduce, flat, group=self.group, async_op=True, label=f"gradients of segment {seg.index}")
             seg.work_out = flat[seg.lo : seg.hi]
         else:
             out = flat.new_empty(seg.shard_numel)
             self.stats.record("reduce_scatter", flat, self.world)
             fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-            seg.work = fn(out, flat, group=self.group, async_op=True)
+            seg.work = watched(fn, out, flat, group=self.group, async_op=True, label=f"gradients of segment {seg.index}")
             seg.work_out = out
         self.inflight.append(seg)
 
@@ -113,13 +114,13 @@ class SegmentComm:
             if local.data_ptr() != full[seg.lo :].data_ptr():
                 full[seg.lo : seg.hi].copy_(local)
             self.stats.record("all_reduce", full, self.world)
-            work = dist.all_reduce(full, group=self.group, async_op=True)
+            work = watched(dist.all_reduce, full, group=self.group, async_op=True, label=f"parameters of segment {seg.index}")
         else:
             if local.data_ptr() == full[seg.lo :].data_ptr():
                 local = local.clone()
             self.stats.record("all_gather", full, self.world)
             fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            work = fn(full, local, group=self.group, async_op=True)
+            work = watched(fn, full, local, group=self.group, async_op=True, label=f"parameters of segment {seg.index}")
         done = Done(work, None if full is seg.full else (lambda: seg.full.copy_(full)))
         if not async_op:
             done.wait()

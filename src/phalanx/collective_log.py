@@ -1,0 +1,285 @@
+"""Every collective phalanx issues leaves an entry; the hang watchdog and the desync check read them.
+
+    work = watched(dist.all_reduce, flat, group=group, async_op=True, label="ddp bucket 3")
+
+An entry holds the group's sequence number, the op, the payload (elements and dtype), phalanx's own label for it and
+the user's ``file:line`` that led to it. It is open from the call until the collective is done: until the call
+returns; for ``async_op=True`` until ``wait()``; on NCCL, where a call returns once the work is queued, until the
+device has finished it (the watchdog asks the work). Recording costs a few microseconds per collective and nothing
+when the log is off (one process, or ``hang_timeout_s=0`` without ``debug_collectives``).
+
+With ``debug_collectives``, each collective is preceded by a small all-gather of its fingerprint (sequence number, op,
+elements, dtype) over the same ranks, and ranks that disagree stop at once with :class:`CollectiveMismatchError`
+naming each rank's call, before any wrong bytes are reduced.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+import threading
+import time
+import zlib
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["LOG", "CollectiveError", "CollectiveLog", "CollectiveMismatchError", "Entry", "format_site", "watched"]
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed; the message says which one, where it was called, and what the other ranks were doing."""
+
+
+class CollectiveMismatchError(CollectiveError):
+    """Ranks of one group called different collectives at the same point of their sequence (``debug_collectives``)."""
+
+
+_PHALANX = os.path.dirname(os.path.abspath(__file__))
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+_STDLIB = sysconfig.get_paths()["stdlib"]
+_SITE = sysconfig.get_paths()["purelib"]
+
+
+def _library(filename: str) -> bool:
+    """Frames we look through to find the user's line: phalanx, torch and Python's standard library."""
+    if filename.startswith((_PHALANX, _TORCH, "<frozen")):
+        return True
+    return filename.startswith(_STDLIB) and not filename.startswith(_SITE)
+
+
+def _user_frame(depth: int = 2) -> tuple[str, int] | None:
+    frame: Any = sys._getframe(depth)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not _library(filename):
+            return filename, frame.f_lineno
+        frame = frame.f_back
+    return None  # no user code on this thread's stack (an autograd thread on a GPU)
+
+
+def format_site(site: tuple[str, int] | None) -> str:
+    if site is None:
+        return "no user frame (autograd's thread)"
+    filename, line = site
+    try:
+        rel = os.path.relpath(filename)
+        filename = rel if not rel.startswith("..") else filename
+    except ValueError:
+        pass
+    return f"{filename}:{line}"
+
+
+_DTYPES: dict[Any, int] = {}
+
+
+def _code(text: str) -> int:
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+class Entry:
+    """One collective on one rank. ``group``: the global ranks of its process group; ``seq``: its place in that
+    group's sequence (0 for point-to-point); ``peer``: the other rank of a send or a receive."""
+
+    __slots__ = ("done", "dtype", "group", "label", "numel", "op", "peer", "seq", "site", "t0", "work")
+
+    def __init__(self, group: tuple[int, ...], seq: int, op: str, numel: int, dtype: str, label: str | None,
+                 site: tuple[str, int] | None, peer: int | None) -> None:  # fmt: skip
+        self.group, self.seq, self.op, self.numel, self.dtype = group, seq, op, numel, dtype
+        self.label, self.site, self.peer = label, site, peer
+        self.t0 = time.monotonic()
+        self.work: Any = None
+        self.done = False
+
+    def fingerprint(self) -> tuple[int, int, int, int, int, int]:
+        """What every rank of the group must agree on: the place in the sequence, the op, the payload, phalanx's
+        label, and the line that called it (so that a skipped collective is caught even when the next one has the
+        same shape)."""
+        return self.seq, _code(self.op), self.numel, _code(self.dtype), _code(self.label or ""), _code(format_site(self.site))
+
+    def as_dict(self, now: float) -> dict[str, Any]:
+        return {
+            "group": list(self.group), "seq": self.seq, "op": self.op, "numel": self.numel, "dtype": self.dtype,
+            "label": self.label, "site": format_site(self.site), "age": round(now - self.t0, 1), "open": not self.done,
+            "peer": self.peer,
+        }  # fmt: skip
+
+
+def describe(e: dict[str, Any], world: int) -> str:
+    """``all_reduce #812 of ranks 0-3 (ddp bucket 3, 6291456 x float32 = 24.0 MiB)``."""
+    size = _ITEM_BYTES.get(e["dtype"], 4) * e["numel"]
+    what = f"{e['numel']} x {e['dtype'].removeprefix('torch.')} = {_fmt_bytes(size)}" if e["numel"] else "no payload"
+    label = f"{e['label']}, " if e["label"] else ""
+    if e["peer"] is not None:
+        return f"{e['op']} {'to' if e['op'] == 'send' else 'from'} rank {e['peer']} ({label}{what})"
+    return f"{e['op']} #{e['seq']} of {ranks_text(e['group'], world)} ({label}{what})"
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def ranks_text(ranks: list[int] | tuple[int, ...], world: int) -> str:
+    ranks = list(ranks)
+    if len(ranks) == world and world > 2:
+        return f"all {world} ranks"
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+_ITEM_BYTES = {str(d): torch.empty(0, dtype=d).element_size() for d in (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8, torch.int8,
+    torch.bool,
+)}  # fmt: skip
+
+
+class CollectiveLog:
+    """This process's collectives: a sequence number per group, the open entries and the recent ones."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.recent: deque[Entry] = deque(maxlen=64)
+        self.open: dict[int, Entry] = {}
+        self.seq: dict[tuple[int, ...], int] = {}
+        self._groups: dict[int, tuple[tuple[int, ...], bool]] = {}  # id(group) -> (ranks, polled: NCCL)
+        self._key = 0
+        self.precheck: Callable[[Entry, Any], None] | None = None
+        """Set by the watchdog under ``debug_collectives``: compares this call with the group's before it runs."""
+        self.explain: Callable[[Entry, BaseException], str] | None = None
+        """Set by the watchdog: what the other ranks were doing when this collective failed."""
+        self.lock = threading.Lock()
+        self.blocked: Entry | None = None
+        """The entry whose call or ``wait()`` the main thread is inside now (the one to name in a report)."""
+
+    def _group(self, group: Any) -> tuple[tuple[int, ...], bool]:
+        known = self._groups.get(id(group))
+        if known is None:
+            g = group if group is not None else dist.group.WORLD
+            ranks = tuple(dist.get_process_group_ranks(g))
+            known = self._groups[id(group)] = (ranks, dist.get_backend(g) == "nccl")
+        return known
+
+    def begin(self, op: str, group: Any, payload: Any, label: str | None, peer: int | None) -> tuple[Entry, bool]:
+        ranks, polled = self._group(group)
+        if peer is None:
+            seq = self.seq.get(ranks, 0) + 1
+            self.seq[ranks] = seq
+        else:
+            seq = 0
+        if isinstance(payload, torch.Tensor):
+            numel, dtype = payload.numel(), str(payload.dtype)
+        else:
+            numel, dtype = 0, ""
+        entry = Entry(ranks, seq, op, numel, dtype, label, _user_frame(3), peer)
+        self._key += 1
+        with self.lock:
+            self.recent.append(entry)
+            self.open[self._key] = entry
+        entry.work = self._key  # replaced by the work when there is one to poll
+        return entry, polled
+
+    def finish(self, entry: Entry, key: int) -> None:
+        entry.done = True
+        with self.lock:
+            self.open.pop(key, None)
+
+    def sweep(self) -> None:
+        """Close entries whose device work has completed (NCCL: the host never waits for them itself)."""
+        with self.lock:
+            entries = list(self.open.items())
+        for key, e in entries:
+            w = e.work
+            if w is not None and not isinstance(w, int):
+                works = w if isinstance(w, list) else [w]
+                if all(x.is_completed() for x in works):
+                    self.finish(e, key)
+
+    def oldest_open(self) -> Entry | None:
+        with self.lock:
+            entries = list(self.open.values())
+        return min(entries, key=lambda e: e.t0) if entries else None
+
+    def snapshot(self) -> tuple[list[Entry], list[Entry], dict[tuple[int, ...], int]]:
+        with self.lock:
+            return list(self.open.values()), list(self.recent), dict(self.seq)
+
+
+LOG = CollectiveLog()
+
+
+class WatchedWork:
+    """An async collective's work: ``wait()`` closes its entry."""
+
+    __slots__ = ("_entry", "_key", "_work")
+
+    def __init__(self, work: Any, entry: Entry, key: int) -> None:
+        self._work, self._entry, self._key = work, entry, key
+
+    def wait(self, *args: Any) -> Any:
+        LOG.blocked = self._entry
+        try:
+            out = self._work.wait(*args)
+        except RuntimeError as e:
+            _raise_explained(self._entry, e)
+        finally:
+            LOG.blocked = None
+        LOG.finish(self._entry, self._key)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+def _raise_explained(entry: Entry, error: BaseException) -> None:
+    explain = LOG.explain
+    if explain is None or isinstance(error, CollectiveError):
+        raise error
+    raise CollectiveError(explain(entry, error)) from error
+
+
+_P2P = {"isend": "dst", "irecv": "src", "send": "dst", "recv": "src"}
+
+
+def watched(fn: Callable[..., Any], *args: Any, label: str | None = None, **kwargs: Any) -> Any:
+    """Call the c10d function ``fn`` with ``args``/``kwargs`` and log it (see the module docstring)."""
+    if not LOG.on:
+        return fn(*args, **kwargs)
+    op = fn.__name__.removesuffix("_single").removesuffix("_into_tensor").removesuffix("_tensor")
+    peer = kwargs.get(_P2P[op]) if op in _P2P else None
+    if op.startswith("i") and peer is not None:
+        op = op[1:]
+    payload = args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else (args[0] if args else None)
+    entry, polled = LOG.begin(op, kwargs.get("group"), payload, label, peer)
+    key: int = entry.work
+    if LOG.precheck is not None and peer is None:
+        LOG.precheck(entry, kwargs.get("group"))
+    asked_async = kwargs.get("async_op", False)
+    try:
+        if polled and not asked_async and peer is None and fn is not dist.barrier:
+            # NCCL: queue it, make the stream wait (what a synchronous call does), and let the watchdog poll it.
+            kwargs["async_op"] = True
+            work = fn(*args, **kwargs)
+            work.wait()
+            entry.work = work
+            return None
+        LOG.blocked = entry
+        out = fn(*args, **kwargs)
+    except RuntimeError as e:
+        _raise_explained(entry, e)
+    finally:
+        LOG.blocked = None
+    if polled and out is not None:
+        entry.work = out
+        return out
+    if asked_async or op in ("send", "recv") and fn.__name__.startswith("i"):
+        return WatchedWork(out, entry, key)
+    LOG.finish(entry, key)
+    return out
