@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import phalanx
+from phalanx.launch import SpawnError
 from _common import BNNet, OddNet, make_data, make_optimizer, reference_run
 
 STEPS, GLOBAL_BATCH = 20, 12  # 12 splits evenly over 1, 2, 3 and 4 ranks
@@ -245,7 +246,7 @@ def _unused_on_rank_1_only() -> None:
 
 
 def test_parameter_unused_on_one_rank_fails_without_hanging(run_ranks):
-    with pytest.raises(phalanx.launch.SpawnError) as info:
+    with pytest.raises(SpawnError) as info:
         run_ranks(_unused_on_rank_1_only, 2, timeout=60)
     assert info.value.rank == 1 and "unused.weight" in str(info.value)
 

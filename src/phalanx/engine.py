@@ -39,6 +39,7 @@ from phalanx.logging import configure_logging, warn_once
 from phalanx.nonfinite import NonFiniteGuard
 from phalanx.precision import Precision, loss_scaling
 from phalanx.prepared import PreparedOptimizer, PreparedScheduler, autocast_forward, kind_of
+from phalanx.resume import Resumer
 from phalanx.runtime import WorldInfo, detect_world, init_distributed, pick_device, seed_everything
 from phalanx.strategies import get_strategy_class
 from phalanx.topology import Topology
@@ -82,6 +83,7 @@ class Engine(EngineState):
         start_watchdog(self.world.rank, self.world.world_size, self.device.type, self.config.hang_timeout_s,
                        self.config.debug_collectives, self.topology)  # fmt: skip
         self._checkpointed: list[Any] = []  # register_for_checkpointing
+        self._resumer = Resumer(self.config.resume_from)
         self._released: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models given up by free_memory
         self._start_training_state()
         seed_everything(self.config.seed)
@@ -134,6 +136,7 @@ class Engine(EngineState):
             for i, obj in enumerate(objects):
                 if kinds[i] == kind:
                     out[i] = getattr(self, f"prepare_{kind}")(obj)
+        self._resume_if_ready()
         return out[0] if len(out) == 1 else tuple(out)
 
     def prepare_model(self, model: nn.Module | list[nn.Module] | tuple[nn.Module, ...]) -> nn.Module:
@@ -236,6 +239,8 @@ class Engine(EngineState):
         """
         self._refuse_manual_backward("engine.backward")
         check_backward_has_a_model(len(self._models), self.topology.dp_size)
+        if not self._resumer.done:
+            self._check_resumed()
         mode = "sum" if items is not None else "mean"
         if self._window_mode not in (None, mode):
             raise ValueError(
@@ -355,6 +360,8 @@ class Engine(EngineState):
         reduced: the caller then calls ``optimizer.step()`` (which clips to ``max_grad_norm``), the scheduler's
         ``step()`` and ``optimizer.zero_grad()``.
         """
+        if not self._resumer.done:
+            self._check_resumed()
         if not optimizer_step and not self.strategy.drives_backward:
             raise ValueError(
                 f"engine.train_step(optimizer_step=False) is for strategy='pipeline', where one call is a whole step; "

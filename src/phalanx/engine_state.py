@@ -23,6 +23,7 @@ from phalanx.data import PreparedDataLoader
 from phalanx.engine_collectives import EngineCollectives
 from phalanx.precision import Precision
 from phalanx.prepared import PreparedOptimizer, PreparedScheduler
+from phalanx.resume import Resumer
 from phalanx.strategies.base import Strategy
 
 if TYPE_CHECKING:
@@ -43,6 +44,7 @@ class EngineState(EngineCollectives):
     _schedulers: list[PreparedScheduler]
     _prepared_loaders: list[PreparedDataLoader]
     _checkpointed: list[Any]
+    _resumer: Resumer
     _micro_steps: int
     _in_accumulate: bool
 
@@ -90,6 +92,7 @@ class EngineState(EngineCollectives):
                     f"{type(obj).__name__} has {'neither' if not hasattr(obj, 'state_dict') else 'not both'}"
                 )
             self._checkpointed.append(obj)
+        self._resume_if_ready()
 
     def save_state(self, output_dir: str | os.PathLike[str], keep_last: int | None = None) -> Path:
         """Save everything needed to resume: models and optimizer state (each rank its shards, in parallel),
@@ -126,6 +129,33 @@ class EngineState(EngineCollectives):
             )
         counters = load_checkpoint(input_dir, self._parts(), self.strategy, self.topology, self.device, verify)
         self.global_step = counters.get("global_step", 0)
+
+    def _prepared_counts(self) -> dict[str, int]:
+        return {"models": len(self._models), "optimizers": len(self._optimizers), "schedulers": len(self._schedulers),
+                "loaders": len(self._prepared_loaders), "objects": len(self._checkpointed)}  # fmt: skip
+
+    def _resume_if_ready(self) -> None:
+        """``resume_from``: load the newest checkpoint there once everything it holds is prepared (see resume.py)."""
+        r = self._resumer
+        if r.done:
+            return
+        r.look(self.rank)
+        if not r.done and r.pending is not None and r.ready(self._prepared_counts()):
+            self.load_state(r.pending)
+            r.loaded(self.rank, self.world_size, self.global_step)
+
+    def _check_resumed(self) -> None:
+        """Before the first backward: a checkpoint that ``resume_from`` found must have been loaded by now."""
+        r = self._resumer
+        r.look(self.rank)
+        if r.pending is None:
+            return
+        raise RuntimeError(
+            f"resume_from={r.directory}: its newest checkpoint {r.pending.name} holds state for objects not prepared "
+            f"yet ({r.missing(self._prepared_counts())}), so it was not loaded, and training would start from step 0 "
+            "instead of resuming. Prepare (and register_for_checkpointing) everything the checkpoint was saved with "
+            "before the first backward"
+        )
 
     def load_model(self, path: str | os.PathLike[str], model: nn.Module | None = None) -> None:
         """Load weights only into a prepared model (the only one, or ``model``): the optimizer, schedulers, loaders,

@@ -25,11 +25,13 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from types import FrameType
 from typing import Any, Sequence
 
 from phalanx.config import ENV_CONFIG_JSON, LaunchConfig, PhalanxConfig, config_to_env
+from phalanx.resume import ENV_LAUNCH_ID, restart_summary
 from phalanx.spawn import SpawnError, gloo_on_loopback, spawn  # SpawnError, spawn: their old home, kept for users
 
 __all__ = ["launch", "spawn", "SpawnError", "LaunchError", "torchrun_args"]
@@ -136,6 +138,7 @@ def launch(cfg: PhalanxConfig, script: str, script_args: Sequence[str] = (), mod
         ["--signals-to-handle=SIGQUIT", *torchrun_args(cfg, script, script_args, module)]
     )
     stopper = _Stopper(lc)
+    os.environ[ENV_LAUNCH_ID] = uuid.uuid4().hex  # which lines of resume_from's record are this run's
     try:
         with stopper:
             if lc.rdzv_endpoint is None and lc.node_rank > 0:
@@ -151,6 +154,10 @@ def launch(cfg: PhalanxConfig, script: str, script_args: Sequence[str] = (), mod
         return first.exitcode if first.exitcode > 0 else 1
     finally:
         del store
+        if cfg.engine.resume_from is not None:
+            summary = restart_summary(cfg.engine.resume_from, os.environ[ENV_LAUNCH_ID], lc.max_restarts)
+            if summary:
+                sys.stderr.write(summary + "\n")
     return 0
 
 

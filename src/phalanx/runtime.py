@@ -136,12 +136,13 @@ def init_distributed(world: WorldInfo, device: torch.device, timeout_s: float) -
     kwargs: dict[str, Any] = {}
     if device.type == "cuda":
         kwargs["device_id"] = device  # binds NCCL to our GPU at start-up rather than guessing later
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if world.init_method == "env://" and restart is not None:
+        kwargs["store"] = _attempt_store(world, timeout_s, restart)
+    else:
+        kwargs["init_method"] = world.init_method
     dist.init_process_group(
-        backend=backend,
-        init_method=world.init_method,
-        rank=world.rank,
-        world_size=world.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        backend=backend, rank=world.rank, world_size=world.world_size, timeout=datetime.timedelta(seconds=timeout_s),
         **kwargs,
     )
     global _previous_excepthook
@@ -150,6 +151,21 @@ def init_distributed(world: WorldInfo, device: torch.device, timeout_s: float) -
         sys.excepthook = _mark_failure
     atexit.register(teardown)
     get_logger().debug(f"process group up: {backend}, rank {world.rank}/{world.world_size} via {world.source}")
+
+
+def _attempt_store(world: WorldInfo, timeout_s: float, restart: str) -> Any:
+    """The launcher's store, under a prefix of its own for each attempt of the worker group.
+
+    torchrun keeps one store across restarts (``--max-restarts``). Without a prefix, the ranks of a restarted group
+    read the previous attempt's keys (each rank's gloo address) and try to connect to processes that are gone.
+    """
+    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world.world_size,
+        is_master=not agent_hosts_it and world.rank == 0, timeout=datetime.timedelta(seconds=timeout_s),
+        multi_tenant=True,
+    )  # fmt: skip
+    return dist.PrefixStore(f"phalanx/attempt_{restart}/", store)
 
 
 def script_failed() -> bool:

@@ -91,6 +91,7 @@ class Trainer(LossMixin):
             raise ValueError("Trainer needs a model: Trainer(model, args, train_dataset=...)")
         self.args = args if args is not None else TrainingArguments()
         self.engine = Engine(**self.args.engine_options())
+        self._auto_resume = self.engine._resumer.hand_over(self.output_dir)  # resume_from: see train()
         self.model, self._raw_model = model, model
         self.data_collator, self.processing_class = data_collator, processing_class
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
@@ -260,8 +261,14 @@ class Trainer(LossMixin):
         self._prepare(max_steps)
         per_epoch = max(1, math.ceil(len(self._train_loader) / args.gradient_accumulation_steps))
         resume = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
+        auto = self._auto_resume
+        if not resume and auto is not None:  # resume_from (phalanx launch --resume-from): the newest, if there is one
+            auto.look(self.engine.rank)
+            resume = str(auto.pending) if auto.pending is not None else None
         if resume:
             self._resume(resume)
+            if auto is not None and auto.pending is not None:
+                auto.loaded(self.engine.rank, self.engine.world_size, self.engine.global_step)
         # These follow the arguments of this run, also on resume (a longer max_steps trains on), as in HF.
         self.state.max_steps, self.state.num_train_epochs = max_steps, math.ceil(max_steps / per_epoch)
         self.state.train_batch_size = args.per_device_train_batch_size
