@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import sys
 import sysconfig
-import threading
 import time
 import zlib
 from collections import deque
@@ -87,7 +86,7 @@ class Entry:
 
     __slots__ = ("done", "dtype", "group", "label", "numel", "op", "peer", "seq", "site", "t0", "work")
 
-    def __init__(self, group: tuple[int, ...], seq: int, op: str, numel: int, dtype: str, label: str | None,
+    def __init__(self, group: tuple[int, ...], seq: int, op: str, numel: int, dtype: Any, label: str | None,
                  site: tuple[str, int] | None, peer: int | None) -> None:  # fmt: skip
         self.group, self.seq, self.op, self.numel, self.dtype = group, seq, op, numel, dtype
         self.label, self.site, self.peer = label, site, peer
@@ -99,11 +98,11 @@ class Entry:
         """What every rank of the group must agree on: the place in the sequence, the op, the payload, phalanx's
         label, and the line that called it (so that a skipped collective is caught even when the next one has the
         same shape)."""
-        return self.seq, _code(self.op), self.numel, _code(self.dtype), _code(self.label or ""), _code(format_site(self.site))
+        return self.seq, _code(self.op), self.numel, _code(str(self.dtype)), _code(self.label or ""), _code(format_site(self.site))
 
     def as_dict(self, now: float) -> dict[str, Any]:
         return {
-            "group": list(self.group), "seq": self.seq, "op": self.op, "numel": self.numel, "dtype": self.dtype,
+            "group": list(self.group), "seq": self.seq, "op": self.op, "numel": self.numel, "dtype": str(self.dtype or ""),
             "label": self.label, "site": format_site(self.site), "age": round(now - self.t0, 1), "open": not self.done,
             "peer": self.peer,
         }  # fmt: skip
@@ -155,7 +154,6 @@ class CollectiveLog:
         """Set by the watchdog under ``debug_collectives``: compares this call with the group's before it runs."""
         self.explain: Callable[[Entry, BaseException], str] | None = None
         """Set by the watchdog: what the other ranks were doing when this collective failed."""
-        self.lock = threading.Lock()
         self.blocked: Entry | None = None
         """The entry whose call or ``wait()`` the main thread is inside now (the one to name in a report)."""
 
@@ -175,26 +173,24 @@ class CollectiveLog:
         else:
             seq = 0
         if isinstance(payload, torch.Tensor):
-            numel, dtype = payload.numel(), str(payload.dtype)
+            entry = Entry(ranks, seq, op, payload.numel(), payload.dtype, label, _user_frame(3), peer)
         else:
-            numel, dtype = 0, ""
-        entry = Entry(ranks, seq, op, numel, dtype, label, _user_frame(3), peer)
+            entry = Entry(ranks, seq, op, 0, None, label, _user_frame(3), peer)
         self._key += 1
-        with self.lock:
-            self.recent.append(entry)
-            self.open[self._key] = entry
+        # No lock on the hot path: under the GIL, one append or one dict store is atomic, and the watchdog's
+        # readers copy with list(), which runs no Python code in between.
+        self.recent.append(entry)
+        self.open[self._key] = entry
         entry.work = self._key  # replaced by the work when there is one to poll
         return entry, polled
 
     def finish(self, entry: Entry, key: int) -> None:
         entry.done = True
-        with self.lock:
-            self.open.pop(key, None)
+        self.open.pop(key, None)
 
     def sweep(self) -> None:
         """Close entries whose device work has completed (NCCL: the host never waits for them itself)."""
-        with self.lock:
-            entries = list(self.open.items())
+        entries = list(self.open.items())
         for key, e in entries:
             w = e.work
             if w is not None and not isinstance(w, int):
@@ -203,13 +199,11 @@ class CollectiveLog:
                     self.finish(e, key)
 
     def oldest_open(self) -> Entry | None:
-        with self.lock:
-            entries = list(self.open.values())
+        entries = list(self.open.values())
         return min(entries, key=lambda e: e.t0) if entries else None
 
     def snapshot(self) -> tuple[list[Entry], list[Entry], dict[tuple[int, ...], int]]:
-        with self.lock:
-            return list(self.open.values()), list(self.recent), dict(self.seq)
+        return list(self.open.values()), list(self.recent), dict(self.seq)
 
 
 LOG = CollectiveLog()
@@ -246,15 +240,18 @@ def _raise_explained(entry: Entry, error: BaseException) -> None:
 
 
 _P2P = {"isend": "dst", "irecv": "src", "send": "dst", "recv": "src"}
+_OP_NAMES: dict[Any, str] = {}
 
 
 def watched(fn: Callable[..., Any], *args: Any, label: str | None = None, **kwargs: Any) -> Any:
     """Call the c10d function ``fn`` with ``args``/``kwargs`` and log it (see the module docstring)."""
     if not LOG.on:
         return fn(*args, **kwargs)
-    op = fn.__name__.removesuffix("_single").removesuffix("_into_tensor").removesuffix("_tensor")
+    op = _OP_NAMES.get(fn)
+    if op is None:
+        op = _OP_NAMES[fn] = fn.__name__.removesuffix("_single").removesuffix("_into_tensor").removesuffix("_tensor")
     peer = kwargs.get(_P2P[op]) if op in _P2P else None
-    if op.startswith("i") and peer is not None:
+    if peer is not None and op[0] == "i":
         op = op[1:]
     payload = args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else (args[0] if args else None)
     entry, polled = LOG.begin(op, kwargs.get("group"), payload, label, peer)
