@@ -174,3 +174,71 @@ def test_a_backward_before_everything_the_checkpoint_holds_is_prepared_is_refuse
     assert third.global_step == 1
     for k, v in third.get_state_dict(model3).items():
         assert torch.equal(v, saved[k]), k
+
+
+ELASTIC_SCRIPT = textwrap.dedent(
+    """\
+    import os, sys, signal
+    import torch
+    from safetensors.torch import save_file
+    from torch.utils.data import DataLoader, TensorDataset
+    import phalanx
+
+    engine = phalanx.Engine()
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(96, 8, generator=g), torch.randn(96, 1, generator=g))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt, loader = engine.prepare(model, opt, DataLoader(data, batch_size=4, shuffle=True))
+    print(f"world {engine.world_size} from step {engine.global_step}", flush=True)
+    for epoch in range(engine.epoch, 2):
+        for x, y in loader:
+            engine.backward(torch.nn.functional.mse_loss(model(x), y))
+            opt.step(); opt.zero_grad()
+            if engine.global_step % 4 == 0:
+                engine.save_state(f"{engine.config.resume_from}/step-{engine.global_step}")
+            if engine.global_step == 6 and os.environ.get("LOSE_THIS_NODE") == "1":
+                os.kill(os.getppid(), signal.SIGKILL)  # the node's launcher, then its worker: the machine is gone
+                os.kill(os.getpid(), signal.SIGKILL)
+    state = engine.get_state_dict(model)
+    if engine.is_main_process:
+        save_file({k: v.contiguous() for k, v in state.items()}, sys.argv[1])
+    print(f"world {engine.world_size} finished at step {engine.global_step}", flush=True)
+    """
+)
+
+
+def test_an_elastic_job_that_loses_a_node_finishes_on_the_other(tmp_path):
+    import shutil
+    import socket
+
+    (tmp_path / "job.py").write_text(ELASTIC_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PHALANX_DEVICE": "cpu"}
+    argv = [*PHALANX, "launch", "--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{port}", "-n", "1", "--max-restarts",
+            "1", "--resume-from", "ckpt", "job.py"]  # fmt: skip
+    survivor = subprocess.Popen([*argv, "a.safetensors"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lost = subprocess.Popen([*argv, "b.safetensors"], cwd=tmp_path, env={**env, "LOSE_THIS_NODE": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        out, err = survivor.communicate(timeout=240)
+        lost.communicate(timeout=30)
+    finally:
+        for p in (survivor, lost):
+            p.kill()
+    assert survivor.returncode == 0, err[-3000:]
+    assert lost.returncode == -9
+    # Two nodes of one rank each, then the survivor alone from the checkpoint before the loss (step 4 of 24).
+    assert out.split("\n")[:3] == ["world 2 from step 0", "world 1 from step 4", "world 1 finished at step 44"], out
+    assert "restart 1 resumed from step-4 (global step 4) on 1 rank(s)" in err, err[-3000:]
+    # The reference: the smaller world continuing from that checkpoint, never interrupted.
+    (tmp_path / "ref").mkdir()
+    shutil.copytree(tmp_path / "ckpt" / "step-4", tmp_path / "ref" / "step-4")
+    ref = subprocess.run([*PHALANX, "launch", "-n", "1", "--resume-from", "ref", "job.py", "ref.safetensors"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    a, b = load_file(tmp_path / "a.safetensors"), load_file(tmp_path / "ref.safetensors")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k

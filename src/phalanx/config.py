@@ -31,7 +31,7 @@ __all__ = ["ConfigError", "EngineConfig", "LaunchConfig", "PhalanxConfig", "reso
 ENV_CONFIG_JSON = "PHALANX_CONFIG_JSON"
 _ENV_PREFIX = "PHALANX_"
 # Environment variables of ours that are not config fields.
-_ENV_NOT_FIELDS = {ENV_CONFIG_JSON, "PHALANX_INIT_METHOD", "PHALANX_LAUNCH_ID"}
+_ENV_NOT_FIELDS = {ENV_CONFIG_JSON, "PHALANX_INIT_METHOD", "PHALANX_LAUNCH_ID", "PHALANX_STORE_PER_ATTEMPT"}
 
 T = typing.TypeVar("T", bound=Options)
 
@@ -132,7 +132,9 @@ class LaunchConfig:
     nproc_per_node: int = 1
     """Processes on this node (-n)."""
     nnodes: int = 1
-    """Number of nodes."""
+    """Number of nodes; ``MIN:MAX`` (with --rdzv-endpoint) runs elastic: the job goes on with MIN to MAX nodes."""
+    min_nodes: int | None = None
+    """Elastic: the fewest nodes the job continues on after losing one (``--nnodes MIN:MAX`` sets it)."""
     node_rank: int = 0
     """Rank of this node, 0 .. nnodes-1 (static rendezvous only)."""
     master_addr: str = "127.0.0.1"
@@ -156,6 +158,14 @@ class LaunchConfig:
         )
         _require(0 <= self.master_port <= 65535, "master_port", self.master_port, "use a port in 1..65535, or 0 for a free one")
         _require(self.max_restarts >= 0, "max_restarts", self.max_restarts, "use 0 or more")
+        if self.min_nodes is not None:
+            _require(1 <= self.min_nodes <= self.nnodes, "nnodes MIN:MAX", f"{self.min_nodes}:{self.nnodes}",
+                     "use 1 <= MIN <= MAX")  # fmt: skip
+            if self.rdzv_endpoint is None and self.min_nodes < self.nnodes:
+                raise ConfigError(
+                    f"nnodes={self.min_nodes}:{self.nnodes} is elastic and needs a c10d rendezvous that nodes can leave "
+                    "and join: pass --rdzv-endpoint HOST:PORT (the same on every node), or a fixed --nnodes"
+                )
         if self.nnodes > 1 and self.master_port == 0 and self.rdzv_endpoint is None:
             raise ConfigError(
                 f"nnodes={self.nnodes} needs a fixed rendezvous port that every node knows; got master_port=0 "
@@ -307,6 +317,9 @@ def resolve_config(
             if key in FOREIGN_KEYS:
                 raise ConfigError(f"{where}: unknown key {key!r}; {FOREIGN_KEYS[key]}")
             raise _unknown(key, valid, where)
+        if key == "launch.nnodes" and isinstance(value, str) and ":" in value:  # torchrun's elastic MIN:MAX
+            low, _, value = value.partition(":")
+            put("launch.min_nodes", low, where)
         coerced = _coerce(value, types_[name], key, where)
         if key in from_foreign and from_foreign[key][0] != coerced:
             raise ConfigError(

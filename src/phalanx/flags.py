@@ -30,7 +30,8 @@ __all__ = ["add_engine_flags", "add_launch_flags", "add_dialect_flags", "resolve
 
 _LAUNCH_FLAGS: dict[str, tuple[list[str], dict[str, Any]]] = {
     "nproc_per_node": (["-n", "--nproc-per-node"], {"type": int, "help": "processes on this node (default 1)"}),
-    "nnodes": (["--nnodes"], {"type": int, "help": "number of nodes"}),
+    "nnodes": (["--nnodes"], {"help": "number of nodes, or MIN:MAX for an elastic job (with --rdzv-endpoint)"}),
+    "min_nodes": (["--min-nodes"], {"type": int, "help": "elastic: the fewest nodes the job goes on with"}),
     "node_rank": (["--node-rank"], {"type": int, "help": "rank of this node, 0 .. nnodes-1"}),
     "master_addr": (["--master-addr"], {"help": "address of node 0 (default 127.0.0.1: this machine only)"}),
     "master_port": (["--master-port"], {"type": int, "help": "rendezvous port (default: a free one)"}),
@@ -181,10 +182,10 @@ def resolve_flags(ns: argparse.Namespace) -> PhalanxConfig:
     file = given.one(CONFIG_FILE)
     total = given.one(TOTAL_PROCESSES)
     if total is not None:
-        nnodes = cli.get("launch.nnodes")
-        if nnodes is None:  # the config file may name the machines: read them, with one node as the first guess
-            trial = {**cli, "launch.nproc_per_node": cli.get("launch.nproc_per_node", total)}
-            nnodes = resolve_config(file=file, cli=trial).launch.nnodes
+        # The flags or the config file may name the machines (as N or MIN:MAX): read them, with the total on one
+        # node as the first guess.
+        trial = {**cli, "launch.nproc_per_node": cli.get("launch.nproc_per_node", total)}
+        nnodes = resolve_config(file=file, cli=trial).launch.nnodes
         cli["launch.nproc_per_node"] = _per_node(total, nnodes, cli.get("launch.nproc_per_node"))
     cfg = resolve_config(file=file, cli=cli)
     if given.one(USE_DEEPSPEED) and "strategy" not in cfg.origins:

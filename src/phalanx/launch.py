@@ -5,6 +5,8 @@
     phalanx launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 -n 8 train.py
     phalanx launch --nnodes 2 --node-rank 1 --master-addr 127.0.0.1 --master-port 29500 -n 2 train.py   # both nodes
                                                                    # on this machine: a rehearsal of a multi-node job
+    phalanx launch --nnodes 1:2 --rdzv-endpoint 10.0.0.1:29500 --max-restarts 3 --resume-from ckpt -n 8 train.py
+                        # elastic: on each machine; a lost machine costs a restart, and the rest go on from ckpt
 
 Ctrl-C (SIGINT) or SIGTERM stops every rank of this node and ends with one line, exit code 130 or 143.
 
@@ -32,6 +34,7 @@ from typing import Any, Sequence
 
 from phalanx.config import ENV_CONFIG_JSON, LaunchConfig, PhalanxConfig, config_to_env
 from phalanx.resume import ENV_LAUNCH_ID, restart_summary
+from phalanx.runtime import ENV_STORE_PER_ATTEMPT
 from phalanx.spawn import SpawnError, gloo_on_loopback, spawn  # SpawnError, spawn: their old home, kept for users
 
 __all__ = ["launch", "spawn", "SpawnError", "LaunchError", "torchrun_args"]
@@ -75,7 +78,8 @@ def _bind(addr: str, port: int) -> socket.socket:
 def torchrun_args(cfg: PhalanxConfig, script: str, script_args: Sequence[str], module: bool = False) -> list[str]:
     """The torch.distributed.run argument list for a resolved launch config."""
     lc = cfg.launch
-    args = [f"--nproc-per-node={lc.nproc_per_node}", f"--nnodes={lc.nnodes}", f"--max-restarts={lc.max_restarts}"]
+    nnodes = f"{lc.min_nodes}:{lc.nnodes}" if lc.min_nodes is not None else str(lc.nnodes)
+    args = [f"--nproc-per-node={lc.nproc_per_node}", f"--nnodes={nnodes}", f"--max-restarts={lc.max_restarts}"]
     if lc.rdzv_endpoint is not None:
         args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={lc.rdzv_endpoint}"]
     else:
@@ -108,16 +112,18 @@ def launch(cfg: PhalanxConfig, script: str, script_args: Sequence[str] = (), mod
     os.environ[ENV_CONFIG_JSON] = config_to_env(cfg)
     # On loopback every node runs on this machine: the store and gloo listen on loopback only.
     on_loopback = lc.rdzv_endpoint is None and _is_loopback(lc.master_addr)
+    endpoint_on_loopback = lc.rdzv_endpoint is not None and _is_loopback(lc.rdzv_endpoint.rpartition(":")[0] or "?")
     if "OMP_NUM_THREADS" not in os.environ:
         # One process per core share: oversubscribed OpenMP pools slow every rank down.
         here = lc.nproc_per_node * (lc.nnodes if on_loopback else 1)
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // here))
-    if on_loopback:
+    if on_loopback or endpoint_on_loopback:
         gloo_on_loopback(os.environ)
         if lc.nnodes > 1:
+            what = f"rdzv_endpoint {lc.rdzv_endpoint}" if endpoint_on_loopback else f"master_addr {lc.master_addr}"
             sys.stderr.write(
-                f"phalanx launch: master_addr {lc.master_addr} is loopback, so all {lc.nnodes} nodes must run on this "
-                "machine (a rehearsal of a multi-node job); give node 0's network address to span machines\n"
+                f"phalanx launch: {what} is loopback, so all {lc.nnodes} nodes must run on this machine (a rehearsal "
+                "of a multi-node job); give a network address to span machines\n"
             )
     store = None
     if lc.rdzv_endpoint is None and lc.node_rank == 0:
@@ -139,6 +145,7 @@ def launch(cfg: PhalanxConfig, script: str, script_args: Sequence[str] = (), mod
     )
     stopper = _Stopper(lc)
     os.environ[ENV_LAUNCH_ID] = uuid.uuid4().hex  # which lines of resume_from's record are this run's
+    os.environ[ENV_STORE_PER_ATTEMPT] = "1" if lc.rdzv_endpoint is None else "0"
     try:
         with stopper:
             if lc.rdzv_endpoint is None and lc.node_rank > 0:

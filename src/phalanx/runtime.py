@@ -137,7 +137,7 @@ def init_distributed(world: WorldInfo, device: torch.device, timeout_s: float) -
     if device.type == "cuda":
         kwargs["device_id"] = device  # binds NCCL to our GPU at start-up rather than guessing later
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if world.init_method == "env://" and restart is not None:
+    if world.init_method == "env://" and restart is not None and os.environ.get(ENV_STORE_PER_ATTEMPT) == "1":
         kwargs["store"] = _attempt_store(world, timeout_s, restart)
     else:
         kwargs["init_method"] = world.init_method
@@ -153,11 +153,17 @@ def init_distributed(world: WorldInfo, device: torch.device, timeout_s: float) -
     get_logger().debug(f"process group up: {backend}, rank {world.rank}/{world.world_size} via {world.source}")
 
 
+ENV_STORE_PER_ATTEMPT = "PHALANX_STORE_PER_ATTEMPT"
+
+
 def _attempt_store(world: WorldInfo, timeout_s: float, restart: str) -> Any:
     """The launcher's store, under a prefix of its own for each attempt of the worker group.
 
-    torchrun keeps one store across restarts (``--max-restarts``). Without a prefix, the ranks of a restarted group
-    read the previous attempt's keys (each rank's gloo address) and try to connect to processes that are gone.
+    Under the static rendezvous (``phalanx launch`` without ``--rdzv-endpoint``, which sets ENV_STORE_PER_ATTEMPT),
+    torchrun keeps one store across restarts (``--max-restarts``): without a prefix, the ranks of a restarted group
+    read the previous attempt's keys (each rank's gloo address) and connect to processes that are gone. The c10d
+    rendezvous makes a new store for every round, where the restart counts of nodes that joined at different times
+    differ, so it gets no prefix.
     """
     agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(
