@@ -1,0 +1,114 @@
+"""Kill a random rank (SIGKILL) at a random moment of a save, many times: the last checkpoint must always load.
+
+    .venv/bin/python soak/kill_during_save.py --runs 20 --seed 0
+
+Each run: 2 ranks train an 8 x Linear(1024) MLP with AdamW (a checkpoint of about 100 MB), save ``step-1``, take
+one more step and save ``step-2``; while the second save is under way, one rank, drawn at random, kills itself at a
+delay drawn uniformly from 0 to 1.2 x the measured length of a save. Afterwards, in this process:
+``latest_checkpoint`` must name a complete checkpoint (``step-1``, or ``step-2`` when the kill came after it was
+complete), every file must pass its checksums, and ``load_state`` into a fresh model must give that step's weights.
+Printed: how many runs ended on each checkpoint, and the number of corrupt or unloadable ones (the goal: 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+import phalanx
+from phalanx.checkpoint import latest_checkpoint
+from phalanx.checkpoint_read import Checkpoint
+from phalanx.launch import SpawnError
+
+
+def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def step(engine: phalanx.Engine, model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(seed + engine.rank))
+    engine.backward(model(x).pow(2).mean())
+    opt.step()
+    opt.zero_grad()
+
+
+def work(directory: str, victim: int, delay: float) -> float:
+    engine = phalanx.Engine(strategy="zero2")
+    model, opt = engine.prepare(*build())
+    step(engine, model, opt, 1)
+    engine.save_state(f"{directory}/step-1")
+    step(engine, model, opt, 2)
+    if engine.rank == victim:
+        threading.Timer(delay, lambda: os.kill(os.getpid(), 9)).start()
+    start = time.perf_counter()
+    engine.save_state(f"{directory}/step-2")
+    took = time.perf_counter() - start
+    if engine.rank == victim:
+        time.sleep(delay + 1)  # the timer has not fired yet: let it (the save was complete before the kill)
+    return took
+
+
+def weights_of(path: Path) -> dict[str, torch.Tensor]:
+    engine = phalanx.Engine(strategy="ddp")
+    model, opt = engine.prepare(*build())
+    engine.load_state(path)  # checks every file and checksum before anything is loaded
+    return {k: v.clone() for k, v in engine.get_state_dict(model).items()}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        calib = Path(tmp) / "calibration"
+        took = statistics.median(phalanx.spawn(work, nprocs=2, args=(str(calib), -1, 0.0)))
+        reference = {name: weights_of(calib / name) for name in ("step-1", "step-2")}
+        print(f"one save takes {took:.2f} s; kills fall uniformly in 0-{1.2 * took:.2f} s after it starts")
+        ended: dict[str, int] = {}
+        corrupt = 0
+        for run in range(args.runs):
+            directory = Path(tmp) / f"run{run}"
+            victim, delay = rng.randrange(2), rng.uniform(0, 1.2 * took)
+            try:
+                phalanx.spawn(work, nprocs=2, args=(str(directory), victim, delay), timeout=120)
+                how = "no kill took effect"
+            except SpawnError as e:
+                how = str(e).splitlines()[0][:80]
+            latest = latest_checkpoint(directory)
+            verdict = "ok"
+            if latest is None:
+                verdict = "no checkpoint at all"
+            else:
+                with Checkpoint(latest) as ck:
+                    problems = ck.verify(range(len(ck.files)))
+                if problems:
+                    verdict = f"corrupt: {problems[:2]}"
+                else:
+                    got = weights_of(latest)
+                    if any(not torch.equal(got[k], v) for k, v in reference[latest.name].items()):
+                        verdict = "loads, but not the weights of that step"
+            corrupt += verdict != "ok"
+            name = latest.name if latest else "-"
+            ended[name] = ended.get(name, 0) + 1
+            print(f"run {run:2}: rank {victim} killed at {delay:.2f} s ({how}); latest {name}: {verdict}")
+            shutil.rmtree(directory, ignore_errors=True)
+        print(f"{args.runs} runs: latest checkpoint {ended}; corrupt or unloadable: {corrupt}")
+        return 1 if corrupt else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
