@@ -98,7 +98,8 @@ class Entry:
         """What every rank of the group must agree on: the place in the sequence, the op, the payload, phalanx's
         label, and the line that called it (so that a skipped collective is caught even when the next one has the
         same shape)."""
-        return self.seq, _code(self.op), self.numel, _code(str(self.dtype)), _code(self.label or ""), _code(format_site(self.site))
+        site = f"{os.path.basename(self.site[0])}:{self.site[1]}" if self.site else ""
+        return self.seq, _code(self.op), self.numel, _code(str(self.dtype)), _code(self.label or ""), _code(site)
 
     def as_dict(self, now: float) -> dict[str, Any]:
         return {
@@ -157,6 +158,14 @@ class CollectiveLog:
         self.blocked: Entry | None = None
         """The entry whose call or ``wait()`` the main thread is inside now (the one to name in a report)."""
 
+    def reset(self) -> None:
+        """A new process group: sequence numbers start again, and the groups of the old one are forgotten."""
+        self.recent.clear()
+        self.open.clear()
+        self.seq.clear()
+        self._groups.clear()
+        self.blocked = None
+
     def _group(self, group: Any) -> tuple[tuple[int, ...], bool]:
         known = self._groups.get(id(group))
         if known is None:
@@ -177,6 +186,8 @@ class CollectiveLog:
         else:
             entry = Entry(ranks, seq, op, 0, None, label, _user_frame(3), peer)
         self._key += 1
+        if len(self.open) > 256:  # NCCL entries close when polled: poll here too, should the watchdog not
+            self.sweep()
         # No lock on the hot path: under the GIL, one append or one dict store is atomic, and the watchdog's
         # readers copy with list(), which runs no Python code in between.
         self.recent.append(entry)
@@ -186,6 +197,7 @@ class CollectiveLog:
 
     def finish(self, entry: Entry, key: int) -> None:
         entry.done = True
+        entry.work = None  # a finished NCCL work holds its tensors: let them go
         self.open.pop(key, None)
 
     def sweep(self) -> None:
@@ -217,11 +229,12 @@ class WatchedWork:
     def __init__(self, work: Any, entry: Entry, key: int) -> None:
         self._work, self._entry, self._key = work, entry, key
 
-    def wait(self, *args: Any) -> Any:
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
         LOG.blocked = self._entry
         try:
-            out = self._work.wait(*args)
+            out = self._work.wait(*args, **kwargs)
         except RuntimeError as e:
+            LOG.finish(self._entry, self._key)
             _raise_explained(self._entry, e)
         finally:
             LOG.blocked = None
@@ -233,14 +246,23 @@ class WatchedWork:
 
 
 def _raise_explained(entry: Entry, error: BaseException) -> None:
+    """Re-raise ``error`` (its type kept, so that callers' ``except`` clauses still match) with a note that says which
+    collective failed, from where, and which ranks no longer answer."""
     explain = LOG.explain
-    if explain is None or isinstance(error, CollectiveError):
-        raise error
-    raise CollectiveError(explain(entry, error)) from error
+    if explain is not None and not isinstance(error, torch.OutOfMemoryError) and not getattr(error, "_phalanx_noted", False):
+        note = explain(entry, error)
+        error._phalanx_noted = True  # type: ignore[attr-defined]
+        if hasattr(error, "add_note"):  # Python 3.11+: printed under the traceback
+            error.add_note(note)
+        else:
+            raise CollectiveError(note) from error
+    raise error
 
 
 _P2P = {"isend": "dst", "irecv": "src", "send": "dst", "recv": "src"}
 _OP_NAMES: dict[Any, str] = {}
+# c10d functions without async_op (or, for barrier, whose NCCL work the host must wait for): called as they are.
+_NO_ASYNC = {dist.barrier, dist.all_gather_object, dist.broadcast_object_list, dist.batch_isend_irecv}
 
 
 def watched(fn: Callable[..., Any], *args: Any, label: str | None = None, **kwargs: Any) -> Any:
@@ -254,13 +276,15 @@ def watched(fn: Callable[..., Any], *args: Any, label: str | None = None, **kwar
     if peer is not None and op[0] == "i":
         op = op[1:]
     payload = args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else (args[0] if args else None)
+    if fn is dist.batch_isend_irecv:  # point-to-point: no place in a group's sequence, no fingerprint to compare
+        op, peer, payload = "send/recv", args[0][0].peer, args[0][0].tensor
     entry, polled = LOG.begin(op, kwargs.get("group"), payload, label, peer)
     key: int = entry.work
     if LOG.precheck is not None and peer is None:
         LOG.precheck(entry, kwargs.get("group"))
     asked_async = kwargs.get("async_op", False)
     try:
-        if polled and not asked_async and peer is None and fn is not dist.barrier:
+        if polled and not asked_async and peer is None and fn not in _NO_ASYNC:
             # NCCL: queue it, make the stream wait (what a synchronous call does), and let the watchdog poll it.
             kwargs["async_op"] = True
             work = fn(*args, **kwargs)
@@ -270,6 +294,7 @@ def watched(fn: Callable[..., Any], *args: Any, label: str | None = None, **kwar
         LOG.blocked = entry
         out = fn(*args, **kwargs)
     except RuntimeError as e:
+        LOG.finish(entry, key)
         _raise_explained(entry, e)
     finally:
         LOG.blocked = None

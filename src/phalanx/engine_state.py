@@ -129,6 +129,7 @@ class EngineState(EngineCollectives):
             )
         counters = load_checkpoint(input_dir, self._parts(), self.strategy, self.topology, self.device, verify)
         self.global_step = counters.get("global_step", 0)
+        self._resumer.done = True  # loaded once (by resume_from or by the script itself): never another on top
 
     def _prepared_counts(self) -> dict[str, int]:
         return {"models": len(self._models), "optimizers": len(self._optimizers), "schedulers": len(self._schedulers),
@@ -139,16 +140,21 @@ class EngineState(EngineCollectives):
         r = self._resumer
         if r.done:
             return
-        r.look(self.rank)
+        r.look(self.rank, self._share_from_rank0)
         if not r.done and r.pending is not None and r.ready(self._prepared_counts()):
             self.load_state(r.pending)
             r.loaded(self.rank, self.world_size, self.global_step)
 
+    def _share_from_rank0(self, text: str) -> str:
+        from phalanx.comm import all_gather_bytes
+
+        return all_gather_bytes(text.encode(), self.device)[0].decode()
+
     def _check_resumed(self) -> None:
         """Before the first backward: a checkpoint that ``resume_from`` found must have been loaded by now."""
+        self._resume_if_ready()  # objects prepared one by one (prepare_model, ...) did not ask yet
         r = self._resumer
-        r.look(self.rank)
-        if r.pending is None:
+        if r.done or r.pending is None:
             return
         raise RuntimeError(
             f"resume_from={r.directory}: its newest checkpoint {r.pending.name} holds state for objects not prepared "

@@ -181,9 +181,12 @@ def _cause(failures: dict[int, Any]) -> tuple[int, Any]:
     def first_of(ranks: list[int]) -> int:
         return min(ranks, key=lambda r: (failures[r].timestamp, r))
 
-    killed = [r for r, f in failures.items() if f.exitcode < 0 and f.exitcode not in _STOPPING_SIGNALS]
     hung = [r for r, f in failures.items() if f.exitcode == HANG_EXIT_CODE]
     own = [r for r, f in failures.items() if f.exitcode > 0]
+    first_own = min((failures[r].timestamp for r in own), default=None)
+    # A signal after a rank's own error is more likely its consequence (NCCL's watchdog aborting, a late SIGKILL).
+    killed = [r for r, f in failures.items() if f.exitcode < 0 and f.exitcode not in _STOPPING_SIGNALS
+              and (first_own is None or f.timestamp <= first_own)]  # fmt: skip
     for ranks in (killed, hung, own, list(failures)):
         if ranks:
             return first_of(ranks), failures[first_of(ranks)]

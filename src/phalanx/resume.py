@@ -19,7 +19,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from phalanx.checkpoint_io import MANIFEST
 from phalanx.checkpoint_read import latest_checkpoint
@@ -45,12 +45,17 @@ class Resumer:
         self._looked = False
         self.started = time.time()
 
-    def look(self, rank: int) -> None:
+    def look(self, rank: int, share: Callable[[str], str] | None = None) -> None:
+        """Find the newest complete checkpoint. ``share`` hands rank 0's choice to every rank, so that all load the
+        same one even where their views of the directory differ (a network file system's cache)."""
         if self._looked:
             return
         self._looked = True
         assert self.directory is not None
         latest = latest_checkpoint(self.directory)
+        if share is not None:
+            chosen = share(str(latest) if latest is not None else "")
+            latest = Path(chosen) if chosen else None
         if latest is None:
             self.done = True
             if rank == 0:
@@ -104,7 +109,13 @@ def restart_summary(directory: str, launch_id: str, max_restarts: int) -> str | 
         lines = (Path(directory) / RECORD).read_text().splitlines()
     except OSError:
         return None
-    mine = [r for r in (json.loads(x) for x in lines if x.strip()) if r.get("launch") == launch_id and r["restart"] > 0]
+    records = []
+    for x in lines:
+        try:
+            records.append(json.loads(x))
+        except ValueError:
+            continue  # a line cut short (a rank killed while writing it): the others still tell
+    mine = [r for r in records if isinstance(r, dict) and r.get("launch") == launch_id and r.get("restart", 0) > 0]
     if not mine:
         return None
     parts = [

@@ -20,6 +20,7 @@ When a collective fails instead (a peer's connection closed: it died), the error
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import json
 import os
@@ -44,7 +45,7 @@ from phalanx.collective_log import (
     ranks_text,
 )  # fmt: skip
 from phalanx.logging import get_logger
-from phalanx.runtime import script_failed
+from phalanx.runtime import ENV_STORE_PER_ATTEMPT, script_failed
 
 __all__ = ["ANSWER_S", "HANG_EXIT_CODE", "Watchdog", "default_hang_timeout", "start_watchdog"]
 
@@ -175,8 +176,10 @@ class Watchdog:
         }  # fmt: skip
 
     def _answer(self, n: int) -> None:
-        self.store.set(f"state/{self.rank}/{n}", json.dumps(self.state()))
-        self.answered = n
+        # One key per rank, overwritten: an answer to a later request serves every earlier one too (ranks that fail
+        # together each ask at once, and each must get everyone's answer).
+        self.store.set(f"state/{self.rank}", json.dumps({**self.state(), "ask": n}))
+        self.answered = max(self.answered, n)
 
     def _collect(self, n: int, wait_s: float) -> dict[int, dict[str, Any]]:
         states: dict[int, dict[str, Any]] = {}
@@ -185,10 +188,12 @@ class Watchdog:
             for r in range(self.world):
                 if r in states:
                     continue
-                for key in (f"state/{r}/{n}", f"final/{r}"):
-                    if self.store.check([key]):
-                        states[r] = json.loads(self.store.get(key))
-                        break
+                if self.store.check([f"final/{r}"]):
+                    states[r] = json.loads(self.store.get(f"final/{r}"))
+                elif self.store.check([f"state/{r}"]):
+                    st = json.loads(self.store.get(f"state/{r}"))
+                    if st["ask"] >= n:
+                        states[r] = st
             if len(states) == self.world or time.monotonic() > deadline:
                 return states
             time.sleep(0.05)
@@ -200,8 +205,13 @@ class Watchdog:
 
     # ------------------------------------------------------------ reports
     def _report(self, oldest: Entry) -> None:
-        states = self._ask_everyone(ANSWER_S)
-        text = compose_hang_report(oldest.as_dict(time.monotonic()), self.rank, states, self.world, self.hang_timeout_s)
+        waited = oldest.as_dict(time.monotonic())
+        try:
+            states = self._ask_everyone(ANSWER_S)
+            text = compose_hang_report(waited, self.rank, states, self.world, self.hang_timeout_s)
+        except Exception as e:  # noqa: BLE001 - the job must still end, with what is known
+            text = (f"phalanx watchdog: rank {self.rank} has waited {waited['age']:.0f} s in {describe(waited, self.world)}, "
+                    f"called from {waited['site']} (the other ranks' states could not be gathered: {e})")  # fmt: skip
         try:
             self.store.set("report", text)
         finally:
@@ -347,6 +357,10 @@ def start_watchdog(rank: int, world: int, device_type: str, hang_timeout_s: floa
         return None
     if _ACTIVE is not None and _ACTIVE.world_group is dist.group.WORLD:
         return _ACTIVE
+    if _ACTIVE is not None:  # a new process group in this process: the old one's watchdog and log are over
+        _ACTIVE._stop.set()
+        _ACTIVE = None
+        LOG.reset()
     timeout = default_hang_timeout(device_type) if hang_timeout_s is None else hang_timeout_s
     if timeout <= 0 and not debug:
         return None
@@ -355,13 +369,18 @@ def start_watchdog(rank: int, world: int, device_type: str, hang_timeout_s: floa
     except Exception as e:  # noqa: BLE001 - a process group made without a store (rare): no watchdog
         get_logger().warning(f"the hang watchdog is off: the process group has no rendezvous store to use ({e})")
         return None
+    with contextlib.suppress(Exception):  # a connection of its own, where the store can make one
+        base = base.clone()  # type: ignore[attr-defined]
     _INCARNATION += 1
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    # Under the static rendezvous every node restarts together, and the store outlives an attempt: keep attempts
+    # apart. Under the c10d rendezvous (ENV_STORE_PER_ATTEMPT "0") each round has a new store, and the nodes' restart
+    # counts may differ.
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if os.environ.get(ENV_STORE_PER_ATTEMPT) != "0" else "-"
     store = dist.PrefixStore(f"phalanx/watchdog/{restart}/{_INCARNATION}/", base)
     mirrors = _mirrors(topology) if debug and dist.get_backend() != "gloo" else {}
     dog = Watchdog(store, rank, world, timeout, mirrors)
     LOG.on = True
-    LOG.explain = dog.explain_failure
+    LOG.explain = dog.explain_failure if timeout > 0 else None  # with no thread, nobody would answer
     LOG.precheck = dog.precheck if debug else None
     dog.start()
     _ACTIVE = dog

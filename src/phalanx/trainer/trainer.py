@@ -263,7 +263,7 @@ class Trainer(LossMixin):
         resume = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
         auto = self._auto_resume
         if not resume and auto is not None:  # resume_from (phalanx launch --resume-from): the newest, if there is one
-            auto.look(self.engine.rank)
+            auto.look(self.engine.rank, self.engine._share_from_rank0)
             resume = str(auto.pending) if auto.pending is not None else None
         if resume:
             self._resume(resume)
