@@ -48,7 +48,7 @@ SCRIPT = textwrap.dedent(
     state = engine.get_state_dict(model)
     if engine.is_main_process:
         save_file({k: v.contiguous() for k, v in state.items()}, out)
-    sys.stdout.write(f"steps {engine.global_step}\n"); sys.stdout.flush()  # one write: ranks share the pipe
+    sys.stdout.write(f"steps {engine.global_step}\\n"); sys.stdout.flush()  # one write: ranks share the pipe
     """
 )
 
@@ -118,7 +118,7 @@ TRAINER_SCRIPT = textwrap.dedent(
     state = trainer.engine.get_state_dict(trainer.model)
     if trainer.engine.is_main_process:
         save_file({k: v.contiguous() for k, v in state.items()}, out)
-    sys.stdout.write(f"steps {trainer.state.global_step}\n"); sys.stdout.flush()
+    sys.stdout.write(f"steps {trainer.state.global_step}\\n"); sys.stdout.flush()
     """
 )
 
@@ -191,7 +191,7 @@ ELASTIC_SCRIPT = textwrap.dedent(
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt, loader = engine.prepare(model, opt, DataLoader(data, batch_size=4, shuffle=True))
-    sys.stdout.write(f"world {engine.world_size} from step {engine.global_step}\n"); sys.stdout.flush()
+    sys.stdout.write(f"world {engine.world_size} from step {engine.global_step}\\n"); sys.stdout.flush()
     for epoch in range(engine.epoch, 2):
         for x, y in loader:
             engine.backward(torch.nn.functional.mse_loss(model(x), y))
@@ -204,7 +204,7 @@ ELASTIC_SCRIPT = textwrap.dedent(
     state = engine.get_state_dict(model)
     if engine.is_main_process:
         save_file({k: v.contiguous() for k, v in state.items()}, sys.argv[1])
-    sys.stdout.write(f"world {engine.world_size} finished at step {engine.global_step}\n"); sys.stdout.flush()
+    sys.stdout.write(f"world {engine.world_size} finished at step {engine.global_step}\\n"); sys.stdout.flush()
     """
 )
 

@@ -50,7 +50,7 @@ SCRIPT = textwrap.dedent(
         engine.train_step(torch.randn(4, 8), loss_fn)  # line 24
     if mode != "skip" or engine.rank != bad_rank:
         engine.reduce(torch.ones(1))  # line 26
-    sys.stdout.write(f"finished {engine.rank}\n"); sys.stdout.flush()  # one write: ranks share the pipe
+    sys.stdout.write(f"finished {engine.rank}\\n"); sys.stdout.flush()  # one write: ranks share the pipe
     """
 )
 
