@@ -11,6 +11,7 @@ from phalanx import checkpoint
 from phalanx._version import __version__
 from phalanx.compat.dummies import DummyOptim, DummyScheduler
 from phalanx.engine import Engine
+from phalanx.inference import dispatch, init_empty_weights, load_and_dispatch
 from phalanx.spawn import spawn
 from phalanx.trainer.arguments import TrainingArguments
 from phalanx.trainer.callbacks import EarlyStoppingCallback, TrainerCallback
@@ -20,5 +21,6 @@ from phalanx.trainer.trainer import EvalPrediction, Trainer
 
 __all__ = [
     "Engine", "spawn", "checkpoint", "DummyOptim", "DummyScheduler", "TrainingArguments", "Trainer", "EvalPrediction",
-    "TrainerCallback", "EarlyStoppingCallback", "TrainerState", "TrainerControl", "__version__",
+    "TrainerCallback", "EarlyStoppingCallback", "TrainerState", "TrainerControl", "dispatch", "load_and_dispatch",
+    "init_empty_weights", "__version__",
 ]

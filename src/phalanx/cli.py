@@ -99,6 +99,13 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     q.add_argument("output", help="the .safetensors file to write")
     q.add_argument("--model", type=int, default=0, help="which prepared model, in prepare order (default 0)")
 
+    p = add("dispatch-plan", help="where phalanx.load_and_dispatch would put each part of a model, before loading it")
+    p.add_argument("path", help="a save_pretrained directory, a .safetensors file, a directory of shards, or a checkpoint")
+    p.add_argument("--max-memory", action="append", default=[], metavar="DEVICE=SIZE",
+                   help="a device's budget, e.g. cpu=2GiB or 0=20GiB (repeat for each device)")
+    p.add_argument("--no-split", help="module classes never split, comma-separated (default: the model's own)")
+    p.add_argument("--dtype", help="plan for the weights in this dtype (bf16, fp16, fp32)")
+
     p = add("demo", help="train a small byte-level GPT on the Python standard library's source", add_help=False,
             usage="phalanx demo [-n N] [flags] [--] [demo options]")
     p.add_argument("-h", "--help", action=_DemoHelp)
@@ -276,6 +283,17 @@ def _main(args: list[str]) -> int:
             return 0
         if command == "checkpoint":
             return _checkpoint_command(ns)
+        if command == "dispatch-plan":
+            from phalanx.inference.plan import DispatchError
+            from phalanx.inference.plan_cli import dispatch_plan_text
+
+            try:
+                no_split = [c for c in ns.no_split.split(",") if c] if ns.no_split else None
+                print(dispatch_plan_text(ns.path, ns.max_memory, no_split, ns.dtype))
+            except DispatchError as e:
+                print(f"phalanx dispatch-plan: {e}", file=sys.stderr)
+                return 2
+            return 0
         if command == "horovodrun":
             cfg = resolve_config(cli={"launch.nproc_per_node": _horovod_nproc(ns.num_proc, ns.hosts)})
             return launch(cfg, ns.script, ns.script_args)

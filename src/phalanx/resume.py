@@ -19,7 +19,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from phalanx.checkpoint_io import MANIFEST
 from phalanx.checkpoint_read import latest_checkpoint
