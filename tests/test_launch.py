@@ -485,7 +485,7 @@ def test_seed004_multi_node_accelerate_yaml_runs_as_two_launchers(tmp_path):
         configs[-1].write_text(text.replace("machine_rank: 0", f"machine_rank: {node}"))
     path = tmp_path / "two_nodes.py"
     path.write_text(TWO_NODES)
-    _, results = _two_launchers([["--config", str(c), str(path)] for c in configs], tmp_path)
+    outputs, results = _two_launchers([["--config", str(c), str(path)] for c in configs], tmp_path)
     by_rank = {r["RANK"]: r for r in results}
     assert sorted(by_rank) == [0, 1, 2, 3], outputs
     for rank, r in by_rank.items():
