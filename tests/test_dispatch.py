@@ -250,3 +250,24 @@ def test_dispatch_plan_prints_the_map_and_the_bytes_per_device_before_loading(tm
     assert lines[-1].startswith("bytes per device: cpu ") and "(budget 58.6 KiB), disk " in lines[-1]
     bad = subprocess.run([*cli, str(tmp_path / "w.safetensors"), "--max-memory", "cpu"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--max-memory 'cpu': write DEVICE=SIZE, e.g. cpu=2GiB" in bad.stderr
+
+
+def _split(_: int = 0) -> list:
+    engine = phalanx.Engine()
+    out = []
+    for pad in (False, True):
+        with engine.split_between_processes(list(range(8)), apply_padding=pad) as mine:
+            out.append(mine)
+    with engine.split_between_processes({"x": torch.arange(8), "y": list("abcdefgh")}) as mine:
+        out.append((mine["x"].tolist(), mine["y"]))
+    return out
+
+
+def test_split_between_processes_gives_each_rank_its_share_as_accelerate_does(run_ranks):
+    # 8 items over 3 ranks: 3, 3, 2; padded, the last rank repeats its last item. A dict is split value by value.
+    assert run_ranks(_split, 3) == [
+        [[0, 1, 2], [0, 1, 2], ([0, 1, 2], ["a", "b", "c"])],
+        [[3, 4, 5], [3, 4, 5], ([3, 4, 5], ["d", "e", "f"])],
+        [[6, 7], [6, 7, 7], ([6, 7], ["g", "h"])],
+    ]
+    assert _split() == [list(range(8)), list(range(8)), (list(range(8)), list("abcdefgh"))]

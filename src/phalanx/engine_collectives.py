@@ -164,6 +164,14 @@ class EngineCollectives:
             yield
 
     @contextlib.contextmanager
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
+        """This process's share of ``inputs`` (a list, tuple, tensor or dict of them), for data-parallel inference,
+        as Accelerate's: contiguous pieces in rank order, the first ``len % world`` ranks one item more. With
+        ``apply_padding`` every rank gets the same count (its last item repeated), so that ``gather`` lines up;
+        drop the padding from the gathered result (``gather_for_metrics`` does it for a prepared loader)."""
+        yield _share(inputs, self.world.rank, self.world.world_size, apply_padding)
+
+    @contextlib.contextmanager
     def _first(self, leads: bool) -> Iterator[None]:
         # Every process meets one barrier: the others wait at it before the block, the leaders after it.
         if not leads:
@@ -217,3 +225,22 @@ def _first_odd_item(obj: Any) -> str:
         if not (isinstance(k, str) and isinstance(v, torch.Tensor)):
             return f" whose item {k!r} is a {type(v).__name__}"
     return ""
+
+
+def _share(inputs: Any, rank: int, world: int, pad: bool) -> Any:
+    if isinstance(inputs, dict):
+        lengths = {len(v) for v in inputs.values()}
+        if len(lengths) > 1:
+            raise ValueError(f"split_between_processes got a dict whose values differ in length ({sorted(lengths)}): "
+                             "every value must have one entry per item")  # fmt: skip
+        return {k: _share(v, rank, world, pad) for k, v in inputs.items()}
+    if not hasattr(inputs, "__len__") or not hasattr(inputs, "__getitem__"):
+        raise TypeError(f"split_between_processes needs a list, tuple, tensor or dict of them; got {type(inputs).__name__}")
+    n = len(inputs)
+    per, extra = divmod(n, world)
+    start = rank * per + min(rank, extra)
+    part = inputs[start : start + per + (1 if rank < extra else 0)]
+    if pad and extra and rank >= extra and n:
+        last = part[-1:] if len(part) else inputs[-1:]  # its own last item, as Accelerate pads a list
+        part = torch.cat([part, last]) if isinstance(part, torch.Tensor) else part + type(part)(last)
+    return part
