@@ -271,3 +271,10 @@ def test_split_between_processes_gives_each_rank_its_share_as_accelerate_does(ru
         [[6, 7], [6, 7, 7], ([6, 7], ["g", "h"])],
     ]
     assert _split() == [list(range(8)), list(range(8)), (list(range(8)), list("abcdefgh"))]
+
+
+def test_a_host_budget_too_small_to_run_the_largest_layer_is_named():
+    # Streaming from disk holds the layer running and the next one: 2 x 16.2 KiB here.
+    with pytest.raises(DispatchError, match=r"max_memory\['cpu'\]=19.5 KiB is too small to run the model from disk: its "
+                       r"largest layer, blocks.0.a \(16.2 KiB\).* at least 32.5 KiB \(33280 bytes\)"):  # fmt: skip
+        phalanx.load_and_dispatch(_empty(), "unused", max_memory={"cpu": 20000})

@@ -150,7 +150,14 @@ def plan_device_map(
         # Parts will stream from disk: the execution device holds the one running and the next one being read, so
         # their room comes out of its budget (max_memory then bounds every weight in memory, streamed ones too).
         run_on = gpus[0] if gpus else "cpu"
-        left[run_on] = max(0, left[run_on] - 2 * _largest_leaf(model, dtype))
+        leaf_name, leaf = _largest_leaf(model, dtype)
+        if 2 * leaf > left[run_on]:
+            raise DispatchError(
+                f"max_memory[{run_on!r}]={fmt_bytes(left[run_on])} is too small to run the model from disk: its largest "
+                f"layer, {leaf_name or 'the model'} ({fmt_bytes(leaf)}), is brought in for its forward while the next "
+                f"one is read, so at least {fmt_bytes(2 * leaf)} ({2 * leaf} bytes) are needed there"
+            )
+        left[run_on] -= 2 * leaf
     queue: list[tuple[str, Any]] = _children_of("", model)
     d = 0
     while queue:
@@ -187,9 +194,11 @@ def _part_sizes(model: nn.Module, dtype: torch.dtype | None) -> dict[str, int]:
     return out
 
 
-def _largest_leaf(model: nn.Module, dtype: torch.dtype | None) -> int:
-    """The most bytes one module holds itself (not counting its children): what one streamed forward brings in."""
-    return max((sum(_nbytes(t, dtype) for _, t in _tensors(m, recurse=False)) for m in model.modules()), default=0)
+def _largest_leaf(model: nn.Module, dtype: torch.dtype | None) -> tuple[str, int]:
+    """The module that holds the most bytes itself (not counting its children), and how many: what one streamed
+    forward brings in."""
+    sizes = [(n, sum(_nbytes(t, dtype) for _, t in _tensors(m, recurse=False))) for n, m in model.named_modules()]
+    return max(sizes, key=lambda s: s[1], default=("", 0))
 
 
 def _largest_unsplit(model: nn.Module, no_split: set[str], sizes: dict[str, int]) -> int:
