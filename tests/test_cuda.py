@@ -170,3 +170,30 @@ def test_load_model_onto_the_gpu(tmp_path, strategy, offload):
     assert all(torch.equal(got[k], v) for k, v in source.state_dict().items())
     x = torch.randn(4, 8)
     torch.testing.assert_close(model(x.cuda()).cpu(), source(x), rtol=1e-5, atol=1e-5)
+
+
+@cuda
+@pytest.mark.cuda
+def test_load_and_dispatch_over_the_gpu_host_memory_and_disk(tmp_path):
+    from safetensors.torch import save_file
+    from torch import nn
+
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)) for _ in range(6)]
+    model = nn.Sequential(*blocks).eval()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "w.safetensors")
+    x = torch.randn(4, 256)
+    with torch.inference_mode():
+        want = model.cuda()(x.cuda()).cpu()
+    with phalanx.init_empty_weights():
+        empty = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)) for _ in range(6)])
+    block = 2 * (256 * 256 + 256) * 4
+    streaming = 2 * (256 * 256 + 256) * 4
+    placed = phalanx.load_and_dispatch(empty, tmp_path / "w.safetensors", no_split_module_classes=["Sequential"],
+                                       max_memory={0: 2 * block + streaming + 1000, "cpu": 2 * block + 1000})  # fmt: skip
+    assert list(placed.hf_device_map.values()) == [0, 0, "cpu", "cpu", "disk", "disk"]
+    with torch.inference_mode():
+        got = placed(x)  # a CPU input: the output comes back to the CPU
+    assert got.device.type == "cpu"
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert placed[2][0].weight.device.type == "cpu" and placed[4][0].weight.is_meta  # at rest between forwards

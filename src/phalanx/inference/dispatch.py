@@ -93,8 +93,10 @@ class _Tensors:
 class _Streamer:
     """Brings the weights of hooked modules in and out, and reads the next module's while the current one runs."""
 
-    def __init__(self, tensors: _Tensors, reader: StateReader, dtype: torch.dtype | None) -> None:
+    def __init__(self, tensors: _Tensors, reader: StateReader | None, dtype: torch.dtype | None) -> None:
         self.tensors, self.reader, self.dtype = tensors, reader, dtype
+        self.host: dict[str, torch.Tensor] = {}
+        """Weights kept in host memory and copied to the GPU for each forward (a GPU computes, the map says cpu)."""
         self.workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="phalanx-prefetch")
         self.pending: dict[int, Future[dict[str, torch.Tensor]]] = {}
         self.order: list[int] = []  # modules by id, in the order of the first forward
@@ -107,6 +109,10 @@ class _Streamer:
         allocates nothing after the first pass and the process does not grow), then to ``device``."""
         out = {}
         for n in names:
+            if n in self.host:
+                out[n] = self.host[n].to(device)
+                continue
+            assert self.reader is not None
             shape = tuple(self.reader.shape("model/" + n))
             dtype = self._dtype_for(n) or self.reader.dtype("model/" + n)  # type: ignore[attr-defined]
             with self.lock:
@@ -124,6 +130,7 @@ class _Streamer:
         return out
 
     def _dtype_for(self, name: str) -> torch.dtype | None:
+        assert self.reader is not None
         saved = self.reader.dtype("model/" + name) if hasattr(self.reader, "dtype") else None  # type: ignore[attr-defined]
         if self.dtype is not None and saved is not None and saved.is_floating_point:
             return self.dtype
@@ -178,8 +185,10 @@ def _move(obj: Any, device: torch.device) -> Any:
 
 def _attach(model: nn.Module, device_map: Mapping[str, Any], tensors: _Tensors, streamer: _Streamer | None,
             main: torch.device) -> None:  # fmt: skip
-    """Hooks on every module that holds streamed tensors of its own, and on the model to bring outputs back."""
-    streamed = {n for n in tensors.holders if _place_of(n, device_map) == "disk"}
+    """Hooks on every module that holds streamed tensors of its own (disk ones; host ones too when a GPU computes),
+    on every part placed on a GPU (its inputs go there), and on the model (outputs come back)."""
+    streaming = ("disk", "cpu") if main.type == "cuda" else ("disk",)
+    streamed = {n for n in tensors.holders if _place_of(n, device_map) in streaming}
     hooked: list[tuple[int, list[str]]] = []
     for module in model.modules():
         own = [n for attr in [*module._parameters, *module._buffers]
@@ -187,6 +196,13 @@ def _attach(model: nn.Module, device_map: Mapping[str, Any], tensors: _Tensors, 
         if own and streamer is not None:
             hooked.append((id(module), own))
             _hook_streamed(module, own, streamer, main, hooked)
+    modules = dict(model.named_modules())
+    for key, place in device_map.items():
+        if isinstance(place, int) and key in modules:
+            device = torch.device("cuda", place)
+            modules[key].register_forward_pre_hook(
+                lambda mod, args, kwargs, device=device: (_move(args, device), _move(kwargs, device)), with_kwargs=True
+            )
     _hook_root(model)
 
 
@@ -264,16 +280,28 @@ def load_and_dispatch(
             if not tensors.get(name).is_meta:
                 tensors.set(name, tensors.get(name).to("meta"))
             continue
-        device = main if (place == "cpu" and main.type == "cuda") else _device(place)
-        target = device if place != "cpu" or main.type != "cuda" else torch.device("cpu")
         saved = reader.dtype("model/" + name) if hasattr(reader, "dtype") else None  # type: ignore[attr-defined]
         want = dtype if dtype is not None and saved is not None and saved.is_floating_point else None
-        tensors.set(name, read_new(reader, "model/" + name, target, want))
+        tensors.set(name, read_new(reader, "model/" + name, _device(place), want))
     streamer = _Streamer(tensors, reader, dtype)
+    _keep_on_host(streamer, tensors, plan, main)
     _attach(model, plan, tensors, streamer, main)
     model.hf_device_map = dict(plan)  # type: ignore[assignment]
     model._phalanx_streamer = streamer  # type: ignore[assignment]  # keeps the reader and the prefetch thread alive
     return model
+
+
+def _keep_on_host(streamer: _Streamer, tensors: _Tensors, plan: Mapping[str, Any], main: torch.device) -> None:
+    """When a GPU computes, the weights the map puts on "cpu" stay in (pinned) host memory and are copied to the GPU
+    for each forward, as Accelerate's CPU offload does."""
+    if main.type != "cuda":
+        return
+    for name in tensors.holders:
+        if _place_of(name, plan) == "cpu":
+            host = tensors.get(name).detach()
+            host = host.pin_memory() if not host.is_pinned() else host
+            tensors.set(name, host)
+            streamer.host[name] = host
 
 
 def _main_device(plan: Mapping[str, Any]) -> torch.device:
@@ -310,11 +338,15 @@ def dispatch(
         if place not in ("disk", "cpu"):
             tensors.set(name, tensors.get(name).detach().to(_device(place), dtype=dtype if tensors.get(name).is_floating_point() else None))
     streamer = None
-    if on_disk:
+    if on_disk or main.type == "cuda":
         from phalanx.model_files import open_weights
 
-        reader, _, _ = open_weights(Path(offload_dir) / "offloaded.safetensors", {n: n for n in on_disk}, {}, set(on_disk))  # type: ignore[arg-type]
+        reader = None
+        if on_disk:
+            where = Path(offload_dir) / "offloaded.safetensors"  # type: ignore[arg-type]
+            reader, _, _ = open_weights(where, {n: n for n in on_disk}, {}, set(on_disk))
         streamer = _Streamer(tensors, reader, None)
+        _keep_on_host(streamer, tensors, plan, main)
     _attach(model, plan, tensors, streamer, main)
     model.hf_device_map = dict(plan)  # type: ignore[assignment]
     model._phalanx_streamer = streamer  # type: ignore[assignment]
