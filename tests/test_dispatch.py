@@ -278,3 +278,18 @@ def test_a_host_budget_too_small_to_run_the_largest_layer_is_named():
     with pytest.raises(DispatchError, match=r"max_memory\['cpu'\]=19.5 KiB is too small to run the model from disk: its "
                        r"largest layer, blocks.0.a \(16.2 KiB\).* at least 32.5 KiB \(33280 bytes\)"):  # fmt: skip
         phalanx.load_and_dispatch(_empty(), "unused", max_memory={"cpu": 20000})
+
+
+def test_dtype_loads_and_streams_the_weights_in_that_dtype(tmp_path):
+    ref, ids, _ = _reference()
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items() if k != "head.weight"}, tmp_path / "w.safetensors")
+    with torch.inference_mode():
+        want = ref.to(torch.bfloat16)(ids)
+    # Sizes count in bf16: a budget that holds two fp32 blocks holds four bf16 ones.
+    budget = 50 * 64 * 2 + 4 * BLOCK_BYTES // 2 + 100 + STREAMING // 2
+    model = phalanx.load_and_dispatch(_empty(), tmp_path / "w.safetensors", max_memory={"cpu": budget},
+                                      no_split_module_classes=["Block"], dtype=torch.bfloat16)  # fmt: skip
+    assert [model.hf_device_map[f"blocks.{i}"] for i in range(6)] == ["cpu"] * 4 + ["disk"] * 2
+    with torch.inference_mode():
+        got = model(ids)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)

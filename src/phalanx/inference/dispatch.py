@@ -105,6 +105,12 @@ class _Streamer:
         self.pool: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
 
     def _read(self, names: Sequence[str], device: torch.device) -> dict[str, torch.Tensor]:
+        # Ordinary tensors, never inference tensors: the buffers move between threads, and inference mode is a
+        # property of the thread that made them.
+        with torch.inference_mode(False):
+            return self._read_plain(names, device)
+
+    def _read_plain(self, names: Sequence[str], device: torch.device) -> dict[str, torch.Tensor]:
         """Read ``names`` into host buffers (reused from released modules of the same shapes, so that streaming
         allocates nothing after the first pass and the process does not grow), then to ``device``."""
         out = {}
