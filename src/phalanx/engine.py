@@ -410,8 +410,13 @@ class Engine(EngineState):
         ``comm_buffers`` (the largest transient buffers of a step: gathered zero3 units, zero2 buckets)
         and ``offloaded_to_disk``. ``predicted`` applies the formulas (ddp (p+g+K)Ψ, zero1 (p+g)Ψ + KΨ/N,
         zero2 pΨ + (g+K)Ψ/N, zero3 (p+g+K)Ψ/N) to this model; they agree up to padding to multiples of N.
+        ``peak`` is measured from the process: its peak resident bytes (``rss``) and, on CUDA, peak allocated bytes.
         """
-        return self.strategy.memory_report([o.optimizer for o in self._optimizers])
+        from phalanx.tracking import peak_memory_bytes
+
+        report = self.strategy.memory_report([o.optimizer for o in self._optimizers])
+        report["peak"] = peak_memory_bytes(self.device)
+        return report
 
     def precision_report(self) -> dict[str, str]:
         """The dtypes actually in use: parameters, gradients, optimizer state, compute and communication."""

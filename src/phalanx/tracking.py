@@ -180,6 +180,20 @@ class Throughput:
         return self.total_tokens / dt if dt > 0 else 0.0
 
 
+def peak_memory_bytes(device: torch.device | None = None) -> dict[str, int]:
+    """This process's peak resident memory (Linux: ``VmHWM``, which ``/proc/self/clear_refs`` can reset; elsewhere
+    ``ru_maxrss``) and, on CUDA, the peak bytes allocated on ``device``, measured from the process."""
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/self/status") as f:
+            out["rss"] = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        out["rss"] = int(peak_memory_mib()["rss_mib"] * 2**20)
+    if device is not None and device.type == "cuda":
+        out["cuda_allocated"] = int(torch.cuda.max_memory_allocated(device))
+    return out
+
+
 def peak_memory_mib(device: torch.device | None = None) -> dict[str, float]:
     """This process's peak resident memory (``ru_maxrss``) and, on CUDA, peak allocated device memory, in MiB."""
     out: dict[str, float] = {}
