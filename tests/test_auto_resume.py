@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -221,6 +222,15 @@ def test_an_elastic_job_that_loses_a_node_finishes_on_the_other(tmp_path):
     argv = [*PHALANX, "launch", "--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{port}", "-n", "1", "--max-restarts",
             "1", "--resume-from", "ckpt", "job.py"]  # fmt: skip
     survivor = subprocess.Popen([*argv, "a.safetensors"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # The node at the endpoint hosts torchrun's c10d rendezvous store, and the job cannot outlive it: it must be the
+    # survivor. Start the other node once it listens.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.2)
     lost = subprocess.Popen([*argv, "b.safetensors"], cwd=tmp_path, env={**env, "LOSE_THIS_NODE": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
