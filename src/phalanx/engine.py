@@ -30,6 +30,7 @@ from phalanx.comm import world_size as comm_world_size
 from phalanx.compat.dummies import DummyOptim, DummyScheduler, realise_optimizer, realise_scheduler
 from phalanx.config import EngineConfig, resolve_config
 from phalanx.data import ActiveLoaders, PreparedDataLoader
+from phalanx.deferred_init import DeferredInit, check_initialised, has_meta, uninitialised
 from phalanx.engine_state import EngineState
 from phalanx.guards import (
     check_backward_has_a_model, check_loader_batch, check_materialised, check_not_released, check_prepared_models,
@@ -128,24 +129,38 @@ class Engine(EngineState):
         self._round: set[int] = set()  # optimizers that stepped in this round
 
     # ---------------------------------------------------------------- prepare
-    def prepare(self, *objects: Any) -> Any:
-        """Prepare models, optimizers, DataLoaders and LR schedulers, returned in the order given."""
+    def prepare(self, *objects: Any, param_init_fn: Callable[[nn.Module], Any] | None = None) -> Any:
+        """Prepare models, optimizers, DataLoaders and LR schedulers, returned in the order given.
+
+        A model built on the meta device (``with torch.device("meta")`` or ``phalanx.init_empty_weights()``) is
+        given its values here, part by part under zero3, by each module's ``reset_parameters()`` or by
+        ``param_init_fn(module)``: see ``phalanx/deferred_init.py``."""
         kinds = [kind_of(o) for o in objects]
         out: list[Any] = list(objects)
         for kind in ("model", "optimizer", "scheduler", "loader"):
             for i, obj in enumerate(objects):
                 if kinds[i] == kind:
-                    out[i] = getattr(self, f"prepare_{kind}")(obj)
+                    out[i] = self.prepare_model(obj, param_init_fn) if kind == "model" else getattr(self, f"prepare_{kind}")(obj)
         self._resume_if_ready()
         return out[0] if len(out) == 1 else tuple(out)
 
-    def prepare_model(self, model: nn.Module | list[nn.Module] | tuple[nn.Module, ...]) -> nn.Module:
+    def prepare_model(
+        self, model: nn.Module | list[nn.Module] | tuple[nn.Module, ...], param_init_fn: Callable[[nn.Module], Any] | None = None
+    ) -> nn.Module:
         if isinstance(model, (list, tuple)):
             model = nn.Sequential(*model)  # a list of blocks runs as nn.Sequential runs them
         check_not_released(model, self._released)
-        check_materialised(model, self.strategy.name, self.strategy.materialises_meta)
+        if has_meta(model) and not self.strategy.materialises_meta:
+            init = DeferredInit(model, param_init_fn)
+            if self.strategy.defers_init:
+                init.attach()  # the strategy materialises it one part at a time
+            else:
+                init.materialise_through(None, torch.device("cpu"))
+        check_materialised(model, self.strategy.name, self.strategy.materialises_meta or self.strategy.defers_init)
         model = self.strategy.place_model(model)
         wrapped = self.strategy.wrap_model(model)
+        if uninitialised(model):
+            model.register_forward_pre_hook(lambda m, args: check_initialised(m, "forward"), prepend=True)
         if self.precision.compute_dtype is not None:
             autocast_forward(self.unwrap_model(wrapped), self.precision)
         self._models.append(wrapped)

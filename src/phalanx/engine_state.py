@@ -20,6 +20,7 @@ from torch import nn
 
 from phalanx.config import EngineConfig
 from phalanx.data import PreparedDataLoader
+from phalanx.deferred_init import mark_loaded
 from phalanx.engine_collectives import EngineCollectives
 from phalanx.precision import Precision
 from phalanx.prepared import PreparedOptimizer, PreparedScheduler
@@ -128,6 +129,8 @@ class EngineState(EngineCollectives):
                 "when the parent holds no complete checkpoint: start from scratch then)"
             )
         counters = load_checkpoint(input_dir, self._parts(), self.strategy, self.topology, self.device, verify)
+        for m in self._models:
+            mark_loaded(self.unwrap_model(m))
         self.global_step = counters.get("global_step", 0)
         self._resumer.done = True  # loaded once (by resume_from or by the script itself): never another on top
 
@@ -183,6 +186,7 @@ class EngineState(EngineCollectives):
         if index is None:
             raise ValueError("engine.load_model(model=...) got a model that engine.prepare did not return")
         load_weights(self.strategy, self._models[index], path, index, self.device)
+        mark_loaded(self.unwrap_model(self._models[index]))
 
     def save_model(self, *args: Any, metadata: dict[str, str] | None = None) -> Path:
         """``save_model(save_directory)`` or ``save_model(model, save_directory)``: the whole model in a directory that

@@ -33,6 +33,9 @@ class Strategy(ABC):
     """True when the strategy runs forward and backward itself (pipeline): only ``train_step`` trains."""
     materialises_meta: ClassVar[bool] = False
     """True when ``wrap_model`` gives values to a model built on the meta device (pipeline, stage by stage)."""
+    defers_init: ClassVar[bool] = False
+    """True when ``wrap_model`` runs a meta-built model's ``DeferredInit`` itself, part by part (zero3, unit by unit);
+    otherwise the engine initialises the whole model before ``place_model``."""
 
     def __init__(
         self, config: EngineConfig, topology: Topology, device: torch.device, precision: Precision, within_stage: bool = False

@@ -116,10 +116,10 @@ class ZeroStrategy(Strategy):
         return f"strategy {self.name!r}", "launch more processes, e.g. phalanx launch -n 2, or use strategy='ddp'"
 
     # -------------------------------------------------------------------- model
-    def _prepare_common(self, model: nn.Module, sharded: set[nn.Parameter]) -> list[nn.Parameter]:
+    def _prepare_common(self, model: nn.Module, sharded: set[nn.Parameter], replicate: bool = True) -> list[nn.Parameter]:
         """Checks, and rank 0's buffers and unsharded parameters; sharded ones are broadcast flat, in place."""
         check_prepared_once(model, self._models)
-        if self.world > 1:
+        if self.world > 1 and replicate:
             replicate_from_first(model, self.group, self.device, self.stats, self.dp_opts.broadcast_buffers, skip=sharded)
         for name, p in model.named_parameters():
             self._names.setdefault(p, name)

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from phalanx.deferred_init import move_real, pending_init
+from phalanx.strategies._replicas import replicate_from_first
 from phalanx.strategies.zero.base import ModelState, ZeroStrategy
 from phalanx.strategies.zero.collectives import Done, SegmentComm
 from phalanx.strategies.zero.layout import Segment, by_dtype, padded_empty
@@ -121,6 +123,7 @@ class Zero3Strategy(ZeroStrategy):
     name = "zero3"
     stage = 3
     params_whole = False
+    defers_init = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -128,8 +131,15 @@ class Zero3Strategy(ZeroStrategy):
         self._empty: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._own_reads = 0  # inside our own state_dict() reads, which put the gathered tensors in place
 
+    def place_model(self, model: nn.Module) -> nn.Module:
+        if pending_init(model) is None:
+            return super().place_model(model)
+        move_real(model, self.device)  # the meta tensors are given values on the device, unit by unit
+        return model
+
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        params = self._prepare_common(model, set(model.parameters()))
+        init = pending_init(model)
+        params = self._prepare_common(model, set(model.parameters()), replicate=init is None)
         unit_modules = unit_modules_of(model, self.unit_opts.zero3_unit_classes)
         owners: dict[nn.Parameter, set[int]] = {}
         for ui, (_, m) in enumerate(unit_modules):
@@ -143,8 +153,12 @@ class Zero3Strategy(ZeroStrategy):
         units: list[Unit] = []
         all_segments: list[Segment] = []
         # One unit at a time: lay out, take rank 0's values, keep this rank's slice, free the rest. Only one
-        # unit is ever whole here, beside the not yet sharded parameters the user built.
-        for (name, module), ps in [(("<root>", model), root_params)] + list(zip(unit_modules, members)):
+        # unit is ever whole here, beside the not yet sharded parameters the user built (or, for a meta-built
+        # model, beside the root's parameters, which are given values in the order the model was built).
+        # The root unit is laid out last, when everything before it has its values.
+        for (name, module), ps in list(zip(unit_modules, members)) + [(("<root>", model), root_params)]:
+            if init is not None:
+                init.materialise_through(None if module is model else module, self.device)
             segs = [Segment(0, group, self.world, self.rank) for group in by_dtype(ps)]
             self._add_segments(segs)
             for seg in segs:
@@ -153,10 +167,15 @@ class Zero3Strategy(ZeroStrategy):
                 keeps_slice = seg.master is not None and seg.master.dtype == seg.dtype
                 seg.shard_param = None if keeps_slice else self.store.copy_of(seg.full[seg.lo : seg.hi])
             all_segments += segs
-            unit = Unit(len(self.units) + len(units), module, name, segs, module is model, self.comm, self.store, self._empty)
+            unit = Unit(0, module, name, segs, module is model, self.comm, self.store, self._empty)
             unit.free()
             if segs or unit.is_root:
                 units.append(unit)
+        units.insert(0, units.pop())  # the root first
+        for i, u in enumerate(units):
+            u.index = len(self.units) + i
+        if init is not None and self.world > 1:
+            replicate_from_first(model, self.group, self.device, self.stats, self.dp_opts.broadcast_buffers, skip=params)
         state = self._register(model, params, all_segments)
         state.units = units
         root = units[0]
