@@ -32,6 +32,7 @@ from phalanx.config import EngineConfig, resolve_config
 from phalanx.data import ActiveLoaders, PreparedDataLoader
 from phalanx.deferred_init import DeferredInit, check_initialised, has_meta, uninitialised
 from phalanx.engine_state import EngineState
+from phalanx.host_memory import set_mmap_threshold
 from phalanx.guards import (
     check_backward_has_a_model, check_loader_batch, check_materialised, check_not_released, check_prepared_models,
     warn_accumulation_unused,
@@ -77,6 +78,12 @@ class Engine(EngineState):
         for line in resolved.overrides + resolved.notes:
             warn_once(line)
         self.device = pick_device(self.config.device, self.world.local_rank)
+        threshold = self.config.host_mmap_threshold_mb
+        if threshold is None:  # the zero strategies free and allocate flat buffers all through a step; glibc's own
+            zero = self.config.strategy in ("zero1", "zero2", "zero3")  # variable, when set, is the user's choice
+            threshold = 1.0 if self.device.type == "cpu" and zero and "MALLOC_MMAP_THRESHOLD_" not in os.environ else 0.0
+        if threshold:
+            set_mmap_threshold(threshold)
         init_distributed(self.world, self.device, self.config.timeout_s)
         pp_size = get_strategy_class(self.config.strategy).pipeline_stages(self.config, self.world.world_size)
         self.topology = Topology(self.world.world_size, self.world.rank, pp_size)

@@ -23,7 +23,9 @@ from torch.autograd import Variable
 from phalanx.collective_log import watched
 from phalanx.shards import ShardEntry, StateReader, named_tensors
 from phalanx.strategies._grads import GradScale, clip_to_norm_, second_backward_error, unused_parameters_error
-from phalanx.strategies._memory import memory_report_dict, nbytes, state_bytes_per_element, state_tensors
+from phalanx.strategies._memory import (
+    expected_peak, memory_report_dict, nbytes, segment_grad_bytes, state_bytes_per_element, state_tensors,
+)  # fmt: skip
 from phalanx.strategies._replicas import (
     check_prepared_once, check_trainable, group_rank0, optimizer_list, replicate_from_first,
 )  # fmt: skip
@@ -477,7 +479,11 @@ class ZeroStrategy(Strategy):
         g = max(p, 4)
         predicted = self._predicted(p, g, trainable, n)
         predicted["optimizer_state"] = k * trainable / n
-        return memory_report_dict(self.name, trainable, n, p, k, held, predicted, self.store.mode)
+        report = memory_report_dict(self.name, trainable, n, p, k, held, predicted, self.store.mode)
+        pieces = [b - a for _, layout, _ in self._optimizers for ps in layout for _, a, b in ps]
+        grads = max((s.shapes[i].numel() * p for s in self.segments for i in range(len(s.params))), default=0)
+        chunk = min(int(2 * self.opts.offload_chunk_mb * 2**20), held["offloaded_to_disk"]) if self.store.mode == "disk" else 0
+        return expected_peak(report, optimizers, max(pieces, default=0), grads if self.params_whole else 0, chunk)
 
     def _predicted(self, p: int, g: int, psi: int, n: int) -> dict[str, float]:
         """The ZeRO paper's bytes per rank for parameters and gradients (p, g: bytes per element; psi: trainable
@@ -488,13 +494,7 @@ class ZeroStrategy(Strategy):
         return sum(s.full.numel() * s.full.element_size() for s in self.segments)
 
     def _grad_bytes(self) -> int:
-        total = 0
-        for s in self.segments:
-            if s.grad_full is not None:
-                total += s.grad_full.numel() * s.grad_full.element_size()
-            if s.master_grad is not None and not (s.grad_full is not None and s.master_grad.data_ptr() == s.grad_full[s.lo :].data_ptr()):
-                total += s.master_grad.numel() * s.master_grad.element_size()
-        return total
+        return segment_grad_bytes(self.segments)
 
     def _comm_buffer_bytes(self) -> int:
         return 0

@@ -169,6 +169,7 @@ class Zero3Strategy(ZeroStrategy):
             all_segments += segs
             unit = Unit(0, module, name, segs, module is model, self.comm, self.store, self._empty)
             unit.free()
+            self.store.release()  # disk offload: what was written to the files leaves this process
             if segs or unit.is_root:
                 units.append(unit)
         units.insert(0, units.pop())  # the root first
@@ -384,8 +385,9 @@ class Zero3Strategy(ZeroStrategy):
     def _comm_buffer_bytes(self) -> int:
         sizes = sorted((u.full_bytes for u in self.units if not u.is_root), reverse=True)
         root = sum(u.full_bytes for u in self.units if u.is_root)
-        # Gathered during a step: the root, the unit computing and the one prefetched, and a gradient in flight.
-        return root + sum(sizes[:2]) + (sizes[0] if sizes else 0)
+        # Gathered during backward: the root, the unit computing and the one prefetched; and for gradients,
+        # autograd's of the unit, the flat buffer they are copied into, and the previous flat, still in flight.
+        return root + sum(sizes[:2]) + 3 * (sizes[0] if sizes else 0)
 
     def memory_report(self, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
         report = super().memory_report(optimizers)
@@ -394,6 +396,7 @@ class Zero3Strategy(ZeroStrategy):
             if s.shard_param is None and s.master is not None and not self.store.owns(s.master):
                 report["held"]["optimizer_state"] -= s.master.numel() * s.master.element_size()
         report["held_total"] = sum(v for k, v in report["held"].items() if k not in ("comm_buffers", "offloaded_to_disk"))
+        report["expected_peak"] = report["held_total"] + report["held"]["comm_buffers"] + report["transient"]
         return report
 
 
