@@ -90,6 +90,10 @@ def configurations(args: argparse.Namespace, gb: int, nranks: int, ds_ok: bool, 
             for name, kw in watchdog_rows():
                 key = f"{s}_{name.replace(' ', '_')}"
                 c.append({"key": key, "name": f"phalanx {s} {name}", "kind": "phalanx", "strategy": s, "engine_kwargs": kw})
+    if args.malloc_rows:  # glibc's sliding mmap threshold instead of phalanx's fixed 1 MiB: the cost of the fix
+        for s in ("zero2", "zero3"):
+            c.append({"key": f"{s}_glibc_malloc", "name": f"phalanx {s} glibc threshold", "kind": "phalanx",
+                      "strategy": s, "engine_kwargs": {"host_mmap_threshold_mb": 0}})
     c += [
         {"key": "zero_redundancy", "name": "DDP + ZeroRedundancyOpt", "kind": "torch_zero"},
         {"key": "fsdp2", "name": "FSDP2 per block", "kind": "fsdp2"},
@@ -378,6 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero3-units", type=lambda s: [x for x in s.split(";") if x], default=[],
                    help="extra phalanx zero3 rows with these zero3_unit_classes, ';'-separated, e.g. _Block")
     p.add_argument("--no-deepspeed", action="store_true")
+    p.add_argument("--malloc-rows", action="store_true",
+                   help="add zero2 and zero3 rows with glibc's own mmap threshold (host_mmap_threshold_mb=0)")
     p.add_argument("--watchdog-rows", action="store_true",
                    help="add ddp and zero3 rows with the hang watchdog off (hang_timeout_s=0) and with debug_collectives")
     p.add_argument("--no-ds-warm", action="store_true", help="skip the untimed DeepSpeed warm-up run")
