@@ -197,3 +197,23 @@ def test_load_and_dispatch_over_the_gpu_host_memory_and_disk(tmp_path):
     assert got.device.type == "cpu"
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert placed[2][0].weight.device.type == "cpu" and placed[4][0].weight.is_meta  # at rest between forwards
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("strategy,offload", [("ddp", "none"), ("zero3", "none"), ("zero3", "cpu")])
+def test_a_meta_built_model_on_the_gpu_equals_the_cpu_build(strategy, offload):
+    """Deferred init draws from the CPU generator and then moves each part to the GPU: the weights equal a CPU build."""
+    from _common import TiedNet
+
+    torch.manual_seed(100)
+    want = TiedNet().state_dict()
+    extra = {"offload": offload} if offload != "none" else {}
+    engine = phalanx.Engine(strategy=strategy, device="cuda", **extra)
+    torch.manual_seed(100)
+    with torch.device("meta"):
+        net = TiedNet()
+    model = engine.prepare(net)
+    got = engine.get_state_dict(model)
+    assert all(torch.equal(got[k].cpu(), v) for k, v in want.items())
+    assert model(torch.randint(0, 11, (2, 5), device=engine.device)).device.type == "cuda"
