@@ -5,6 +5,7 @@ ZeroRedundancyOptimizer, torch FSDP2 and DeepSpeed ZeRO 1/2/3, on CPU over gloo.
     .venv/bin/python benchmarks/bench_zero.py --workload gpt20m --rounds 3
     .venv/bin/python benchmarks/bench_zero.py --workload mlp --only torch_ddp,zero3,fsdp2
     .venv/bin/python benchmarks/bench_zero.py --rounds 1 --steps 3 --warmup 1 --no-json   # smoke run
+    .venv/bin/python benchmarks/bench_zero.py --workload mlp --compile --only zero3,fsdp2,zero3_compiled,fsdp2_compiled
 
 Every configuration runs in fresh processes started by phalanx.spawn (2 ranks, gloo, 1 thread each); runs are
 interleaved (every round runs every configuration once, in a rotated order), as in bench_ddp.py. See
@@ -46,6 +47,14 @@ MIN_GPT20M_PARAMS = 20_000_000
 
 # First/final loss of every configuration against torch DDP's (relative): the same as bench_ddp's setup check.
 TOL_FIRST, TOL_FINAL = 1e-5, 1e-3
+
+# Compiled rows (--compile) against their uncompiled twins and against each other: reported, no target.
+COMPILE_RATIOS = {
+    "zero3_compiled_over_zero3_step": ("phalanx zero3 compiled", "phalanx zero3"),
+    "fsdp2_compiled_over_fsdp2_step": ("FSDP2 per block compiled", "FSDP2 per block"),
+    "zero3_compiled_over_fsdp2_compiled_step": ("phalanx zero3 compiled", "FSDP2 per block compiled"),
+    "zero3_over_fsdp2_step": ("phalanx zero3", "FSDP2 per block"),
+}
 
 TARGETS = {
     "zero3_over_fsdp2_step": ("phalanx zero3", "FSDP2 per block", "median_ms", 0.8),
@@ -98,6 +107,12 @@ def configurations(args: argparse.Namespace, gb: int, nranks: int, ds_ok: bool, 
         {"key": "zero_redundancy", "name": "DDP + ZeroRedundancyOpt", "kind": "torch_zero"},
         {"key": "fsdp2", "name": "FSDP2 per block", "kind": "fsdp2"},
     ]
+    if args.compile:  # torch.compile(model) after engine.prepare / after fully_shard; the warm-up steps compile
+        c += [
+            {"key": "zero3_compiled", "name": "phalanx zero3 compiled", "kind": "phalanx", "strategy": "zero3",
+             "compile": args.compile},
+            {"key": "fsdp2_compiled", "name": "FSDP2 per block compiled", "kind": "fsdp2", "compile": args.compile},
+        ]
     ds = [{"key": f"ds{s}", "name": f"DeepSpeed ZeRO-{s}", "kind": "deepspeed", "ds_stage": s} for s in (1, 2, 3)]
     if args.no_deepspeed:
         print("[skip] DeepSpeed: --no-deepspeed")
@@ -118,7 +133,7 @@ def configurations(args: argparse.Namespace, gb: int, nranks: int, ds_ok: bool, 
 def run_config(workload: str, base: dict[str, Any], cfg: dict[str, Any], timeout: float,
                overrides: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     spec = dict(base, local_batch=cfg["local_batch"], **(overrides or {}))
-    for k in ("strategy", "engine_kwargs", "ds_stage"):
+    for k in ("strategy", "engine_kwargs", "ds_stage", "compile"):
         if k in cfg:
             spec[k] = cfg[k]
     return spawn_ranks(zero_workers.run, cfg["nprocs"], (cfg["kind"], workload, spec), timeout, threads=cfg["threads"])
@@ -277,6 +292,13 @@ def bench_workload(workload: str, args: argparse.Namespace, ds: tuple[bool, str]
         targets[tname] = {"ratio": ratio, "target": limit, "meets": ratio is not None and ratio <= limit,
                           "per_round": paired, "numerator": num, "denominator": den}
 
+    ratios: dict[str, Any] = {}
+    for tname, (num, den) in COMPILE_RATIOS.items() if args.compile else ():
+        if num in by and den in by:
+            paired = [a["median_ms"] / b["median_ms"] for a, b in zip(rounds[num], rounds[den])]
+            ratios[tname] = {"ratio": by[num]["median_ms"] / by[den]["median_ms"], "per_round": paired,
+                             "numerator": num, "denominator": den}
+
     # -------- print (markdown)
     nparams = zero_param_count(workload, ok_rows)
     print(f"\n### workload `{workload}` ({nparams:,} parameters), global batch {gb}, 2 ranks x 1 thread, gloo\n"
@@ -313,6 +335,13 @@ def bench_workload(workload: str, args: argparse.Namespace, ds: tuple[bool, str]
                   f"{'meets' if t['meets'] else 'MISSES'} | {per} |")
         if targets.get("zero3_over_fsdp2_peak_rss_ru_maxrss") is not None:
             print(f"\n(zero3 / FSDP2 with ru_maxrss instead of VmHWM: {targets['zero3_over_fsdp2_peak_rss_ru_maxrss']:.3f})")
+    if ratios:
+        print("\n| compiled step time | ratio of medians | per round (paired) | min-max |\n|---|---:|---|---|")
+        for t in ratios.values():
+            per = t["per_round"]
+            spread = f"{min(per):.3f}-{max(per):.3f}" if per else "-"
+            print(f"| {t['numerator']} / {t['denominator']} | {t['ratio']:.3f} | "
+                  f"{', '.join(f'{x:.3f}' for x in per) or '-'} | {spread} |")
     if checks:
         bad = [c for c in checks if not c["ok"]]
         print(f"\nsetup check vs torch DDP (same init, same global batches; first loss rel diff < {TOL_FIRST:g}, final "
@@ -349,10 +378,15 @@ def bench_workload(workload: str, args: argparse.Namespace, ds: tuple[bool, str]
             "held_total_mib_per_rank": "phalanx only: engine.memory_report()['held_total'] after the last step",
             "predicted_total_mib_per_rank": "phalanx only: engine.memory_report()['predicted_total']",
             "targets": {k: f"{v[0]} / {v[1]} {v[2]} <= {v[3]}" for k, v in TARGETS.items()},
+            "compile_ratios": "with --compile: median_ms of one row / median_ms of another, and the same per round "
+                              "(rounds pair runs made back to back in one rotation); compiled rows are "
+                              "torch.compile(model, backend=--compile) after engine.prepare / fully_shard, compiled "
+                              "during the warm-up steps",
             "setup_checks": f"first and final loss relative to torch DDP's: < {TOL_FIRST:g} and < {TOL_FINAL:g}",
         },
         **sources,
         "targets": targets,
+        "compile_ratios": ratios,
         "setup_checks": checks,
         "failures": failures,
         "configs": rows,
@@ -381,6 +415,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="add phalanx zero1/2/3 rows with zero_collectives='native' (reduce-scatter/all-gather on gloo)")
     p.add_argument("--zero3-units", type=lambda s: [x for x in s.split(";") if x], default=[],
                    help="extra phalanx zero3 rows with these zero3_unit_classes, ';'-separated, e.g. _Block")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="add 'phalanx zero3 compiled' and 'FSDP2 per block compiled' rows (keys zero3_compiled, "
+                        "fsdp2_compiled): torch.compile(model, backend=BACKEND, default inductor) after "
+                        "engine.prepare / fully_shard; the warm-up steps compile")
     p.add_argument("--no-deepspeed", action="store_true")
     p.add_argument("--malloc-rows", action="store_true",
                    help="add zero2 and zero3 rows with glibc's own mmap threshold (host_mmap_threshold_mb=0)")

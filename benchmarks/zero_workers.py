@@ -105,9 +105,10 @@ def run_fsdp2(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
         fully_shard(m, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = make_adamw(model.parameters(), spec)
+    run_model = _compiled(model, spec)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = loss_of(workload, model, x, y)
+        loss = loss_of(workload, run_model, x, y)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -117,9 +118,16 @@ def run_fsdp2(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
         return param_sum(p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters())
 
     out = _train(workload, spec, rank, size, step, checksum)
-    out["describe"] = {"fully_shard_units": len(blocks), "root": True}
+    out["describe"] = {"fully_shard_units": len(blocks), "root": True, "compile": spec.get("compile")}
     dist.barrier()
     return out
+
+
+def _compiled(model: nn.Module, spec: dict[str, Any]) -> nn.Module:
+    """``torch.compile(model, backend=spec["compile"])`` when the configuration compiles (bench_zero --compile)."""
+    if not spec.get("compile"):
+        return model
+    return torch.compile(model, backend=spec["compile"])  # type: ignore[return-value]
 
 
 def run_phalanx(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
@@ -134,6 +142,7 @@ def run_phalanx(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
     opt = make_adamw(model.parameters(), spec)
     names = [n for n, _ in model.named_parameters()]
     model, opt = engine.prepare(model, opt)
+    model = _compiled(model, spec)  # get_state_dict takes the compiled model too
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = loss_of(workload, model, x, y)
@@ -147,7 +156,7 @@ def run_phalanx(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
         return param_sum(sd[n] for n in names)
 
     out = _train(workload, spec, rank, size, step, checksum)
-    out["describe"] = engine.strategy.describe()
+    out["describe"] = {**engine.strategy.describe(), "compile": spec.get("compile")}
     try:
         out["memory_report"] = engine.memory_report()
     except Exception as e:  # noqa: BLE001

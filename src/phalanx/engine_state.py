@@ -22,6 +22,7 @@ from phalanx.config import EngineConfig
 from phalanx.data import PreparedDataLoader
 from phalanx.deferred_init import mark_loaded
 from phalanx.engine_collectives import EngineCollectives
+from phalanx.guards import as_prepared
 from phalanx.precision import Precision
 from phalanx.prepared import PreparedOptimizer, PreparedScheduler
 from phalanx.resume import Resumer
@@ -52,13 +53,15 @@ class EngineState(EngineCollectives):
     def unwrap_model(self, model: nn.Module) -> nn.Module:
         """The user's own module, without anything phalanx wrapped around it. Under zero3 its parameters hold only
         this rank's shard between forwards: its ``state_dict()`` (and a transformers ``save_pretrained`` without
-        ``state_dict=``) is refused; use ``engine.save_model`` or ``engine.get_state_dict`` on every rank."""
-        return self.strategy.unwrap_model(model)
+        ``state_dict=``) is refused; use ``engine.save_model`` or ``engine.get_state_dict`` on every rank. A
+        ``torch.compile`` of the prepared model unwraps to the same module."""
+        return self.strategy.unwrap_model(as_prepared(model, self._models))
 
     def get_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The full, unsharded state dict, on CPU, on every rank, under every strategy. A collective: every rank
         calls it (e.g. ``unwrapped.save_pretrained(d, state_dict=engine.get_state_dict(model))`` on every rank).
         Tied keys share one tensor, as in ``model.state_dict()``, so that transformers saves a tied weight once."""
+        model = as_prepared(model, self._models)
         state = self.strategy.full_state_dict(model)
         for key, held_as in self.strategy.state_dict_keys(model).items():
             if key != held_as and key in state and held_as in state:
@@ -182,6 +185,7 @@ class EngineState(EngineCollectives):
                 raise TypeError(f"engine.load_model(path) needs one prepared model; {len(self._models)} are prepared: "
                                 "pass model=")  # fmt: skip
             model = self._models[0]
+        model = as_prepared(model, self._models)
         index = next((i for i, m in enumerate(self._models) if model is m or model is self.unwrap_model(m)), None)
         if index is None:
             raise ValueError("engine.load_model(model=...) got a model that engine.prepare did not return")

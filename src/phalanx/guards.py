@@ -17,8 +17,20 @@ from phalanx.options import ConfigError
 
 __all__ = [
     "check_loader_batch", "warn_accumulation_unused", "check_backward_has_a_model", "check_materialised", "check_prepared_models",
-    "check_not_released",
+    "check_not_released", "uncompiled", "as_prepared",
 ]  # fmt: skip
+
+
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The module that ``torch.compile(model)`` wraps (its ``_orig_mod``); any other module as it is."""
+    inner = model._modules.get("_orig_mod") if type(model).__name__ == "OptimizedModule" else None
+    return inner if inner is not None else model
+
+
+def as_prepared(model: nn.Module, prepared: Sequence[nn.Module]) -> nn.Module:
+    """``model`` as the Engine knows it: ``torch.compile(model)`` after ``engine.prepare`` stands for the prepared
+    model, so that ``get_state_dict``, ``unwrap_model``, ``accumulate`` ... take the compiled one too."""
+    return model if any(model is m for m in prepared) else uncompiled(model)
 
 
 def warn_accumulation_unused(grad_accum_steps: int, origin: str) -> None:
@@ -63,7 +75,7 @@ def check_prepared_models(
     unwrapped module); gradients of any other would never be reduced."""
     known = {id(m) for m in prepared} | {id(unwrap(m)) for m in prepared}
     for i, model in enumerate(models):
-        if id(model) not in known:
+        if id(as_prepared(model, prepared)) not in known:
             what = type(model).__name__
             raise ValueError(
                 f"engine.accumulate got a {what} (argument {i}) that engine.prepare did not return: its gradients would "

@@ -9,6 +9,15 @@ end of backward. Reduce-scatters happen on every backward, as for zero2.
 Between forwards each rank holds only its slices, and a parameter of a freed unit is an empty tensor. So a
 ``state_dict()`` of the model, or of any module in it, is refused (it would save empty tensors without a word, as a
 transformers ``save_pretrained`` called on the main process would); ``engine.get_state_dict`` gathers the whole.
+
+torch.compile, as with FSDP2: ``model = torch.compile(model)`` after ``engine.prepare``, or each unit compiled alone
+(``block.compile()``, or ``block.forward = torch.compile(block.forward, fullgraph=True)``). The hooks that gather and
+free run eagerly between the compiled graphs (``torch.compiler.disable``, as FSDP2's hooks): traced, a ``p.data = ...``
+swap becomes a ``set_`` on a graph input whose version bump fails the backward of the graphs that saved it, and
+collectives and storage resizes cannot be traced at all. A graph saves the parameter tensors themselves, whole again
+when backward reaches their unit. So a model with zero3 units is several graphs: ``fullgraph=True`` on the whole model
+is refused by dynamo with the reason and the fix (``_EAGER_REASON``). A model compiled before ``engine.prepare`` is
+sharded by the units inside it (its state-dict keys keep torch's ``_orig_mod.`` prefix).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from phalanx.deferred_init import move_real, pending_init
+from phalanx.guards import uncompiled
 from phalanx.strategies._replicas import replicate_from_first
 from phalanx.strategies.zero.base import ModelState, ZeroStrategy
 from phalanx.strategies.zero.collectives import Done, SegmentComm
@@ -184,10 +194,10 @@ class Zero3Strategy(ZeroStrategy):
             u.owner = state
             self.units.append(u)
             if not u.is_root:
-                u.module.register_forward_pre_hook(self._make_pre_forward(u), with_kwargs=True, prepend=True)
-                u.module.register_forward_hook(self._make_post_forward(u))
-        model.register_forward_pre_hook(self._make_root_pre_forward(root), prepend=True)
-        model.register_forward_hook(self._make_root_post_forward(root))
+                u.module.register_forward_pre_hook(_eager(self._make_pre_forward(u)), with_kwargs=True, prepend=True)
+                u.module.register_forward_hook(_eager(self._make_post_forward(u)))
+        model.register_forward_pre_hook(_eager(self._make_root_pre_forward(root)), prepend=True)
+        model.register_forward_hook(_eager(self._make_root_post_forward(root)))
         sharded = set(self._loc)
         for m in model.modules():
             if any(p in sharded for p in m.parameters()):
@@ -400,6 +410,19 @@ class Zero3Strategy(ZeroStrategy):
         return report
 
 
+_EAGER_REASON = (
+    "phalanx zero3 gathers each unit's parameters before its forward and frees them after, with collectives and "
+    "storage resizes that cannot be traced; these hooks run between compiled graphs, so a model with zero3 units "
+    "cannot be one graph. Compile with fullgraph=False (the default), or compile each unit's forward alone: "
+    "unit.forward = torch.compile(unit.forward, fullgraph=True)"
+)
+
+
+def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` run eagerly even inside torch.compile'd code: dynamo breaks the graph around it (as FSDP2's hooks)."""
+    return torch.compiler.disable(hook, recursive=True, reason=_EAGER_REASON)
+
+
 def _in_backward() -> bool:
     """True while the autograd engine runs a backward pass (e.g. when checkpointing recomputes a forward)."""
     return torch._C._current_graph_task_id() != -1
@@ -435,10 +458,13 @@ def unit_modules_of(model: nn.Module, classes: str | None) -> list[tuple[str, nn
     def walk(prefix: str, module: nn.Module) -> None:
         for name, child in module.named_children():
             full = f"{prefix}{name}"
+            if uncompiled(child) is not child:  # compiled before engine.prepare: the unit is the module it compiled
+                child, full = uncompiled(child), f"{full}._orig_mod"
             if isinstance(child, _CONTAINERS):
                 walk(full + ".", child)
             elif any(True for _ in child.parameters()):
                 out.append((full, child))
 
-    walk("", model)
+    inner = uncompiled(model)
+    walk("" if inner is model else "_orig_mod.", inner)
     return out
