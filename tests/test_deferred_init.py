@@ -197,3 +197,9 @@ def test_a_meta_buffer_without_an_initialiser_is_named_at_forward():
     model2 = phalanx.Engine(strategy="ddp", seed=0).prepare(net2)
     assert torch.equal(model2.scale, built)
     assert model2(torch.ones(2, 3)).shape == (2, 3)
+
+
+def test_param_init_fn_where_it_would_be_ignored_is_refused():
+    engine = phalanx.Engine(strategy="ddp", seed=0)
+    with pytest.raises(ValueError, match=r"no model passed to it has tensors on the meta device"):
+        engine.prepare(nn.Linear(3, 3), param_init_fn=lambda m: None)

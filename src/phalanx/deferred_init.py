@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["DeferredInit", "has_meta", "pending_init", "uninitialised", "mark_loaded", "check_initialised", "move_real"]
+__all__ = ["DeferredInit", "check_init_fn_applies", "has_meta", "pending_init", "uninitialised", "mark_loaded", "check_initialised", "move_real"]
 
 _PENDING: weakref.WeakKeyDictionary[nn.Module, DeferredInit] = weakref.WeakKeyDictionary()
 _UNSET: weakref.WeakKeyDictionary[nn.Module, list[str]] = weakref.WeakKeyDictionary()
@@ -64,6 +64,23 @@ def check_initialised(model: nn.Module, what: str) -> None:
             f"values yet ({shown}): their modules have no reset_parameters(). Load the weights first with "
             "engine.load_model(path) or engine.load_state(dir), or give engine.prepare(..., param_init_fn=fn), "
             "a function that initialises one module's own tensors in place"
+        )
+
+
+def check_init_fn_applies(models: list[Any], strategy: str, materialises: bool) -> None:
+    """``param_init_fn`` is only used on a meta-built model, and not by the pipeline (it initialises its stages
+    itself): refuse it where it would be ignored without a word."""
+    if materialises:
+        raise ValueError(
+            f"engine.prepare(..., param_init_fn=...) is not used under strategy={strategy!r}, which initialises a "
+            "meta-built model's blocks itself with their reset_parameters(), seeded by block index; drop param_init_fn"
+        )
+    models = [m for m in models if isinstance(m, nn.Module)] + [b for m in models if isinstance(m, (list, tuple)) for b in m]
+    if not any(has_meta(m) for m in models):
+        raise ValueError(
+            "engine.prepare got param_init_fn, but no model passed to it has tensors on the meta device, so there is "
+            "nothing for it to initialise. Build the model under `with torch.device('meta'):` (or "
+            "phalanx.init_empty_weights()) to have prepare initialise it, or drop param_init_fn"
         )
 
 

@@ -30,7 +30,7 @@ from phalanx.comm import world_size as comm_world_size
 from phalanx.compat.dummies import DummyOptim, DummyScheduler, realise_optimizer, realise_scheduler
 from phalanx.config import EngineConfig, resolve_config
 from phalanx.data import ActiveLoaders, PreparedDataLoader
-from phalanx.deferred_init import DeferredInit, check_initialised, has_meta, uninitialised
+from phalanx.deferred_init import DeferredInit, check_init_fn_applies, check_initialised, has_meta, uninitialised
 from phalanx.engine_state import EngineState
 from phalanx.host_memory import set_mmap_threshold
 from phalanx.guards import (
@@ -143,6 +143,8 @@ class Engine(EngineState):
         given its values here, part by part under zero3, by each module's ``reset_parameters()`` or by
         ``param_init_fn(module)``: see ``phalanx/deferred_init.py``."""
         kinds = [kind_of(o) for o in objects]
+        if param_init_fn is not None:
+            check_init_fn_applies([o for o, k in zip(objects, kinds) if k == "model"], self.strategy.name, self.strategy.materialises_meta)
         out: list[Any] = list(objects)
         for kind in ("model", "optimizer", "scheduler", "loader"):
             for i, obj in enumerate(objects):
