@@ -90,12 +90,24 @@ def test_backward_on_one_process_without_prepare_still_works():
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
-def test_a_meta_built_model_gets_a_clear_error(strategy):
-    engine = phalanx.Engine(strategy=strategy)
-    with torch.device("meta"):
-        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-    with pytest.raises(ValueError, match=r"meta device \(0\.weight, 0\.bias, 1\.weight and 1 more\).*strategy="):
-        engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+def test_a_meta_built_model_is_initialised_by_prepare_and_its_optimizer_steps_it(strategy):
+    """Once refused with an error; now prepare gives a meta-built model the values of a normal build (see
+    tests/test_deferred_init.py), and an optimizer built on the meta parameters steps the real ones."""
+    runs = []
+    for meta in (True, False):
+        engine = phalanx.Engine(strategy=strategy)
+        torch.manual_seed(0)
+        with torch.device("meta" if meta else "cpu"):
+            model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        model, optimizer = engine.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        start = engine.get_state_dict(model)
+        engine.backward(model(torch.ones(3, 4)).square().sum())
+        optimizer.step()
+        runs.append((start, engine.get_state_dict(model)))
+    (meta_start, meta_end), (start, end) = runs
+    assert all(torch.equal(meta_start[k], start[k]) for k in start)
+    assert all(torch.equal(meta_end[k], end[k]) for k in end)
+    assert not torch.equal(meta_end["0.weight"], meta_start["0.weight"])
 
 
 def _scheduler_before_prepare(strategy: str) -> dict:
