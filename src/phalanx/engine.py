@@ -78,12 +78,8 @@ class Engine(EngineState):
         for line in resolved.overrides + resolved.notes:
             warn_once(line)
         self.device = pick_device(self.config.device, self.world.local_rank)
-        threshold = self.config.host_mmap_threshold_mb
-        if threshold is None:  # the zero strategies free and allocate flat buffers all through a step; glibc's own
-            zero = self.config.strategy in ("zero1", "zero2", "zero3")  # variable, when set, is the user's choice
-            threshold = 1.0 if self.device.type == "cpu" and zero and "MALLOC_MMAP_THRESHOLD_" not in os.environ else 0.0
-        if threshold:
-            set_mmap_threshold(threshold)
+        if self.config.host_mmap_threshold_mb:  # off by default: it trades step time for resident memory
+            set_mmap_threshold(self.config.host_mmap_threshold_mb)
         init_distributed(self.world, self.device, self.config.timeout_s)
         pp_size = get_strategy_class(self.config.strategy).pipeline_stages(self.config, self.world.world_size)
         self.topology = Topology(self.world.world_size, self.world.rank, pp_size)
