@@ -23,6 +23,7 @@ depend on the world size.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, Callable
 
@@ -173,11 +174,10 @@ class DeferredInit:
                     module._parameters[name] = nn.Parameter(copy, requires_grad=t.requires_grad)
                 else:
                     module._buffers[name] = copy
-        init: Any = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+        init: Any = self.init_fn and functools.partial(self.init_fn, module)
+        init = init or getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
         with torch.no_grad():
-            if self.init_fn is not None:
-                self.init_fn(module)
-            elif callable(init):
+            if callable(init):
                 init()
             else:
                 for _, _, t, _ in made:

@@ -78,8 +78,9 @@ class Engine(EngineState):
         for line in resolved.overrides + resolved.notes:
             warn_once(line)
         self.device = pick_device(self.config.device, self.world.local_rank)
-        if self.config.host_mmap_threshold_mb:  # off by default: it trades step time for resident memory
-            set_mmap_threshold(self.config.host_mmap_threshold_mb)
+        if self.config.host_mmap_threshold_mb and not set_mmap_threshold(self.config.host_mmap_threshold_mb):
+            warn_once(f"host_mmap_threshold_mb={self.config.host_mmap_threshold_mb:g} has no effect here: it sets glibc's "
+                      "mmap threshold, and this process has no glibc (Linux with glibc only); leave it unset")  # fmt: skip
         init_distributed(self.world, self.device, self.config.timeout_s)
         pp_size = get_strategy_class(self.config.strategy).pipeline_stages(self.config, self.world.world_size)
         self.topology = Topology(self.world.world_size, self.world.rank, pp_size)
