@@ -776,6 +776,20 @@ def _loops(strategy: str) -> dict:
         optimizer.zero_grad()
     out["checkpointed"] = engine.get_state_dict(model)
     out["most_gathered"] = max(gathered, default=0)
+
+    # 5. A forward with autograd on whose output is dropped (a metric computed outside no_grad) between backward and
+    # the step: zero3 must not keep that forward's gathered parameters (the root's, the last unit's) past the step.
+    engine = phalanx.Engine(strategy=strategy)
+    torch.manual_seed(100)
+    model = TiedNet()
+    optimizer = grouped_optimizer("adamw", model)
+    model, optimizer = engine.prepare(model, optimizer)
+    for _ in range(3):
+        engine.backward(F.cross_entropy(model(tokens), targets))
+        model(tokens).sum()  # dropped
+        optimizer.step()
+        optimizer.zero_grad()
+    out["dropped_forward"] = engine.get_state_dict(model)
     return out
 
 
@@ -837,6 +851,15 @@ def _loops_reference(world: int) -> dict:
         optimizer.step()
         optimizer.zero_grad()
     out["checkpointed"] = clone(model)
+
+    torch.manual_seed(100)
+    model = TiedNet()
+    optimizer = grouped_optimizer("adamw", model)
+    for _ in range(3):
+        sum(F.cross_entropy(model(t), y) / world for t, y in tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    out["dropped_forward"] = clone(model)
     return out
 
 
@@ -848,7 +871,7 @@ def test_other_training_loops_match_single_process(run_ranks):
     ref = _loops_reference(2)
     for res in run_ranks(_all_loops, 2):
         for strategy in ("ddp", *STAGES):
-            for case in ("tied", "gan", "two_optimizers", "checkpointed"):
+            for case in ("tied", "gan", "two_optimizers", "checkpointed", "dropped_forward"):
                 want, got = ref[case], res[strategy][case]
                 assert set(got) == set(want), (strategy, case)
                 for k in want:

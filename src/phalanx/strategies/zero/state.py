@@ -80,6 +80,8 @@ def load_sharded_state(zs: ZeroStrategy, model: nn.Module, optimizers: Any, read
     if zs.params_whole:
         for w in [zs.comm.gather(s, async_op=True) for s in segments]:
             w.wait()
+    else:  # zero3: the at-rest slices are the loaded values; a unit gathered before the load is dropped
+        zs._publish_params(segments)
     keys = keys_by_param(reader)
     for opt, group, piece, (seg, a, b) in zs._pieces_of(model, optimizers):
         runs = [(zs._names[seg.params[i]], pa, pb, xa, xb) for i, pa, pb, xa, xb in seg.param_runs(a, b)]

@@ -364,10 +364,16 @@ class Zero3Strategy(ZeroStrategy):
         return s.shard_param if s.shard_param is not None else s.master  # type: ignore[return-value]
 
     def _publish_params(self, segments: list[Segment]) -> None:
-        # At rest each rank holds only its slice: the next forward gathers the new values.
+        # At rest each rank holds only its slice: the next forward gathers the new values. A unit still gathered
+        # now (the root after a forward whose output was dropped, not backwarded) holds the old ones: free it, or
+        # the next forward would run on them.
         for seg in segments:
             if seg.shard_param is not None and seg.master is not None:
                 seg.shard_param.copy_(seg.master)
+        changed = {id(seg) for seg in segments}
+        for u in self.units:
+            if u.state != UnitState.FREE and any(id(seg) in changed for seg in u.segments):
+                u.free()
 
     def _predicted(self, p: int, g: int, psi: int, n: int) -> dict[str, float]:
         return {"params": p * psi / n, "grads": g * psi / n}
