@@ -45,8 +45,10 @@ def _all_stages(opts: tuple[str, ...], collectives: str) -> dict:
     return {(s, o): _train(s, o, zero_collectives=collectives) for s in STAGES for o in opts}
 
 
-# "auto" is the all-reduce emulation on gloo; "native" uses reduce-scatter and all-gather.
-@pytest.mark.parametrize("world_size,collectives", [(2, "auto"), (2, "native"), (3, "auto"), (3, "native"), (4, "auto")])
+# "auto" is p2p on gloo (point-to-point sends); "native" uses reduce-scatter and all-gather; "allreduce" emulates both.
+@pytest.mark.parametrize(
+    "world_size,collectives", [(2, "auto"), (2, "native"), (2, "allreduce"), (3, "auto"), (3, "native"), (4, "auto")]
+)
 def test_zero_stages_match_single_process(run_ranks, world_size, collectives):
     opts = ("sgd", "adamw")
     refs = {o: tied_reference_run(STEPS, GLOBAL_BATCH, o) for o in opts}
@@ -493,6 +495,20 @@ def test_offload_config_errors():
         phalanx.Engine(strategy="zero2", offload="disk")
     with pytest.raises(ConfigError, match="comm_dtype"):
         phalanx.Engine(strategy="zero2", comm_dtype="int8")
+
+
+def test_collectives_resolve_per_backend(monkeypatch):
+    """auto is p2p on gloo and native on NCCL; p2p on NCCL is refused with the fix (no NCCL here: the backend is
+    what the process group would report)."""
+    from phalanx.strategies.zero import collectives
+
+    monkeypatch.setattr(collectives.dist, "is_initialized", lambda: True)
+    for backend, auto in (("gloo", "p2p"), ("nccl", "native")):
+        monkeypatch.setattr(collectives.dist, "get_backend", lambda group=None, b=backend: b)
+        assert collectives.resolve_collectives("auto", None) == auto
+        assert collectives.resolve_collectives("allreduce", None) == "allreduce"
+    with pytest.raises(ValueError, match="zero_collectives='p2p' is for the gloo backend.*'nccl'.*use zero_collectives='auto'"):
+        collectives.resolve_collectives("p2p", None)
 
 
 # ---------------------------------------------------------------------------------------------- precision

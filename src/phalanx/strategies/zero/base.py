@@ -167,9 +167,9 @@ class ZeroStrategy(Strategy):
         else:
             seg.master = self.store.zeros(seg.shard_numel, master_dtype)
             seg.master.copy_(seg.full[seg.lo : seg.hi])
-        if self.grads_whole and alias and self.comm.mode == "allreduce":
+        if self.grads_whole and alias and self.comm.mode in ("allreduce", "p2p"):
             seg.grad_full = torch.zeros(seg.padded, dtype=seg.dtype, device=seg.device)
-            seg.master_grad = seg.grad_full[seg.lo : seg.hi]  # the all-reduce leaves the slice in place
+            seg.master_grad = seg.grad_full[seg.lo : seg.hi]  # the reduction leaves the slice in place
         else:
             seg.master_grad = torch.zeros(seg.shard_numel, dtype=master_dtype, device=seg.master.device)
             if self.grads_whole:

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 __all__ = ["ZeroShardOptions", "ZeroOptions", "Zero3Options", "COMM_DTYPES", "COLLECTIVES", "OFFLOAD"]
 
 COMM_DTYPES = ("bf16", "fp16", "fp32")
-COLLECTIVES = ("auto", "native", "allreduce")
+COLLECTIVES = ("auto", "native", "p2p", "allreduce")
 OFFLOAD = ("none", "cpu", "disk")
 
 
@@ -25,8 +25,8 @@ class ZeroShardOptions(Options):
 
     zero_collectives: str = option(
         "auto",
-        "native (reduce-scatter / all-gather), allreduce (both emulated with all-reduce, faster on gloo), or auto: "
-        "allreduce on gloo, native otherwise.",
+        "native (reduce-scatter / all-gather), p2p (both made of point-to-point sends, gloo only; the fastest there), "
+        "allreduce (both emulated with all-reduce), or auto: p2p on gloo, native otherwise.",
         choices=COLLECTIVES,
     )
     zero_allow_untested_optimizer: bool = option(
