@@ -2,7 +2,9 @@
 
 A unit (by default each child module that holds parameters, looking inside ModuleList/Sequential/ModuleDict) is
 all-gathered before its forward and freed after it, gathered again when backward reaches it and freed when its
-backward is done, when its gradients are reduce-scattered. The next unit is prefetched. Parameters shared by two
+backward is done, when its gradients are reduce-scattered. The next unit is prefetched. The forward's last unit
+(from the second forward on, when the order is known) is the backward's first: it stays gathered between the two.
+An optimizer step frees any unit still gathered, so that no forward runs on the values from before it. Parameters shared by two
 units (tied embeddings) and those of no unit belong to the root unit, which stays gathered from the forward to the
 end of backward. Reduce-scatters happen on every backward, as for zero2.
 
@@ -265,9 +267,12 @@ class Zero3Strategy(ZeroStrategy):
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             if _in_backward():  # a recomputation: the unit's own backward is about to use it
                 return output
-            unit.free()
             if not torch.is_grad_enabled():
+                unit.free()
                 return output
+            ms = unit.owner
+            if ms is None or not ms.order_fixed or ms.order[-1] is not unit:
+                unit.free()  # the forward's last unit is the backward's first: it stays gathered for it
             return self._hook_outputs(unit, output)
 
         return hook
