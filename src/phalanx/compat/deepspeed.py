@@ -66,7 +66,8 @@ _ZERO_IGNORED = {
     "load_from_fp32_weights": "phalanx checkpoints always hold the fp32 master weights",
     "elastic_checkpoint": "phalanx checkpoints always load on any world size",
     "stage3_prefetch_bucket_size": "zero3 prefetches one unit ahead (zero3_prefetch)",
-    "stage3_param_persistence_threshold": "zero3 gathers every unit; small ones cost little",
+    "stage3_param_persistence_threshold": "zero3 gathers every unit, small ones too; to gather small modules with "
+    "their neighbours, choose the units with zero3_unit_classes (e.g. the transformer block's class)",
     "stage3_max_live_parameters": "zero3 holds at most the current and the prefetched unit",
     "stage3_max_reuse_distance": "zero3 frees each unit after use",
     "stage3_gather_16bit_weights_on_model_save": "engine.save_model always writes the full gathered weights",

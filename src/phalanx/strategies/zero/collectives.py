@@ -135,6 +135,56 @@ class SegmentComm:
             seg.work_out = out
         self.inflight.append(seg)
 
+    def sends_pieces(self, seg: Segment) -> bool:
+        """Whether :meth:`reduce_scatter_pieces` applies: p2p over several ranks, in the gradients' own dtype."""
+        return self.mode == "p2p" and self.accumulates and self.world > 1 and self.comm_dtype in (None, seg.dtype)
+
+    def _pieces(self, seg: Segment, grads: list[torch.Tensor | None], j: int) -> list[torch.Tensor]:
+        """The parts of ``grads`` (flat, one per parameter; None: no gradient, zeros) in rank j's slice, padding left out."""
+        n = seg.shard_numel
+        a, b = j * n, min((j + 1) * n, seg.numel)
+        out = []
+        for i, o in enumerate(seg.offsets):
+            lo, hi = max(o, a), min(o + seg.shapes[i].numel(), b)
+            if lo < hi:
+                g = grads[i]
+                out.append(g[lo - o : hi - o] if g is not None else torch.zeros(hi - lo, dtype=seg.dtype, device=seg.device))
+        return out
+
+    def reduce_scatter_pieces(self, seg: Segment, grads: list[torch.Tensor | None]) -> None:
+        """:meth:`reduce_scatter` of the gradients where autograd left them: each peer is sent its slice's parts
+        of them directly, with no copy into a full-size buffer first (p2p only: see :meth:`sends_pieces`)."""
+        n = seg.shard_numel
+        mine_parts = self._pieces(seg, grads, self.rank)
+        sizes = [t.numel() for t in mine_parts]
+        filled = sum(sizes)  # the rest of the slice is padding, which stays zero
+
+        def buffer() -> torch.Tensor:
+            t = torch.empty(n, dtype=seg.dtype, device=seg.device)
+            t[filled:].zero_()
+            return t
+
+        mine = buffer()
+        if mine_parts:
+            torch.cat(mine_parts, out=mine[:filled])
+        got = {j: buffer() for j, _ in self.peers}
+        self.stats.record("reduce_scatter", torch.empty(seg.padded, dtype=seg.dtype, device="meta"), self.world)
+        label, tag = f"gradients of segment {seg.index}", _TAG + 2 * seg.index + 1
+        works = []
+        for j, peer in self.peers:  # parts in parameter order, matched in the order they are posted
+            for t in self._pieces(seg, grads, j):
+                works.append(watched(dist.isend, t, dst=peer, group=self.group, tag=tag, label=label))
+            for into in got[j][:filled].split(sizes):
+                works.append(watched(dist.irecv, into, src=peer, group=self.group, tag=tag, label=label))
+
+        def add_shares() -> None:
+            grads.clear()  # the sends are done: autograd's gradients may go
+            for j, _ in self.peers:
+                mine.add_(got[j])
+
+        seg.work, seg.work_out = Done(_AllDone(works), add_shares), mine
+        self.inflight.append(seg)
+
     def finish_reduce(self, seg: Segment) -> None:
         if seg.work is not None:
             seg.work.wait()

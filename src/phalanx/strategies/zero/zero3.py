@@ -297,21 +297,26 @@ class Zero3Strategy(ZeroStrategy):
         It may run more than once in a backward (a module called twice, a retained graph): each share of
         the gradient is reduced when it is complete, and the shares add up in the reduced slices.
         """
-        grads = [p.grad for s in unit.segments for p in s.params]
-        if any(g is not None for g in grads):
+        if any(p.grad is not None for s in unit.segments for p in s.params):
             for s in unit.segments:
                 if not s.has_trainable:
                     continue
-                flat = padded_empty(s)
+                grads: list[torch.Tensor | None] = []
                 for i, p in enumerate(s.params):
-                    if p.grad is not None:
-                        s.view_of(i, flat).copy_(p.grad)
-                        p.grad = None
-                    else:
-                        s.view_of(i, flat).zero_()
-                        if s.trainable[i]:
-                            self._missing.append(self._names.get(p, "?"))
-                self.comm.reduce_scatter(s, flat)
+                    grads.append(None if p.grad is None else p.grad.reshape(-1))
+                    if p.grad is None and s.trainable[i]:
+                        self._missing.append(self._names.get(p, "?"))
+                    p.grad = None
+                if self.comm.sends_pieces(s):  # p2p: each peer gets its parts of the gradients, no copy first
+                    self.comm.reduce_scatter_pieces(s, grads)
+                else:
+                    flat = padded_empty(s)
+                    for i, g in enumerate(grads):
+                        if g is not None:
+                            s.view_of(i, flat).view(-1).copy_(g)
+                        else:
+                            s.view_of(i, flat).zero_()
+                    self.comm.reduce_scatter(s, flat)
                 self.comm.wait_inflight(keep=1)
         if not unit.is_root:
             unit.free()
