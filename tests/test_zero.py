@@ -42,12 +42,17 @@ def _train(strategy: str, opt: str, steps: int = STEPS, global_batch: int = GLOB
 
 
 def _all_stages(opts: tuple[str, ...], collectives: str) -> dict:
+    if collectives == "p2p-pieces":  # zero3 sends gradients in parts even for TiedNet's small parameters
+        from phalanx.strategies.zero import collectives as module
+
+        module._PIECE_MIN_NUMEL, collectives = 0, "p2p"
     return {(s, o): _train(s, o, zero_collectives=collectives) for s in STAGES for o in opts}
 
 
 # "auto" is p2p on gloo (point-to-point sends); "native" uses reduce-scatter and all-gather; "allreduce" emulates both.
 @pytest.mark.parametrize(
-    "world_size,collectives", [(2, "auto"), (2, "native"), (2, "allreduce"), (3, "auto"), (3, "native"), (4, "auto")]
+    "world_size,collectives",
+    [(2, "auto"), (2, "native"), (2, "allreduce"), (3, "auto"), (3, "native"), (3, "p2p-pieces"), (4, "auto")],
 )
 def test_zero_stages_match_single_process(run_ranks, world_size, collectives):
     opts = ("sgd", "adamw")

@@ -28,6 +28,7 @@ from phalanx.strategies.zero.layout import Segment
 
 __all__ = ["SegmentComm", "Done", "resolve_collectives", "DTYPES"]
 
+_PIECE_MIN_NUMEL = 1 << 16  # reduce_scatter_pieces: the mean parameter size, in elements, from which it pays
 _TAG = 1 << 20  # p2p tags: segment i gathers on _TAG + 2i and reduces on _TAG + 2i + 1, clear of the pipeline's 0
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -136,8 +137,13 @@ class SegmentComm:
         self.inflight.append(seg)
 
     def sends_pieces(self, seg: Segment) -> bool:
-        """Whether :meth:`reduce_scatter_pieces` applies: p2p over several ranks, in the gradients' own dtype."""
-        return self.mode == "p2p" and self.accumulates and self.world > 1 and self.comm_dtype in (None, seg.dtype)
+        """Whether :meth:`reduce_scatter_pieces` applies: p2p over several ranks, in the gradients' own dtype, and
+        parameters large enough on average that a message per part costs less than copying them all into one buffer
+        (a transformer block of biases and norms sends better in one piece)."""
+        return (
+            self.mode == "p2p" and self.accumulates and self.world > 1 and self.comm_dtype in (None, seg.dtype)
+            and seg.numel >= _PIECE_MIN_NUMEL * len(seg.params)
+        )  # fmt: skip
 
     def _pieces(self, seg: Segment, grads: list[torch.Tensor | None], j: int) -> list[torch.Tensor]:
         """The parts of ``grads`` (flat, one per parameter; None: no gradient, zeros) in rank j's slice, padding left out."""
