@@ -78,6 +78,8 @@ def test_a_sleeping_rank_is_named_with_its_line(tmp_path, strategy, nprocs):
     assert "job.py:15 in <module>" in report, report  # where the sleeping rank is
     if strategy == "pipeline":  # rank 0, the first stage, waits for the gradient from rank 1
         assert re.search(r"rank 0 has waited \d+ s in recv from rank 1", head), head
+    elif strategy == "zero3":  # zero3 on gloo gathers with point-to-point sends: the waiting rank names its peer
+        assert re.search(r"rank 1 has not posted the matching (receive|send); it is at job.py:15", report), report
     else:
         assert "rank 1 has not reached it" in report, report
     assert "phalanx launch: the hang watchdog stopped the job" in proc.stderr
