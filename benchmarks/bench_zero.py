@@ -6,6 +6,7 @@ ZeroRedundancyOptimizer, torch FSDP2 and DeepSpeed ZeRO 1/2/3, on CPU over gloo.
     .venv/bin/python benchmarks/bench_zero.py --workload mlp --only torch_ddp,zero3,fsdp2
     .venv/bin/python benchmarks/bench_zero.py --rounds 1 --steps 3 --warmup 1 --no-json   # smoke run
     .venv/bin/python benchmarks/bench_zero.py --workload mlp --compile --only zero3,fsdp2,zero3_compiled,fsdp2_compiled
+    .venv/bin/python benchmarks/bench_zero.py --workload gpt --floor --only phalanx_ddp,zero3,fsdp2,floor --rounds 3
 
 Every configuration runs in fresh processes started by phalanx.spawn (2 ranks, gloo, 1 thread each); runs are
 interleaved (every round runs every configuration once, in a rotated order), as in bench_ddp.py. See
@@ -44,6 +45,8 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "gpt20m": {"global_batch": 4, "lr": 1e-3, "warmup": 3, "steps": 10},
 }
 MIN_GPT20M_PARAMS = 20_000_000
+# --floor: plain torch on each rank's share, no communication. Not a strategy: the time no strategy can beat here.
+FLOOR = "plain torch, no communication"
 
 # First/final loss of every configuration against torch DDP's (relative): the same as bench_ddp's setup check.
 TOL_FIRST, TOL_FINAL = 1e-5, 1e-3
@@ -114,6 +117,8 @@ def configurations(args: argparse.Namespace, gb: int, nranks: int, ds_ok: bool, 
              "compile": args.compile},
             {"key": "fsdp2_compiled", "name": "FSDP2 per block compiled", "kind": "fsdp2", "compile": args.compile},
         ]
+    if args.floor:
+        c.append({"key": "floor", "name": FLOOR, "kind": "local"})
     ds = [{"key": f"ds{s}", "name": f"DeepSpeed ZeRO-{s}", "kind": "deepspeed", "ds_stage": s} for s in (1, 2, 3)]
     if args.no_deepspeed:
         print("[skip] DeepSpeed: --no-deepspeed")
@@ -159,6 +164,9 @@ def summarize_round(results: list[dict[str, Any]]) -> dict[str, Any]:
     }
     if "describe" in results[0]:
         out["describe"] = results[0]["describe"]
+    for k in ("fwd_bwd_s", "optimizer_s"):  # the floor row's parts of a step
+        if k in results[0]:
+            out[k.replace("_s", "_ms")] = 1e3 * statistics.median(slowest_rank(results, k))
     if "memory_report" in results[0]:
         out["memory_report"] = [r.get("memory_report") for r in results]
     return out
@@ -245,6 +253,9 @@ def bench_workload(workload: str, args: argparse.Namespace, ds: tuple[bool, str]
             **({"describe": rs[0]["describe"]} if "describe" in rs[0] else {}),
             **({"failed_later": failures[cfg["name"]]} if cfg["name"] in failures else {}),
         }
+        for k in ("fwd_bwd_ms", "optimizer_ms"):
+            if k in rs[0]:
+                row[k] = statistics.median(r[k] for r in rs)
         if "memory_report" in rs[0]:
             reps = rs[0]["memory_report"]
             row["memory_report"] = reps
@@ -268,9 +279,10 @@ def bench_workload(workload: str, args: argparse.Namespace, ds: tuple[bool, str]
             d_max = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref["losses"]))
             d_sum = (abs(r["param_checksum"] - ref["param_checksum"]) / max(1e-12, abs(ref["param_checksum"]))
                      if r["param_checksum"] is not None and ref["param_checksum"] is not None else None)
+            # The floor's ranks do not average their gradients: only its first loss is ddp's.
+            ok = d_first < TOL_FIRST and (d_last < TOL_FINAL or r["kind"] == "local")
             checks.append({"name": r["name"], "first_loss_rel_diff": d_first, "final_loss_rel_diff": d_last,
-                           "max_step_loss_rel_diff": d_max, "param_checksum_rel_diff": d_sum,
-                           "ok": d_first < TOL_FIRST and d_last < TOL_FINAL})
+                           "max_step_loss_rel_diff": d_max, "param_checksum_rel_diff": d_sum, "ok": ok})
 
     # -------- target ratios
     def peak(r: dict[str, Any], key: str = "peak_rss_mib_per_rank") -> float | None:
@@ -299,6 +311,8 @@ def bench_workload(workload: str, args: argparse.Namespace, ds: tuple[bool, str]
             paired = [a["median_ms"] / b["median_ms"] for a, b in zip(rounds[num], rounds[den])]
             ratios[tname] = {"ratio": by[num]["median_ms"] / by[den]["median_ms"], "per_round": paired,
                              "numerator": num, "denominator": den}
+
+    floor = floor_ratios(by, nranks)
 
     # -------- print (markdown)
     nparams = zero_param_count(workload, ok_rows)
@@ -343,6 +357,15 @@ def bench_workload(workload: str, args: argparse.Namespace, ds: tuple[bool, str]
             spread = f"{min(per):.3f}-{max(per):.3f}" if per else "-"
             print(f"| {t['numerator']} / {t['denominator']} | {t['ratio']:.3f} | "
                   f"{', '.join(f'{x:.3f}' for x in per) or '-'} | {spread} |")
+    if floor:
+        f = by[FLOOR]
+        print(f"\nfloor: forward + backward {f['fwd_bwd_ms']:.1f} ms, AdamW {f['optimizer_ms']:.1f} ms per step (plain torch, "
+              f"no communication); a sharded floor steps 1/{nranks} of the parameters: "
+              f"{floor['sharded_floor_ms']:.1f} ms")
+        print("\n| floor ratio | ratio |\n|---|---:|")
+        for k, v in floor.items():
+            if k != "sharded_floor_ms":
+                print(f"| {k} | {v:.3f} |")
     if checks:
         bad = [c for c in checks if not c["ok"]]
         print(f"\nsetup check vs torch DDP (same init, same global batches; first loss rel diff < {TOL_FIRST:g}, final "
@@ -388,11 +411,29 @@ def bench_workload(workload: str, args: argparse.Namespace, ds: tuple[bool, str]
         **sources,
         "targets": targets,
         "compile_ratios": ratios,
+        "floor": floor,
         "setup_checks": checks,
         "failures": failures,
         "configs": rows,
         "raw_rounds": rounds,
     }
+
+
+def floor_ratios(by: dict[str, dict[str, Any]], nranks: int) -> dict[str, float]:
+    """With --floor: what the rows cost over the compute floor, and the zero3 / FSDP2 ratio that zero3 would reach if
+    its communication cost nothing (forward + backward + AdamW over 1/nranks of the parameters, over FSDP2)."""
+    f = by.get(FLOOR)
+    if f is None or "fwd_bwd_ms" not in f:
+        return {}
+    sharded = f["fwd_bwd_ms"] + f["optimizer_ms"] / nranks
+    out = {"sharded_floor_ms": sharded}
+    for name in ("phalanx ddp", "phalanx zero3", "FSDP2 per block"):
+        if name in by:
+            floor = f["median_ms"] if name == "phalanx ddp" else sharded
+            out[f"{name} / its floor"] = by[name]["median_ms"] / floor
+    if "FSDP2 per block" in by:
+        out["sharded floor / FSDP2 (zero3 / FSDP2 with free communication)"] = sharded / by["FSDP2 per block"]["median_ms"]
+    return out
 
 
 def zero_param_count(workload: str, rows: list[dict[str, Any]]) -> int | None:
@@ -425,6 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="add zero2 and zero3 rows with glibc's mmap threshold fixed at 1 MiB (host_mmap_threshold_mb=1)")
     p.add_argument("--watchdog-rows", action="store_true",
                    help="add ddp and zero3 rows with the hang watchdog off (hang_timeout_s=0) and with debug_collectives")
+    p.add_argument("--floor", action="store_true",
+                   help="add the compute floor (key floor): plain torch on each rank's share, no communication, forward + "
+                        "backward and AdamW timed apart")
     p.add_argument("--no-ds-warm", action="store_true", help="skip the untimed DeepSpeed warm-up run")
     p.add_argument("--gpt-data", choices=["stdlib", "random"], default="stdlib")
     p.add_argument("--adamw", choices=["default", "foreach", "fused"], default="default")

@@ -224,12 +224,36 @@ def run_deepspeed(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def run_local(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """The compute floor (bench_zero --floor): each rank trains its own copy on its share of the batch with plain torch,
+    no process group and no communication, at the same time as the other ranks (they share the cores as in every
+    row). Forward + backward and the AdamW step are timed apart, so that a sharded strategy's floor, whose optimizer
+    steps 1/world of the parameters, can be read off too. Its losses leave ddp's after the first step."""
+    import time
+
+    rank, size = world()
+    model = build_model(workload, spec["seed"])
+    opt = make_adamw(model.parameters(), spec)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        t0 = time.perf_counter()
+        loss = loss_of(workload, model, x, y)
+        loss.backward()
+        t1 = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach(), {"fwd_bwd_s": t1 - t0, "optimizer_s": time.perf_counter() - t1}
+
+    return _train(workload, spec, rank, size, step, lambda: param_sum(model.parameters()))
+
+
 RUNNERS = {
     "torch_ddp": run_torch_ddp,
     "torch_zero": run_torch_zero_redundancy,
     "fsdp2": run_fsdp2,
     "phalanx": run_phalanx,
     "deepspeed": run_deepspeed,
+    "local": run_local,
 }
 
 
