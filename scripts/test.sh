@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/python -m mypy src/phalanx
 set +e
-.venv/bin/python -m pytest -q "$@"
+.venv/bin/python -m pytest -q --durations=15 "$@"  # the slowest tests, to keep the suite well under CI's 30 minutes
 code=$?
 set -e
 if [ "$code" -eq 5 ]; then
