@@ -1,12 +1,20 @@
-"""Shared fixtures. ``run_ranks(fn, n, *args)`` runs ``fn(*args)`` on n gloo ranks and returns their results."""
+"""Shared fixtures. ``run_ranks(fn, n, *args)`` runs ``fn(*args)`` on n gloo ranks and returns their results.
+
+The ranks are forked from a forkserver that imported torch once (``PHALANX_TEST_START_METHOD=spawn`` starts fresh
+interpreters instead, as users' default): a fresh interpreter spends about 2 s importing torch, and the suite starts
+several hundred ranks."""
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import pytest
 
 import phalanx
+
+
+START_METHOD = os.environ.get("PHALANX_TEST_START_METHOD", "forkserver" if os.name == "posix" else "spawn")
 
 
 @pytest.fixture
@@ -15,6 +23,7 @@ def run_ranks(monkeypatch: pytest.MonkeyPatch) -> Callable[..., list[Any]]:
     monkeypatch.setenv("PHALANX_DEVICE", "cpu")
 
     def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180) -> list[Any]:
-        return phalanx.spawn(fn, nprocs=world_size, args=args, threads_per_proc=1, timeout=timeout)
+        return phalanx.spawn(fn, nprocs=world_size, args=args, threads_per_proc=1, timeout=timeout,
+                             start_method=START_METHOD)
 
     return run

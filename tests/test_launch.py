@@ -167,6 +167,44 @@ def test_spawn_refuses_a_lambda():
         phalanx.spawn(lambda: None, nprocs=2)
 
 
+def _what_the_rank_sees(name: str) -> tuple[int, str | None, bool, str, int]:
+    """(rank, os.environ[name], whether this process started with name in its environment, cwd, pid of parent)."""
+    e = phalanx.Engine()
+    with open("/proc/self/environ", "rb") as f:
+        at_exec = any(item.startswith(name.encode() + b"=") for item in f.read().split(b"\0"))
+    return e.rank, os.environ.get(name), at_exec, os.getcwd(), os.getppid()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/environ")
+def test_spawn_from_a_forkserver_sees_the_callers_environment(monkeypatch, tmp_path):
+    phalanx.spawn(_rank_and_world, nprocs=1, start_method="forkserver")  # the server starts here, or already ran
+    spawn_module = sys.modules["phalanx.spawn"]
+    server = spawn_module._exec_time(spawn_module._forkserver_environ)
+    for k in spawn_module._exec_time(dict(os.environ)):  # as the server started, should an earlier test differ
+        monkeypatch.delenv(k)
+    for k, v in server.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("PHALANX_TEST_LATE", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    ranks = phalanx.spawn(_what_the_rank_sees, nprocs=2, args=("PHALANX_TEST_LATE",), start_method="forkserver")
+    assert [r[0] for r in ranks] == [0, 1]
+    for _, value, at_exec, cwd, ppid in ranks:
+        assert value == "set after the server started" and cwd == str(tmp_path)
+        assert not at_exec and ppid != os.getpid()  # forked from the server, not started by this process
+    # A variable that only acts when a process starts (glibc's malloc reads MALLOC_* then): fresh interpreters.
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
+    ranks = phalanx.spawn(_what_the_rank_sees, nprocs=2, args=("MALLOC_ARENA_MAX",), start_method="forkserver")
+    for _, value, at_exec, _, ppid in ranks:
+        assert value == "2" and at_exec and ppid == os.getpid()
+
+
+def test_spawn_refuses_fork_and_unknown_start_methods():
+    with pytest.raises(ValueError, match="'fork' copies a process that has run torch"):
+        phalanx.spawn(_rank_and_world, nprocs=1, start_method="fork")
+    with pytest.raises(ValueError, match="'threads'"):
+        phalanx.spawn(_rank_and_world, nprocs=1, start_method="threads")
+
+
 LISTENING = textwrap.dedent(
     """
     import os

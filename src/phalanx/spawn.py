@@ -32,6 +32,17 @@ class SpawnError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------- launch
+# Variables read once, when a process starts or a library loads (glibc's malloc, the dynamic linker, Python itself,
+# OpenMP and MKL): a rank forked from a forkserver has the server's, so a call whose values differ from the server's
+# starts fresh interpreters instead. OMP_NUM_THREADS is set for each rank anyway.
+_EXEC_TIME_PREFIXES = ("MALLOC_", "GLIBC_", "LD_", "PYTHON", "OMP_", "KMP_", "MKL_", "GOMP_")
+_forkserver_environ: dict[str, str] | None = None  # the environment the forkserver started with
+
+
+def _exec_time(environ: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in environ.items() if k.startswith(_EXEC_TIME_PREFIXES) and k != "OMP_NUM_THREADS"}
+
+
 def gloo_on_loopback(env: Any) -> None:
     """A one-machine job: gloo's pair sockets listen on loopback too, not on the hostname's address."""
     if sys.platform.startswith("linux"):
@@ -39,8 +50,12 @@ def gloo_on_loopback(env: Any) -> None:
 
 
 def _spawn_entry(
-    fn: Callable[..., Any], rank: int, nprocs: int, init_method: str, args: tuple[Any, ...], threads: int, conn: Connection
+    fn: Callable[..., Any], rank: int, nprocs: int, init_method: str, args: tuple[Any, ...], threads: int, conn: Connection,
+    environ: dict[str, str] | None = None,
 ) -> None:
+    if environ is not None:  # forkserver: the server's environment is as old as the server; take the caller's
+        os.environ.clear()
+        os.environ.update(environ)
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs),
         PHALANX_INIT_METHOD=init_method, OMP_NUM_THREADS=str(threads),
@@ -71,15 +86,31 @@ def spawn(
     args: Sequence[Any] = (),
     threads_per_proc: int | None = None,
     timeout: float | None = None,
+    start_method: str = "spawn",
 ) -> list[Any]:
     """Run ``fn(*args)`` on ranks 0..nprocs-1 and return their results in rank order.
 
     ``fn`` must be importable by name (defined in a module, not in a notebook cell), because the spawn
     start method starts fresh interpreters. When a rank raises, the others are stopped and
     :class:`SpawnError` names the rank and shows its traceback.
+
+    ``start_method`` is ``"spawn"`` (a fresh interpreter per rank, which imports torch again: about 2 s each) or
+    ``"forkserver"`` (POSIX only: one server process imports torch and phalanx once, and each rank is forked from
+    it, in milliseconds). Either way a rank sees the caller's environment, working directory and ``sys.path`` as
+    they are at the call; where the call changed a variable that only takes effect when a process starts
+    (``MALLOC_*``, ``GLIBC_TUNABLES``, ``LD_*``, ``PYTHON*``, ``OMP_*``), that call starts fresh interpreters
+    instead, so that the setting holds. ``"fork"`` is refused: forking a process that has run torch copies its thread pools and
+    locks mid-use.
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1; got {nprocs}")
+    if start_method not in ("spawn", "forkserver"):
+        raise ValueError(
+            f"start_method must be 'spawn' or 'forkserver'; got {start_method!r}. 'fork' copies a process that has "
+            "run torch, with its thread pools and locks mid-use; 'forkserver' starts as fast and is safe"
+        )
+    if start_method not in mp.get_all_start_methods():
+        raise ValueError(f"start_method {start_method!r} is not available on {sys.platform}; use 'spawn'")
     module = sys.modules.get(getattr(fn, "__module__", ""), None)
     if getattr(fn, "__module__", None) == "__main__" and not hasattr(module, "__file__") or getattr(fn, "__name__", "") == "<lambda>":
         raise ValueError(
@@ -91,7 +122,17 @@ def spawn(
     except Exception as e:
         raise ValueError(f"phalanx.spawn cannot send {fn!r} to new processes: {e}") from None
     threads = threads_per_proc or max(1, (os.cpu_count() or 1) // nprocs)
-    ctx = mp.get_context("spawn")
+    global _forkserver_environ
+    environ = None
+    if start_method == "forkserver":
+        environ = dict(os.environ)
+        if _forkserver_environ is None:
+            _forkserver_environ = environ
+        elif _exec_time(environ) != _exec_time(_forkserver_environ):
+            start_method, environ = "spawn", None
+    ctx: Any = mp.get_context(start_method)  # SpawnContext or ForkServerContext
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "phalanx"])  # takes effect when the server starts, the first time
     tmpdir = tempfile.mkdtemp(prefix="phalanx-spawn-")
     init_method = f"file://{tmpdir}/store"
     procs, readers = [], []
@@ -99,7 +140,7 @@ def spawn(
         for rank in range(nprocs):
             reader, writer = ctx.Pipe(duplex=False)
             p = ctx.Process(
-                target=_spawn_entry, args=(fn, rank, nprocs, init_method, tuple(args), threads, writer), daemon=False
+                target=_spawn_entry, args=(fn, rank, nprocs, init_method, tuple(args), threads, writer, environ), daemon=False
             )
             p.start()
             writer.close()
