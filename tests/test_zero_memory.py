@@ -8,6 +8,8 @@
 2. zero3 with disk offload trains, on 4 ranks, a model built on the meta device that no rank could hold: each rank's
    data segment is capped (RLIMIT_DATA) below the model's fp32 size, so building it normally fails under the cap,
    and the capped run equals plain single-process training of the same model within 1e-5.
+
+Both run their ranks as fresh interpreters (``start_method="spawn"``), whose baseline is the process's own.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def _ranks_peak(strategy: str, offload: str, directory: str) -> tuple[int, int, 
 
 @pytest.mark.parametrize("strategy,offload", [("zero1", "none"), ("zero2", "none"), ("zero3", "none"), ("zero3", "cpu"), ("zero3", "disk")])
 def test_peak_resident_memory_is_within_10_percent_of_the_expected_peak(run_ranks, tmp_path, strategy, offload):
-    for peak, expected, on_disk in run_ranks(_ranks_peak, 2, strategy, offload, str(tmp_path)):
+    for peak, expected, on_disk in run_ranks(_ranks_peak, 2, strategy, offload, str(tmp_path), start_method="spawn"):
         assert expected > 0 and (on_disk > 0) == (offload == "disk")
         assert peak <= 1.10 * expected, f"peak {peak / 2**20:.1f} MiB over the baseline; expected {expected / 2**20:.1f} MiB"
         assert peak >= 0.5 * expected, "the measurement does not see the memory the strategy holds"
@@ -126,7 +128,7 @@ def _ranks_capped(directory: str) -> dict[str, object]:
 
 
 def test_zero3_with_disk_offload_trains_a_model_no_rank_could_hold(run_ranks, tmp_path):
-    results = run_ranks(_ranks_capped, 4, str(tmp_path), timeout=300)
+    results = run_ranks(_ranks_capped, 4, str(tmp_path), timeout=300, start_method="spawn")
     torch.manual_seed(0)
     reference = Stack(LAYERS, WIDTH)
     optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
