@@ -177,6 +177,10 @@ def _what_the_rank_sees(name: str) -> tuple[int, str | None, bool, str, int]:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/environ")
 def test_spawn_from_a_forkserver_sees_the_callers_environment(monkeypatch, tmp_path):
+    import logging
+
+    from phalanx.logging import get_logger
+
     phalanx.spawn(_rank_and_world, nprocs=1, start_method="forkserver")  # the server starts here, or already ran
     spawn_module = sys.modules["phalanx.spawn"]
     server = spawn_module._exec_time(spawn_module._forkserver_environ)
@@ -193,9 +197,17 @@ def test_spawn_from_a_forkserver_sees_the_callers_environment(monkeypatch, tmp_p
         assert not at_exec and ppid != os.getpid()  # forked from the server, not started by this process
     # A variable that only acts when a process starts (glibc's malloc reads MALLOC_* then): fresh interpreters.
     monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
-    ranks = phalanx.spawn(_what_the_rank_sees, nprocs=2, args=("MALLOC_ARENA_MAX",), start_method="forkserver")
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    get_logger().addHandler(handler)
+    try:
+        ranks = phalanx.spawn(_what_the_rank_sees, nprocs=2, args=("MALLOC_ARENA_MAX",), start_method="forkserver")
+    finally:
+        get_logger().removeHandler(handler)
     for _, value, at_exec, _, ppid in ranks:
         assert value == "2" and at_exec and ppid == os.getpid()
+    assert any("MALLOC_ARENA_MAX changed since the forkserver started" in m for m in said), said  # said, not silent
 
 
 def test_spawn_refuses_fork_and_unknown_start_methods():

@@ -99,8 +99,8 @@ def spawn(
     it, in milliseconds). Either way a rank sees the caller's environment, working directory and ``sys.path`` as
     they are at the call; where the call changed a variable that only takes effect when a process starts
     (``MALLOC_*``, ``GLIBC_TUNABLES``, ``LD_*``, ``PYTHON*``, ``OMP_*``), that call starts fresh interpreters
-    instead, so that the setting holds. ``"fork"`` is refused: forking a process that has run torch copies its thread pools and
-    locks mid-use.
+    instead, so that the setting holds, and says so once. ``"fork"`` is refused: forking a process that has run
+    torch copies its thread pools and locks mid-use.
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1; got {nprocs}")
@@ -128,8 +128,17 @@ def spawn(
         environ = dict(os.environ)
         if _forkserver_environ is None:
             _forkserver_environ = environ
-        elif _exec_time(environ) != _exec_time(_forkserver_environ):
-            start_method, environ = "spawn", None
+        else:
+            now, then = _exec_time(environ), _exec_time(_forkserver_environ)
+            changed = sorted(k for k in now.keys() | then.keys() if now.get(k) != then.get(k))
+            if changed:
+                from phalanx.logging import warn_once
+
+                warn_once(
+                    f"phalanx.spawn: {', '.join(changed)} changed since the forkserver started, and a forked rank "
+                    "would keep the old value, so these ranks start as fresh interpreters (start_method='spawn')"
+                )
+                start_method, environ = "spawn", None
     ctx: Any = mp.get_context(start_method)  # SpawnContext or ForkServerContext
     if start_method == "forkserver":
         ctx.set_forkserver_preload(["torch", "phalanx"])  # takes effect when the server starts, the first time
