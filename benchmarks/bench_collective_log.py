@@ -22,8 +22,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from phalanx.collective_log import LOG, watched
-from phalanx.watchdog import Watchdog
+from phalanx.runtime.collective_log import LOG, watched
+from phalanx.runtime.watchdog import Watchdog
 
 
 def per_call_us(fn, n: int = 20000, repeats: int = 7) -> float:  # type: ignore[no-untyped-def]

@@ -31,8 +31,8 @@ from typing import Any
 
 import yaml
 
-from phalanx import cli
-from phalanx.config import engine_fields
+from phalanx.launch import cli
+from phalanx.config.settings import engine_fields
 
 BAD_TEXT = ["banana", "-3", "1e999", "", "[1, 2]", "0x10", "true", "None", "ddp;rm -rf /", "é"]
 ACCELERATE_TYPES = ["NO", "MULTI_CPU", "MULTI_GPU", "DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA", "TPU"]

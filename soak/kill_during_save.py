@@ -26,9 +26,8 @@ from pathlib import Path
 import torch
 
 import phalanx
-from phalanx.checkpoint import latest_checkpoint
-from phalanx.checkpoint_read import Checkpoint
-from phalanx.launch import SpawnError
+from phalanx.checkpoint import Checkpoint, latest_checkpoint
+from phalanx.launch.launcher import SpawnError
 
 
 def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_auto_resume import SCRIPT  # noqa: E402
 
-PHALANX = [sys.executable, "-m", "phalanx.cli"]
+PHALANX = [sys.executable, "-m", "phalanx"]
 
 
 def launch(tmp: Path, name: str, kill: tuple[int, int], restarts: int) -> tuple[subprocess.CompletedProcess, float]:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-PHALANX = [sys.executable, "-m", "phalanx.cli"]
+PHALANX = [sys.executable, "-m", "phalanx"]
 
 # No resume code: Engine(resume_from=...) comes from --resume-from, and prepare loads the newest checkpoint.
 SCRIPT = textwrap.dedent(

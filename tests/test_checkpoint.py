@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import phalanx
-import phalanx.cli
+import phalanx.launch.cli
 from _common import VOCAB, TiedNet, grouped_optimizer, make_data, make_tokens, pipe_loss, pipe_model
 from phalanx.checkpoint import Checkpoint, CheckpointError, latest_checkpoint
 from phalanx.launch import SpawnError

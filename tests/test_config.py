@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 import phalanx
-from phalanx.config import ConfigError, resolve_config
-from phalanx.runtime import detect_world, first_slurm_host
-from phalanx.topology import Topology, TopologyError
+from phalanx.config.settings import ConfigError, resolve_config
+from phalanx.runtime.world import detect_world, first_slurm_host
+from phalanx.runtime.topology import Topology, TopologyError
 
 
 def test_layers_defaults_file_env_cli(tmp_path: Path):

@@ -21,14 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phalanx.compat.deepspeed_blocks import (
+from phalanx.config.dialects.deepspeed_blocks import (
     BlockNote,
     DeepSpeedSchedule,
     build_optimizer,
     build_scheduler,
     describe_blocks,
 )
-from phalanx.options import ConfigError
+from phalanx.config.options import ConfigError
 
 STEPS = 50
 

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import phalanx
-from phalanx.compat.deepspeed_blocks import build_scheduler
-from phalanx.config import ConfigError
+from phalanx.config.dialects.deepspeed_blocks import build_scheduler
+from phalanx.config.settings import ConfigError
 from tests._common import OddNet, make_data
 
 DATA = Path(__file__).parent / "data" / "deepspeed"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.config import ConfigError, resolve_config
+from phalanx.config.settings import ConfigError, resolve_config
 
 DATA = Path(__file__).parent / "data"
 SEED = DATA / "accelerate"
@@ -76,7 +76,7 @@ def test_the_blogs_placeholders_are_an_error_naming_the_key(name):
 
 
 def test_phalanx_config_prints_origins_and_ignored_keys(tmp_path, capsys):
-    from phalanx.cli import main
+    from phalanx.launch.cli import main
 
     assert main(["config", "--config", str(_filled("seed004_deepspeed_zero3.yaml", tmp_path))]) == 0
     out = capsys.readouterr().out

@@ -240,7 +240,7 @@ def test_a_transformers_model_generates_the_same_tokens_from_disk(tmp_path):
 def test_dispatch_plan_prints_the_map_and_the_bytes_per_device_before_loading(tmp_path):
     ref, _, _ = _reference()
     save_file({k: v.contiguous() for k, v in ref.state_dict().items() if k != "head.weight"}, tmp_path / "w.safetensors")
-    cli = [sys.executable, "-m", "phalanx.cli", "dispatch-plan"]
+    cli = [sys.executable, "-m", "phalanx", "dispatch-plan"]
     proc = subprocess.run([*cli, str(tmp_path / "w.safetensors"), "--max-memory", "cpu=60000"], capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr

@@ -344,7 +344,7 @@ def test_train_step_equals_the_hand_written_loop(run_ranks):
 def test_sampler_resumes_mid_epoch_on_another_world_size():
     """Position is kept in samples: saved after 3 global batches, it resumes the same global sequence whether
     the loader then runs on 1, 2 or 4 ranks (the samplers of each rank are built here side by side)."""
-    from phalanx.data import GlobalBatchSampler
+    from phalanx.engine.data import GlobalBatchSampler
 
     def global_batches(world: int, start: int = 0, epoch: int = 1) -> list[list[int]]:
         samplers = [GlobalBatchSampler(96, 8 // world, r, world, True, 5, False) for r in range(world)]

@@ -20,7 +20,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 def _launch(script: str, cwd: Path, *args: str) -> tuple[subprocess.CompletedProcess, list[dict[str, Any]]]:
     env = {**os.environ, "PHALANX_DEVICE": "cpu"}
     proc = subprocess.run(
-        [sys.executable, "-m", "phalanx.cli", "launch", "-n", "2", str(EXAMPLES / script), "--smoke", *args],
+        [sys.executable, "-m", "phalanx", "launch", "-n", "2", str(EXAMPLES / script), "--smoke", *args],
         cwd=cwd, capture_output=True, text=True, timeout=180, env=env, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]

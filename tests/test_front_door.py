@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx
-from phalanx.config import ENV_CONFIG_JSON, resolve_config
+from phalanx.config.settings import ENV_CONFIG_JSON, resolve_config
 from phalanx.launch import SpawnError
 
 from _common import OddNet, make_data

@@ -370,7 +370,7 @@ def one_process(tmp_path_factory) -> tuple[tuple[float, float], dict]:
 
 
 LAUNCHERS = {
-    "phalanx": [sys.executable, "-m", "phalanx.cli", "launch", "-n", "2"],
+    "phalanx": [sys.executable, "-m", "phalanx", "launch", "-n", "2"],
     "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
 }
 

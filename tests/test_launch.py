@@ -20,7 +20,7 @@ import torch
 import phalanx
 from phalanx.launch import SpawnError
 
-PHALANX = [sys.executable, "-m", "phalanx.cli"]
+PHALANX = [sys.executable, "-m", "phalanx"]
 
 TRAIN = textwrap.dedent(
     """
@@ -110,7 +110,7 @@ def test_busy_master_port(script, tmp_path):
 def test_a_fixed_master_port_left_in_time_wait_is_free_again():
     # Run a job on a fixed --master-port, stop it, run it again at once: the last run's connections linger in
     # TIME_WAIT on that port, and the new launcher must still bind it.
-    from phalanx.launch import _bind
+    from phalanx.launch.launcher import _bind
 
     first = _bind("127.0.0.1", 0)
     port = first.getsockname()[1]
@@ -182,7 +182,7 @@ def test_spawn_from_a_forkserver_sees_the_callers_environment(monkeypatch, tmp_p
     from phalanx.logging import get_logger
 
     phalanx.spawn(_rank_and_world, nprocs=1, start_method="forkserver")  # the server starts here, or already ran
-    spawn_module = sys.modules["phalanx.spawn"]
+    spawn_module = sys.modules["phalanx.launch.spawn"]
     server = spawn_module._exec_time(spawn_module._forkserver_environ)
     for k in spawn_module._exec_time(dict(os.environ)):  # as the server started, should an earlier test differ
         monkeypatch.delenv(k)

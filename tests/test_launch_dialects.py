@@ -15,9 +15,9 @@ import textwrap
 
 import pytest
 
-import phalanx.cli
+import phalanx.launch.cli
 
-PHALANX = [sys.executable, "-m", "phalanx.cli"]
+PHALANX = [sys.executable, "-m", "phalanx"]
 
 
 @pytest.fixture(autouse=True)
@@ -179,8 +179,8 @@ def test_launch_help_lists_the_choices_and_the_dialects(capsys):
     with pytest.raises(SystemExit):
         phalanx.cli.main(["launch", "--help"])
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-    from phalanx.precision import PRECISIONS
-    from phalanx.strategies import strategy_names
+    from phalanx.config.general import PRECISIONS
+    from phalanx.config.registry import strategy_names
 
     assert f"[{', '.join(strategy_names())}] (default ddp)" in out
     assert f"[{', '.join(PRECISIONS)}] (default fp32)" in out
@@ -244,7 +244,7 @@ def test_accelerate_flags_reach_the_ranks_and_a_flag_after_the_script_goes_to_th
 
 
 def test_the_misplaced_flag_line_moves_only_phalanx_flags_and_stops_at_a_separator():
-    from phalanx.cli import _misplaced
+    from phalanx.launch.cli import _misplaced
 
     spellings = {"--strategy": True, "-n": True, "--cpu": False}
     assert _misplaced(["launch", "-n", "2", "t.py", "--lr", "1"], ["--lr", "1"], spellings) is None

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import phalanx
-from phalanx.checkpoint_io import CheckpointError
+from phalanx.checkpoint.format import CheckpointError
 
 from _common import TiedNet, make_tokens, pipe_model
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phalanx.precision import LossScaling, Precision, _ScaleSchedule
+from phalanx.engine.precision import LossScaling, Precision, _ScaleSchedule
 
 F, T = False, True
 OVERFLOWS = [F, F, F, F, F, T, T, F, F, F, T, T, T, T, T, T]

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import phalanx
-from phalanx.checkpoint_io import CheckpointError
-from phalanx.nonfinite import NonFiniteError
+from phalanx.checkpoint.format import CheckpointError
+from phalanx.engine.nonfinite import NonFiniteError
 
 from _common import OddNet, make_data
 

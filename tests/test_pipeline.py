@@ -24,9 +24,10 @@ from _common import (
     pipe_model,
     pipe_reference_run,
 )
-from phalanx.config import ConfigError, EngineConfig
+from phalanx.config.settings import ConfigError, EngineConfig
 from phalanx.launch import SpawnError
-from phalanx.strategies.pipeline.partition import parse_partition, partition_blocks
+from phalanx.config.strategy_options import parse_partition
+from phalanx.strategies.pipeline.partition import partition_blocks
 
 STEPS, GLOBAL_BATCH = 10, 16
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -206,7 +207,7 @@ def _frozen_stage_zero1(entries) -> dict:
 
 def _whole(entries) -> list:
     """Slices of the same tensor from several ranks, merged; each element must come exactly once."""
-    from phalanx.shards import ShardEntry
+    from phalanx.checkpoint.shards import ShardEntry
 
     parts: dict = {}
     for e in entries:

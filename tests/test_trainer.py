@@ -242,7 +242,7 @@ def test_a_transformers_model_trains_under_zero3_and_saves_for_from_pretrained(r
 
 
 def test_phalanx_plot_reads_the_trainer_log(tmp_path):
-    from phalanx.cli import main
+    from phalanx.launch.cli import main
     from phalanx.trainer.plot import read_log
 
     trainer = phalanx.Trainer(_model(), _args(str(tmp_path), per_device_train_batch_size=16, max_steps=3),

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from phalanx.checkpoint_io import FORMAT, MANIFEST
+from phalanx.checkpoint.format import FORMAT, MANIFEST
 from phalanx.trainer.callbacks import CallbackHandler, DefaultFlowCallback, EarlyStoppingCallback, TrainerCallback
 from phalanx.trainer.reporting import JsonlLoggingCallback, ProgressCallback, default_callbacks, reporting_callbacks
 from phalanx.trainer.rotation import checkpoints_to_delete, rotate_checkpoints, sorted_checkpoints

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from phalanx.checkpoint_io import from_json, to_json
-from phalanx.config import ConfigError
+from phalanx.checkpoint.format import from_json, to_json
+from phalanx.config.settings import ConfigError
 from phalanx.trainer.arguments import TrainingArguments
 from phalanx.trainer.schedules import SCHEDULES, WarmupSchedule, get_scheduler, warmup_steps_for
 

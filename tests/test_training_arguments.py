@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from phalanx.config import ConfigError
+from phalanx.config.settings import ConfigError
 from phalanx.trainer import arguments as arguments_module
 from phalanx.trainer.arguments import TrainingArguments, UnknownArgumentError
 
@@ -249,7 +249,7 @@ def test_deepspeed_dict_is_written_and_auto_is_filled(tmp_path):
     options = args.engine_options()
     path = tmp_path / "run" / "ds_config.json"
     assert options["deepspeed"] == str(path) and json.loads(path.read_text()) == ds
-    from phalanx.config import resolve_config
+    from phalanx.config.settings import resolve_config
 
     resolved = resolve_config(env={}, cli=options, cli_origin="argument").engine
     assert (resolved.strategy, resolved.precision, resolved.grad_accum_steps) == ("zero2", "bf16-mixed", 4)

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.collective_log import LOG, describe, ranks_text
-from phalanx.config import EngineConfig
-from phalanx.options import ConfigError
-from phalanx.watchdog import HANG_EXIT_CODE, compose_hang_report, default_hang_timeout
+from phalanx.runtime.collective_log import LOG, describe, ranks_text
+from phalanx.config.settings import EngineConfig
+from phalanx.config.options import ConfigError
+from phalanx.runtime.watchdog import HANG_EXIT_CODE, compose_hang_report, default_hang_timeout
 
-PHALANX = [sys.executable, "-m", "phalanx.cli"]
+PHALANX = [sys.executable, "-m", "phalanx"]
 HANG_TIMEOUT_S = 3
 
 # Line numbers matter: the tests look for the line of each mode's misdeed in the report.

@@ -492,7 +492,7 @@ def test_bad_input_gets_clear_errors(tmp_path, monkeypatch):
 
 
 def test_offload_config_errors():
-    from phalanx.config import ConfigError
+    from phalanx.config.settings import ConfigError
 
     with pytest.raises(ConfigError, match="offload='cpu' needs a zero strategy"):
         phalanx.Engine(strategy="ddp", offload="cpu")
@@ -950,7 +950,7 @@ def test_zero3_explains_a_parameter_used_outside_its_unit(run_ranks):
 
 
 def test_zero_options_refused_with_other_strategies():
-    from phalanx.config import ConfigError
+    from phalanx.config.settings import ConfigError
 
     with pytest.raises(ConfigError, match="comm_dtype='bf16' applies to the zero strategies only"):
         phalanx.Engine(strategy="ddp", comm_dtype="bf16")

@@ -9,10 +9,10 @@ Run with ``python train.py`` or ``phalanx launch -n 4 train.py``.
 
 from phalanx import checkpoint
 from phalanx._version import __version__
-from phalanx.compat.dummies import DummyOptim, DummyScheduler
-from phalanx.engine import Engine
+from phalanx.config.dialects.dummies import DummyOptim, DummyScheduler
+from phalanx.engine.engine import Engine
 from phalanx.inference import dispatch, init_empty_weights, load_and_dispatch
-from phalanx.spawn import spawn
+from phalanx.launch.spawn import spawn
 from phalanx.trainer.arguments import TrainingArguments
 from phalanx.trainer.callbacks import EarlyStoppingCallback, TrainerCallback
 from phalanx.trainer.state import TrainerControl, TrainerState

@@ -259,9 +259,10 @@ def _forever(loader: Iterable[Any]) -> Iterator[Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from phalanx.checkpoint import latest_checkpoint
-    from phalanx.engine import Engine
-    from phalanx.tracking import JsonlMetrics, ProgressBar, Throughput, format_count, gather_peak_memory
+    from phalanx.checkpoint.state import latest_checkpoint
+    from phalanx.engine.engine import Engine
+    from phalanx.runtime.memory import gather_peak_memory
+    from phalanx.trainer.tracking import JsonlMetrics, ProgressBar, Throughput, format_count
 
     parser = _parser()
     args = parse_args(argv)

@@ -1,5 +1,8 @@
-"""The dialects users bring: Accelerate's YAML and flags, DeepSpeed's JSON, torchrun's flags, Horovod's API.
+"""The API fronts for other libraries' users: their calls, under their names, on phalanx's own strategies.
 
-Each maps onto phalanx's own settings and calls. A value phalanx cannot honour is an error that names the key and
-what to use instead; a key that has no meaning here is accepted and reported as ignored, with why.
+- ``horovod/``  ``import phalanx.horovod as hvd``: Horovod's PyTorch API (init, DistributedOptimizer, broadcasts,
+  allreduce/allgather/broadcast ops, elastic state)
+
+The config dialects (Accelerate YAML, DeepSpeed JSON, torchrun flags) are settings, not calls: they live in
+``phalanx/config/dialects/``.
 """

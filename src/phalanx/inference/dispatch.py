@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from phalanx.inference.plan import DispatchError, plan_device_map
-from phalanx.shards import StateReader, read_into, read_new
+from phalanx.checkpoint.shards import StateReader, read_into, read_new
 
 __all__ = ["dispatch", "load_and_dispatch"]
 
@@ -252,9 +252,9 @@ def _hook_root(model: nn.Module) -> None:
 
 
 def _open(checkpoint: str | os.PathLike[str], tensors: _Tensors) -> StateReader:
-    from phalanx.checkpoint_io import MANIFEST
-    from phalanx.checkpoint_read import Checkpoint
-    from phalanx.model_files import open_weights
+    from phalanx.checkpoint.format import MANIFEST
+    from phalanx.checkpoint.read import Checkpoint
+    from phalanx.checkpoint.model_files import open_weights
 
     path = Path(checkpoint).expanduser()
     if (path / MANIFEST).is_file():
@@ -345,7 +345,7 @@ def dispatch(
             tensors.set(name, tensors.get(name).detach().to(_device(place), dtype=dtype if tensors.get(name).is_floating_point() else None))
     streamer = None
     if on_disk or main.type == "cuda":
-        from phalanx.model_files import open_weights
+        from phalanx.checkpoint.model_files import open_weights
 
         reader = None
         if on_disk:

@@ -64,15 +64,15 @@ def _model_at(path: Path) -> tuple[nn.Module, str]:
             with init_empty_weights(include_buffers=True):
                 model = cls(transformers.AutoConfig.from_pretrained(path))
             return model, arch
-    from phalanx.checkpoint_io import MANIFEST
-    from phalanx.checkpoint_read import Checkpoint, _read_header
-    from phalanx.model_files import _FROM_SAFETENSORS, _weight_files
+    from phalanx.checkpoint.format import MANIFEST
+    from phalanx.checkpoint.read import Checkpoint, _read_header
+    from phalanx.checkpoint.model_files import _FROM_SAFETENSORS, _weight_files
 
     if (path / MANIFEST).is_file():
         ck = Checkpoint(path)
         try:
             dtypes = {k.removeprefix("model/"): v["dtype"] for k, v in ck.manifest["tensors"].items() if k.startswith("model/")}
-            from phalanx.checkpoint_io import DTYPES
+            from phalanx.checkpoint.format import DTYPES
 
             shapes = {k: (tuple(s), DTYPES[dtypes[k]]) for k, s in ck.model_shapes(0).items()}
         finally:

@@ -1,86 +1,12 @@
-"""Strategies by name. The Engine, the CLI and the Trainer look strategies up here and never branch on their type.
+"""The strategies: how work and state are spread over ranks. Each is a :class:`~phalanx.strategies.base.Strategy`,
+named in ``phalanx/config/registry.py`` with the settings it reads; the Engine looks it up there by name.
 
-Each name maps to ``module:Class`` (so that naming a strategy does not import it) and to the option groups
-(:class:`phalanx.options.Options`) it accepts: a strategy's knobs live with the strategy, and ``config.py``
-composes them from this table.
+- ``base.py``           the Strategy interface
+- ``ddp.py``            bucketed, overlapped all-reduce (GradReducer): the gradient path starts here
+- ``zero/``             ZeRO stages 1-3, with offload
+- ``pipeline/``         GPipe and 1F1B over stages, with data parallelism inside each stage
+- ``_grads.py``         the gradient scale contract, the bucket builder, the gradient errors
+- ``_replicas.py``      replica checks and broadcast from the first replica
+- ``_memory.py``        memory_report helpers
+- ``deferred_init.py``  a model built on the meta device, given its values at prepare (zero3: unit by unit)
 """
-
-from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING, NamedTuple
-
-from phalanx.options import Options
-from phalanx.strategies.options import DataParallelOptions
-from phalanx.strategies.pipeline.options import PipelineOptions
-from phalanx.strategies.zero.options import Zero3Options, ZeroOptions, ZeroShardOptions
-
-if TYPE_CHECKING:
-    from phalanx.strategies.base import Strategy
-
-__all__ = ["strategy_names", "get_strategy_class", "option_groups", "accepting", "accepts", "DEFAULT_STRATEGY"]
-
-
-class _Entry(NamedTuple):
-    target: str
-    options: tuple[type[Options], ...]
-    summary: str
-
-
-_REGISTRY: dict[str, _Entry] = {
-    "ddp": _Entry(
-        "phalanx.strategies.ddp:DDPStrategy", (DataParallelOptions,),
-        "every rank holds the whole model; gradients are all-reduced in buckets during backward",
-    ),
-    "zero1": _Entry(
-        "phalanx.strategies.zero.bucketed:Zero1Strategy", (DataParallelOptions, ZeroShardOptions, ZeroOptions),
-        "optimizer state sharded over the ranks",
-    ),
-    "zero2": _Entry(
-        "phalanx.strategies.zero.bucketed:Zero2Strategy", (DataParallelOptions, ZeroShardOptions, ZeroOptions),
-        "optimizer state and gradients sharded",
-    ),
-    "zero3": _Entry(
-        "phalanx.strategies.zero.zero3:Zero3Strategy",
-        (DataParallelOptions, ZeroShardOptions, ZeroOptions, Zero3Options),
-        "optimizer state, gradients and parameters sharded; units gathered around their forward and backward",
-    ),
-    "pipeline": _Entry(
-        "phalanx.strategies.pipeline.strategy:PipelineStrategy", (DataParallelOptions, PipelineOptions, ZeroShardOptions),
-        "the model split into stages over ranks, micro-batches pushed through by GPipe or 1F1B",
-    ),
-}  # fmt: skip
-
-
-DEFAULT_STRATEGY = "ddp"
-"""What ``Engine()`` runs when nothing says otherwise."""
-
-
-def strategy_names() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def strategy_summaries() -> dict[str, str]:
-    """One line on each strategy, for help texts."""
-    return {name: _REGISTRY[name].summary for name in strategy_names()}
-
-
-def get_strategy_class(name: str) -> type[Strategy]:
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown strategy {name!r}; valid strategies: {', '.join(strategy_names())}")
-    module, _, cls = _REGISTRY[name].target.partition(":")
-    return getattr(importlib.import_module(module), cls)
-
-
-def option_groups() -> list[type[Options]]:
-    """Every strategy's option groups, each once, in a stable order."""
-    return list(dict.fromkeys(g for name in strategy_names() for g in _REGISTRY[name].options))
-
-
-def accepts(name: str, group: type[Options]) -> bool:
-    return group in _REGISTRY[name].options
-
-
-def accepting(group: type[Options]) -> list[str]:
-    """The strategies that accept ``group``."""
-    return [name for name in strategy_names() if accepts(name, group)]

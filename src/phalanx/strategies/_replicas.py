@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx.collective_log import watched
-from phalanx.comm import CommStats, broadcast_coalesced
+from phalanx.runtime.collective_log import watched
+from phalanx.runtime.comm import CommStats, broadcast_coalesced
 
 __all__ = ["group_rank0", "check_same_model", "replicate_from_first", "check_trainable", "check_prepared_once", "optimizer_list"]
 

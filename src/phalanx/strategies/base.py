@@ -13,15 +13,21 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator
 import torch
 from torch import nn
 
-from phalanx.comm import CommStats
-from phalanx.shards import ShardEntry, StateReader
+from phalanx.runtime.comm import CommStats
+from phalanx.checkpoint.shards import ShardEntry, StateReader
 
 if TYPE_CHECKING:
-    from phalanx.config import EngineConfig
-    from phalanx.precision import Precision
-    from phalanx.topology import Topology
+    from phalanx.config.settings import EngineConfig
+    from phalanx.engine.precision import Precision
+    from phalanx.runtime.topology import Topology
 
-__all__ = ["Strategy"]
+__all__ = ["Strategy", "uncompiled"]
+
+
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The module that ``torch.compile(model)`` wraps (its ``_orig_mod``); any other module as it is."""
+    inner = model._modules.get("_orig_mod") if type(model).__name__ == "OptimizedModule" else None
+    return inner if inner is not None else model
 
 
 class Strategy(ABC):
@@ -53,12 +59,6 @@ class Strategy(ABC):
         self.precision = precision
         self.stats = CommStats()
         self.within_stage = within_stage
-
-    @classmethod
-    def pipeline_stages(cls, config: EngineConfig, world_size: int) -> int:
-        """How many pipeline stages the ranks form under ``config`` (the topology's pp_size); 1 unless the
-        strategy splits the model."""
-        return 1
 
     def place_model(self, model: nn.Module) -> nn.Module:
         """Move ``model`` to the strategy's device before ``wrap_model`` (pipeline moves only its stage, later)."""

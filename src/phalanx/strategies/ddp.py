@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from phalanx.collective_log import watched
-from phalanx.comm import CommStats
-from phalanx.shards import (
+from phalanx.runtime.collective_log import watched
+from phalanx.runtime.comm import CommStats
+from phalanx.checkpoint.shards import (
     ShardEntry, StateReader, balanced_slices, keys_by_param, load_whole_tensors, named_tensors, read_optimizer_state,
 )  # fmt: skip
 from phalanx.strategies._grads import (
@@ -27,7 +27,7 @@ from phalanx.strategies._grads import (
 from phalanx.strategies._memory import memory_report_dict, nbytes, state_bytes_per_element, state_tensors
 from phalanx.strategies._replicas import check_prepared_once, check_trainable, optimizer_list, replicate_from_first
 from phalanx.strategies.base import Strategy
-from phalanx.strategies.options import DataParallelOptions
+from phalanx.config.strategy_options import DataParallelOptions
 
 __all__ = ["DDPStrategy", "GradReducer"]
 

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from phalanx.compat.deepspeed import from_deepspeed, read_deepspeed
-from phalanx.config import engine_fields
-from phalanx.options import ConfigError
-from phalanx.precision import PRECISIONS
-from phalanx.strategies import strategy_names
+from phalanx.config.dialects.deepspeed import from_deepspeed, read_deepspeed
+from phalanx.config.settings import engine_fields
+from phalanx.config.options import ConfigError
+from phalanx.config.general import PRECISIONS
+from phalanx.config.registry import strategy_names
 from phalanx.trainer.schedules import check_schedule_kwargs
 
 __all__ = ["TrainingArguments", "UnknownArgumentError"]
@@ -326,7 +326,7 @@ class TrainingArguments:
                 raise ConfigError(f"strategy_options: unknown Engine knob {key!r}; {hint}valid: {', '.join(knobs)}")
         if self.strategy is not None:
             # The knobs' values and the strategy's rules; with no strategy here, the Engine checks them at start.
-            from phalanx.config import EngineConfig
+            from phalanx.config.settings import EngineConfig
 
             precision = self.precision or ("fp16-mixed" if any(k.startswith("loss_scale") for k in self.strategy_options)
                                            else "fp32")  # fmt: skip

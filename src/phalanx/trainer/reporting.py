@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from phalanx.tracking import JsonlMetrics, ProgressBar
+from phalanx.trainer.tracking import JsonlMetrics, ProgressBar
 from phalanx.trainer.callbacks import DefaultFlowCallback, TrainerCallback
 from phalanx.trainer.state import TrainerControl, TrainerState
 

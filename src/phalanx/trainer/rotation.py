@@ -26,7 +26,7 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from phalanx.checkpoint_io import is_checkpoint
+from phalanx.checkpoint.format import is_checkpoint
 
 __all__ = ["PREFIX_CHECKPOINT_DIR", "checkpoints_to_delete", "sorted_checkpoints", "rotate_checkpoints"]
 

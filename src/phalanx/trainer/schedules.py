@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from phalanx.logging import warn_once
-from phalanx.options import ConfigError
+from phalanx.config.options import ConfigError
 
 if TYPE_CHECKING:
     from phalanx.trainer.arguments import TrainingArguments

@@ -22,15 +22,17 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from phalanx.compat.dummies import DummyOptim, DummyScheduler, config_blocks
-from phalanx.engine import Engine
+from phalanx.config.dialects.dummies import DummyOptim, DummyScheduler, config_blocks
+from phalanx.engine.engine import Engine
 from phalanx.logging import warn_once
+from phalanx.runtime.collective_log import watched
 from phalanx.trainer.arguments import TrainingArguments
 from phalanx.trainer.callbacks import CallbackHandler, TrainerCallback
-from phalanx.trainer.loss import LossMixin, items_of
+from phalanx.trainer.loss import as_sum, items_of
 from phalanx.trainer.reporting import default_callbacks
 from phalanx.trainer.rotation import rotate_checkpoints, sorted_checkpoints
 from phalanx.trainer.schedules import get_scheduler
@@ -76,7 +78,7 @@ class _StateHolder:
         self.trainer.state = TrainerState(**saved)
 
 
-class Trainer(LossMixin):
+class Trainer:
     """Trains, evaluates and checkpoints a model with :class:`TrainingArguments`, on the strategy they (or the
     launcher) choose. ``compute_loss`` and ``training_step`` may be overridden as in Hugging Face's Trainer."""
 
@@ -252,6 +254,73 @@ class Trainer(LossMixin):
         self.lr_scheduler.step()
         self.optimizer.zero_grad()
 
+    # ------------------------------------------------- one micro-batch's loss
+    def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | None = None) -> Any:
+        """The mean loss of one micro-batch: the model's own (``labels`` in the batch), or ``compute_loss_func(outputs,
+        labels, num_items_in_batch=...)``. A ``(inputs, labels)`` batch calls ``model(inputs)``."""
+        labels = self._labels(inputs)
+        if isinstance(inputs, Mapping):
+            outputs = model(**inputs)
+        elif isinstance(inputs, (tuple, list)) and len(inputs) == 2:
+            outputs = model(inputs[0])
+        else:
+            outputs = model(inputs)
+        if self.compute_loss_func is not None:
+            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+        elif isinstance(outputs, Mapping) and outputs.get("loss") is not None:
+            loss = outputs["loss"]
+        elif getattr(outputs, "loss", None) is not None:
+            loss = outputs.loss
+        else:
+            raise ValueError(
+                f"the model returned no loss ({type(outputs).__name__}): put labels in the batch (a 'labels' key) for a "
+                "model that computes its loss, or pass compute_loss_func=lambda outputs, labels, num_items_in_batch: ..."
+            )
+        return (loss, outputs) if return_outputs else loss
+
+    def _labels(self, inputs: Any) -> Any:
+        if isinstance(inputs, Mapping):
+            names = self.args.label_names or ["labels"]
+            return inputs.get(names[0])
+        if isinstance(inputs, (tuple, list)) and len(inputs) == 2:
+            return inputs[1]
+        return None
+
+    def training_step(self, model: nn.Module, inputs: Any) -> torch.Tensor:
+        """Backward of one micro-batch; returns ``[loss sum, items]`` on the device (for the logged mean)."""
+        n = items_of(self._labels(inputs), self._causal)
+        loss = self.compute_loss(model, inputs, num_items_in_batch=n)
+        if n is None:  # no labels to count: each micro-batch's mean weighs the same
+            self.engine.backward(loss)
+            return torch.stack([loss.detach().double(), torch.ones((), dtype=torch.float64, device=loss.device)])
+        # The mean over this micro-batch's n items, as a sum: the engine divides by the window's items on all ranks.
+        self.engine.backward(as_sum(loss, n), items=n)
+        return torch.stack([as_sum(loss.detach(), n).double(), n.double()])
+
+    def _stage_loss(self, model: nn.Module, inputs: Any) -> Any:
+        """One micro-batch's loss under the pipeline, as (sum, items) when labels can be counted. It returns on the
+        last stage only (the model call ends the others' turn), so only there does it add to the logging window:
+        summed over all ranks, the window holds every data-parallel replica's items once."""
+        n = items_of(self._labels(inputs), self._causal)
+        loss = self.compute_loss(model, inputs, num_items_in_batch=n)
+        one = torch.ones((), dtype=torch.float64, device=loss.device)
+        if n is None:  # no labels to count: each micro-batch's mean weighs the same
+            self._window += torch.stack([loss.detach().double(), one])
+            return loss
+        self._window += torch.stack([as_sum(loss.detach(), n).double(), n.double()])
+        return as_sum(loss, n), n
+
+    def _reduce_window(self, window: torch.Tensor) -> torch.Tensor:
+        """The window summed over the data-parallel ranks; under the pipeline over every rank (only the last stages
+        hold a loss, and each replica's once)."""
+        if self.engine.strategy.drives_backward and dist.is_initialized():
+            total = window.clone()
+            watched(dist.all_reduce, total)
+            return total
+        return self.engine.reduce(window, "sum")
+
+    # ------------------------------------------------------------------ train
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
         args = self.args
         self._train_loader_raw = self.get_train_dataloader()

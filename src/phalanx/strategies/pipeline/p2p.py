@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
-from phalanx.collective_log import watched
-from phalanx.comm import CommStats
+from phalanx.runtime.collective_log import watched
+from phalanx.runtime.comm import CommStats
 
 __all__ = ["StageLink", "Meta", "boundary_tensors", "flat_tensors", "meta_of", "encode_meta", "decode_meta"]
 

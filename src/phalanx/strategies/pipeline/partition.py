@@ -18,24 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from phalanx.strategies.pipeline.p2p import flat_tensors
 
-__all__ = ["parse_partition", "partition_blocks", "block_costs", "time_blocks", "check_no_shared_parameters", "materialise"]
-
-
-def parse_partition(spec: str) -> str | list[int]:
-    """``parameters``, ``uniform`` or ``time``, or explicit cut points ``"3,6"`` (the first block of stages 1..)."""
-    if spec in ("parameters", "uniform", "time"):
-        return spec
-    try:
-        cuts = [int(x) for x in spec.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(
-            f"pp_partition must be parameters, uniform, time, or comma-separated cut points such as '3,6'; got {spec!r}"
-        ) from None
-    if not cuts or any(b <= a for a, b in zip(cuts, cuts[1:])) or cuts[0] <= 0:
-        raise ValueError(
-            f"pp_partition cut points must be positive and increasing (the first block of stage 1, 2, ...); got {spec!r}"
-        )
-    return cuts
+__all__ = ["partition_blocks", "block_costs", "time_blocks", "check_no_shared_parameters", "materialise"]
 
 
 def partition_blocks(costs: list[float], stages: int) -> list[int]:

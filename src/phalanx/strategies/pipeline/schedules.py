@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable
 
 from phalanx.strategies.pipeline.microbatch import MicroBatch
-from phalanx.strategies.pipeline.options import SCHEDULES
+from phalanx.config.strategy_options import SCHEDULES
 
 if TYPE_CHECKING:
     from phalanx.strategies.pipeline.strategy import PipelineStrategy

@@ -38,23 +38,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx.collective_log import watched
-from phalanx.comm import broadcast_coalesced
+from phalanx.runtime.collective_log import watched
+from phalanx.runtime.comm import broadcast_coalesced
 from phalanx.logging import get_logger
-from phalanx.shards import ShardEntry, StateReader
+from phalanx.checkpoint.shards import ShardEntry, StateReader
 from phalanx.strategies._replicas import group_rank0
 from phalanx.strategies.base import Strategy
 from phalanx.strategies.pipeline.microbatch import MicroBatch, NoBackward, PipelineStage, StageDone, map_floats, signature, split_batch
-from phalanx.strategies.pipeline.options import PipelineOptions
+from phalanx.config.strategy_options import PipelineOptions, parse_partition
 from phalanx.strategies.pipeline.p2p import StageLink, boundary_tensors, decode_meta, encode_meta, flat_tensors, meta_of
 from phalanx.strategies.pipeline.partition import (
-    block_costs, check_no_shared_parameters, materialise, parse_partition, partition_blocks, time_blocks,
+    block_costs, check_no_shared_parameters, materialise, partition_blocks, time_blocks,
 )  # fmt: skip
 from phalanx.strategies.pipeline.schedules import SCHEDULE_RUNS
 from phalanx.strategies.pipeline.sync import stage_sync
 
 if TYPE_CHECKING:
-    from phalanx.config import EngineConfig
+    from phalanx.config.settings import EngineConfig
 
 __all__ = ["PipelineStrategy", "PipelineStage"]
 
@@ -69,10 +69,6 @@ class PipelineStrategy(Strategy):
     shards_gradients = True  # each stage holds only its own gradients: an fp16 overflow anywhere skips every stage
     drives_backward = True
     materialises_meta = True
-
-    @classmethod
-    def pipeline_stages(cls, config: EngineConfig, world_size: int) -> int:
-        return config.options(PipelineOptions).pp_size or world_size  # one stage per rank unless told otherwise
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -19,19 +19,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx.collective_log import watched
-from phalanx.shards import ShardEntry, StateReader, balanced_slices, load_whole_tensors, named_tensors
+from phalanx.runtime.collective_log import watched
+from phalanx.checkpoint.shards import ShardEntry, StateReader, balanced_slices, load_whole_tensors, named_tensors
 from phalanx.strategies._grads import clip_to_norm_
 from phalanx.strategies.base import Strategy
 from phalanx.strategies.ddp import DDPStrategy
-from phalanx.strategies.pipeline.options import PipelineOptions
+from phalanx.config.strategy_options import PipelineOptions
 from phalanx.strategies.zero.bucketed import Zero1Strategy
 from phalanx.strategies.zero.optimizers import check_optimizer
 
 if TYPE_CHECKING:
-    from phalanx.config import EngineConfig
-    from phalanx.precision import Precision
-    from phalanx.topology import Topology
+    from phalanx.config.settings import EngineConfig
+    from phalanx.engine.precision import Precision
+    from phalanx.runtime.topology import Topology
 
 __all__ = ["StageSync", "WholeStageSync", "Zero1StageSync", "stage_sync"]
 

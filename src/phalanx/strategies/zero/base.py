@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from phalanx.collective_log import watched
-from phalanx.shards import ShardEntry, StateReader, named_tensors
+from phalanx.runtime.collective_log import watched
+from phalanx.checkpoint.shards import ShardEntry, StateReader, named_tensors
 from phalanx.strategies._grads import GradScale, clip_to_norm_, second_backward_error, unused_parameters_error
 from phalanx.strategies._memory import (
     expected_peak, memory_report_dict, nbytes, segment_grad_bytes, state_bytes_per_element, state_tensors,
@@ -30,12 +30,12 @@ from phalanx.strategies._replicas import (
     check_prepared_once, check_trainable, group_rank0, optimizer_list, replicate_from_first,
 )  # fmt: skip
 from phalanx.strategies.base import Strategy
-from phalanx.strategies.options import DataParallelOptions
+from phalanx.config.strategy_options import DataParallelOptions
 from phalanx.strategies.zero.collectives import DTYPES, Done, SegmentComm, resolve_collectives
 from phalanx.strategies.zero.layout import Segment, merge_runs
 from phalanx.strategies.zero.offload import StateStore
 from phalanx.strategies.zero.optimizers import check_optimizer
-from phalanx.strategies.zero.options import ZeroOptions, ZeroShardOptions
+from phalanx.config.strategy_options import ZeroOptions, ZeroShardOptions
 from phalanx.strategies.zero import state
 from phalanx.strategies.zero.stepping import chunk_steps
 

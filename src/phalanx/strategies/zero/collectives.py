@@ -22,8 +22,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from phalanx.collective_log import watched
-from phalanx.comm import CommStats
+from phalanx.runtime.collective_log import watched
+from phalanx.runtime.comm import CommStats
 from phalanx.strategies.zero.layout import Segment
 
 __all__ = ["SegmentComm", "Done", "resolve_collectives", "DTYPES"]

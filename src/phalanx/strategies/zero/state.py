@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from phalanx.shards import (
+from phalanx.checkpoint.shards import (
     ShardEntry, StateReader, keys_by_param, load_whole_tensors, named_tensors, read_into, read_optimizer_state,
     whole_entry,
 )  # fmt: skip

@@ -33,14 +33,14 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from phalanx.deferred_init import move_real, pending_init
-from phalanx.guards import uncompiled
+from phalanx.strategies.deferred_init import move_real, pending_init
 from phalanx.strategies._replicas import replicate_from_first
+from phalanx.strategies.base import uncompiled
 from phalanx.strategies.zero.base import ModelState, ZeroStrategy
 from phalanx.strategies.zero.collectives import Done, SegmentComm
 from phalanx.strategies.zero.layout import Segment, by_dtype, padded_empty
 from phalanx.strategies.zero.offload import StateStore
-from phalanx.strategies.zero.options import Zero3Options
+from phalanx.config.strategy_options import Zero3Options
 
 __all__ = ["Zero3Strategy", "Unit", "UnitState", "unit_modules_of"]
 

@@ -1,0 +1,419 @@
+"""Checkpoints: a directory of safetensors files and a JSON manifest; sharded, atomic, loadable on any world size.
+
+    engine.save_state("ckpt/step-1000", keep_last=3)   # every rank calls it
+    engine.load_state("ckpt/step-1000")                # under any strategy, on any world size
+    phalanx checkpoint info ckpt/step-1000
+    phalanx checkpoint consolidate ckpt/step-1000 model.safetensors
+
+A checkpoint directory holds:
+
+- ``shard-RRRRR-of-NNNNN.safetensors``: rank R's slices of the training state, written by the ranks in parallel.
+  Each entry is a 1-D run ``[start, stop)`` of a flattened tensor (a parameter, an optimizer state tensor, or a
+  tensor found inside a scheduler's or a registered object's state).
+- ``manifest.json``: the format and its version; the world size, mesh and strategy at save time; every tensor's
+  whole shape and dtype and, for each file, which runs of which tensors it holds with a crc32 of each run; and
+  the state that is not a tensor (step counter, loader positions, schedulers, loss scaler, each rank's RNG,
+  optimizer hyper-parameters, registered objects) as JSON.
+
+Saving writes into ``.NAME.partial`` beside the target and renames it into place only when every rank has written
+its file and rank 0 the manifest; a crash at any point leaves the previous checkpoint untouched. Ranks exchange
+what they wrote as JSON bytes over the process group, never pickled.
+
+Loading never unpickles and never runs code: the manifest is JSON, and tensor files are read by the offsets in their
+own safetensors headers (a file that starts like a pickle or a ``torch.save`` zip is refused by its first bytes). Every check (format
+version, each file present with its size, every checksum, names and shapes against the model, the number of
+optimizers, schedulers, loaders and registered objects) passes on every rank before the first tensor is
+copied: a checkpoint loads whole or not at all. Each rank reads only the runs that overlap its own shard.
+
+The file format itself (writing, reading, the JSON encoding of state) is in ``checkpoint_io.py``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from phalanx.runtime.collective_log import watched
+from phalanx.checkpoint.format import (
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    CheckpointError,
+    from_json,
+    is_checkpoint,
+    recover_interrupted_swap,
+    rotate,
+    save_model_file,
+    swap_into_place,
+    to_json,
+    write_json_durably,
+    write_shard,
+)
+from phalanx._version import __version__
+from phalanx.checkpoint.read import Checkpoint, latest_checkpoint
+from phalanx.runtime.comm import all_gather_bytes
+from phalanx.checkpoint.shards import ShardEntry
+from phalanx.runtime.topology import Topology
+
+if TYPE_CHECKING:
+    from phalanx.strategies.base import Strategy
+
+__all__ = [
+    "CheckpointError",
+    "Checkpoint",
+    "TrainingParts",
+    "save_checkpoint",
+    "load_checkpoint",
+    "save_model_file",
+    "agree",
+    "latest_checkpoint",
+    "FORMAT",
+    "VERSION",
+]
+
+
+@dataclass
+class TrainingParts:
+    """Everything a checkpoint holds, as the Engine hands it over (optimizers unwrapped)."""
+
+    models: list[nn.Module]
+    optimizers: list[torch.optim.Optimizer]
+    schedulers: list[Any] = field(default_factory=list)
+    loaders: list[Any] = field(default_factory=list)
+    objects: list[Any] = field(default_factory=list)
+    precision: Any = None
+    counters: dict[str, int] = field(default_factory=dict)
+    seed: int = 0
+
+
+# ------------------------------------------------------------------------------------------------ save
+def save_checkpoint(
+    path: str | os.PathLike[str], parts: TrainingParts, strategy: Strategy, topology: Topology,
+    device: torch.device, keep_last: int | None = None,
+) -> Path:  # fmt: skip
+    """Write a checkpoint of ``parts`` to ``path``. A collective: every rank calls it, and every rank returns once
+    the checkpoint is complete at ``path`` (or raises the same error)."""
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 (the number of checkpoints to keep); got {keep_last}")
+    target = Path(os.path.abspath(os.path.expanduser(path)))
+    rank, world = topology.rank, topology.world_size
+    staging = target.parent / f".{target.name}.partial"
+
+    # The tensors, each rank its share, and (rank 0's copy is the one saved) everything else as JSON. An error on
+    # one rank must reach the others, which would otherwise wait for it in the next collective.
+    entries: list[ShardEntry] = []
+    state: dict[str, Any] | None = None
+    error = None
+    try:
+        for i, model in enumerate(parts.models):
+            entries += [_rekey(e, i) for e in strategy.sharded_state(model, parts.optimizers)]
+        _refuse_nonfinite(entries, target)
+        if rank == 0:
+            extra: dict[str, torch.Tensor] = {}
+            state = _global_state(parts, strategy, extra)
+            entries += [ShardEntry(k, tuple(t.shape), 0, t.numel(), t.reshape(-1)) for k, t in extra.items()]
+            recover_interrupted_swap(target)
+            if target.exists() and not is_checkpoint(target):
+                raise CheckpointError(
+                    f"{target} exists and is not a phalanx checkpoint; save_state replaces only a checkpoint (choose "
+                    "another directory, or remove this one yourself)"
+                )
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)  # a save that crashed earlier
+            staging.mkdir()
+    except Exception as e:  # noqa: BLE001
+        error = f"{type(e).__name__}: {e}"
+    agree(error, device, f"saving the checkpoint {target}")
+
+    written: dict[str, Any] | None = None
+    rng: dict[str, Any] | None = None
+    try:
+        written = write_shard(staging, rank, world, entries) if entries else None
+        rng = _rng_state(device)
+    except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others would wait forever
+        error = f"{type(e).__name__}: {e}"
+    reports = [json.loads(b) for b in all_gather_bytes(
+        json.dumps({"error": error, "file": written, "rng": rng}).encode(), device
+    )]  # fmt: skip
+    failed = [f"rank {r}: {rep['error']}" for r, rep in enumerate(reports) if rep["error"]]
+    if failed:
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(f"saving the checkpoint {target} failed (nothing was replaced): " + "; ".join(failed))
+
+    error = None
+    if rank == 0:
+        try:
+            assert state is not None
+            manifest = _manifest(state, reports, strategy, topology)
+            write_json_durably(staging / MANIFEST, manifest)
+            swap_into_place(staging, target)
+            if keep_last is not None:
+                rotate(target, keep_last)
+        except Exception as e:  # noqa: BLE001
+            error = f"{type(e).__name__}: {e}"
+    agree(error, device, f"saving the checkpoint {target}")
+    return target
+
+
+def _refuse_nonfinite(entries: list[ShardEntry], target: Path) -> None:
+    """A checkpoint is never written from weights or optimizer state holding a NaN or inf."""
+    bad = [e.key for e in entries if e.data.is_floating_point() and e.data.numel() and not bool(torch.isfinite(e.data).all())]
+    if bad:
+        raise CheckpointError(
+            f"non-finite values (NaN or inf) in {', '.join(bad[:5])}{' and more' if len(bad) > 5 else ''}: a checkpoint "
+            f"is never written from non-finite state, so {target} was left as it was. Training stepped into a NaN "
+            "(on_nonfinite='raise', the default, stops it at that step instead; was it set to 'ignore'?)"
+        )
+
+
+def _rekey(e: ShardEntry, model_index: int) -> ShardEntry:
+    """``model/x`` and ``optim/x/k`` of the first model keep their names; the i-th model's are ``modelI/...``."""
+    if model_index == 0:
+        return e
+    kind, _, rest = e.key.partition("/")
+    return e._replace(key=f"{kind}{model_index}/{rest}")
+
+
+def _global_state(parts: TrainingParts, strategy: Strategy, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Everything that is not a model or optimizer tensor, as JSON (tensors inside go to ``tensors``)."""
+    return {
+        "counters": dict(parts.counters),
+        "seed": parts.seed,
+        "models": [
+            {"class": type(strategy.unwrap_model(m)).__name__, "state_dict_keys": strategy.state_dict_keys(m)}
+            for m in parts.models
+        ],
+        "optimizers": [
+            {
+                "class": type(opt).__name__,
+                "param_groups": [
+                    to_json({k: v for k, v in g.items() if k != "params"}, f"optimizer{j}/group{gi}", tensors)
+                    for gi, g in enumerate(opt.param_groups)
+                ],
+            }
+            for j, opt in enumerate(parts.optimizers)
+        ],
+        "schedulers": [to_json(s.state_dict(), f"scheduler{i}", tensors) for i, s in enumerate(parts.schedulers)],
+        "loaders": [to_json(dl.state_dict(), f"loader{i}", tensors) for i, dl in enumerate(parts.loaders)],
+        "objects": [
+            {"class": type(o).__name__, "state": to_json(o.state_dict(), f"object{i}", tensors)}
+            for i, o in enumerate(parts.objects)
+        ],
+        "precision": to_json(parts.precision.state_dict(), "precision", tensors) if parts.precision else None,
+    }
+
+
+def _manifest(state: dict[str, Any], reports: list[dict[str, Any]], strategy: Strategy, topology: Topology) -> dict[str, Any]:
+    files: list[dict[str, Any]] = []
+    tensors: dict[str, dict[str, Any]] = {}
+    for rank, rep in enumerate(reports):
+        f = rep["file"]
+        if f is None:
+            continue
+        index = len(files)
+        files.append({"name": f["name"], "rank": rank, "bytes": f["bytes"]})
+        for t in f["tensors"]:
+            info = tensors.setdefault(t["key"], {"shape": t["shape"], "dtype": t["dtype"], "slices": []})
+            assert info["shape"] == t["shape"] and info["dtype"] == t["dtype"], (t, info)
+            info["slices"].append({"file": index, "name": t["name"], "start": t["start"], "stop": t["stop"], "crc32": t["crc32"]})
+    for key, info in tensors.items():
+        info["slices"].sort(key=lambda s: s["start"])
+        covered = 0
+        for s in info["slices"]:  # our own invariant: the ranks' runs tile every tensor exactly
+            assert s["start"] == covered, f"{key}: runs do not tile the tensor ({info['slices']})"
+            covered = s["stop"]
+        assert covered == math.prod(info["shape"]), f"{key}: runs cover {covered} of {info['shape']}"
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "saved_at": time.time(),
+        "phalanx_version": __version__,
+        "torch_version": torch.__version__,
+        "world_size": topology.world_size,
+        "pp_size": topology.pp_size,
+        "dp_size": topology.dp_size,
+        "strategy": strategy.name,
+        **state,
+        "rng": [rep["rng"] for rep in reports],
+        "files": files,
+        "tensors": dict(sorted(tensors.items())),
+    }
+
+
+def agree(error: str | None, device: torch.device, what: str) -> None:
+    """Raise the same CheckpointError on every rank if any rank had ``error``, naming the ranks."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if error:
+            raise CheckpointError(f"{what} failed: {error}")
+        return
+    errors = [b.decode() for b in all_gather_bytes((error or "").encode(), device)]
+    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+    if failed:
+        raise CheckpointError(f"{what} failed: " + "; ".join(failed))
+
+
+# ---------------------------------------------------------------------------------------- RNG state
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "torch": _b64(torch.get_rng_state()),
+        "python": to_json(random.getstate(), "rng", None),
+        "cuda": _b64(torch.cuda.get_rng_state(device)) if device.type == "cuda" else None,
+        "numpy": None,
+    }
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
+        state["numpy"] = [kind, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)]
+    except ImportError:
+        pass
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(_unb64(state["torch"]))
+    random.setstate(from_json(state["python"], None))
+    if state.get("cuda") is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(_unb64(state["cuda"]), device)
+    if state.get("numpy") is not None:
+        try:
+            import numpy as np
+
+            kind, keys, pos, has_gauss, cached = state["numpy"]
+            np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+        except ImportError:
+            pass
+
+
+def _reseed(seed: int, step: int, rank: int, device: torch.device) -> None:
+    """RNG for a run resumed on another mesh: a function of the seed, the global step and the rank."""
+    value = ((seed * 1_000_003 + step) * 65_537 + rank) % 2**63  # torch takes seeds below 2**63
+    random.seed(value)
+    torch.manual_seed(value)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(value)
+    try:
+        import numpy as np
+
+        np.random.seed(value % 2**32)
+    except ImportError:
+        pass
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
+# ------------------------------------------------------------------------------------------------ load
+def load_checkpoint(
+    path: str | os.PathLike[str], parts: TrainingParts, strategy: Strategy, topology: Topology,
+    device: torch.device, verify: bool = True,
+) -> dict[str, int]:  # fmt: skip
+    """Load ``path`` into ``parts``: all checks first, on every rank, then the tensors. Returns the counters."""
+    error, ck = None, None
+    try:
+        ck = Checkpoint(path)
+        problems = _compatibility(ck, parts, strategy)
+        if verify and not problems:
+            mine = range(topology.rank, len(ck.files), topology.world_size)  # the ranks verify the files between them
+            problems = ck.verify(mine)
+        if problems:
+            error = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+    except CheckpointError as e:
+        error = str(e)
+    except Exception as e:  # noqa: BLE001 - every rank must learn of it before anything is loaded
+        error = f"{type(e).__name__}: {e}"
+    agree(error, device, f"loading the checkpoint {path}")
+    assert ck is not None
+    m = ck.manifest
+
+    try:
+        for i, model in enumerate(parts.models):
+            strategy.load_sharded_state(model, parts.optimizers, ck.reader(i))
+        _load_json_state(ck, parts)
+    finally:
+        ck.close()
+    counters = {k: int(v) for k, v in m["counters"].items()}
+    same_mesh = (m["world_size"], m["pp_size"]) == (topology.world_size, topology.pp_size)
+    if same_mesh:
+        _set_rng_state(m["rng"][topology.rank], device)
+    else:
+        _reseed(m["seed"], counters.get("global_step", 0), topology.rank, device)
+    if dist.is_initialized():
+        watched(dist.barrier)
+    return counters
+
+
+def _load_json_state(ck: Checkpoint, parts: TrainingParts) -> None:
+    m, read_tensor = ck.manifest, ck.read_whole
+    for opt, saved in zip(parts.optimizers, m["optimizers"]):
+        for group, hyper in zip(opt.param_groups, saved["param_groups"]):
+            group.update(from_json(hyper, read_tensor))
+    for sched, saved in zip(parts.schedulers, m["schedulers"]):
+        sched.load_state_dict(from_json(saved, read_tensor))
+    for loader, saved in zip(parts.loaders, m["loaders"]):
+        loader.load_state_dict(from_json(saved, read_tensor))
+    for obj, saved in zip(parts.objects, m["objects"]):
+        obj.load_state_dict(from_json(saved["state"], read_tensor))
+    if parts.precision is not None and m["precision"] is not None:
+        parts.precision.load_state_dict(from_json(m["precision"], read_tensor))
+
+
+def _compatibility(ck: Checkpoint, parts: TrainingParts, strategy: Strategy) -> list[str]:
+    """Every difference between the checkpoint and what is being loaded into, before anything is loaded."""
+    m, where, problems = ck.manifest, ck.path / MANIFEST, []
+    for kind, n_saved, n_now in (
+        ("model", len(m["models"]), len(parts.models)),
+        ("optimizer", len(m["optimizers"]), len(parts.optimizers)),
+        ("LR scheduler", len(m["schedulers"]), len(parts.schedulers)),
+        ("DataLoader", len(m["loaders"]), len(parts.loaders)),
+        ("registered object", len(m["objects"]), len(parts.objects)),
+    ):
+        if n_saved != n_now:
+            problems.append(
+                f"{where} holds {n_saved} {kind}(s), and {n_now} are prepared (or registered) now; prepare the same "
+                f"objects in the same order as when it was saved"
+            )
+    if problems:
+        return problems
+    for i, model in enumerate(parts.models):
+        saved, now = ck.model_shapes(i), strategy.state_shapes(model)
+        diffs = [f"{k}: missing from the checkpoint" for k in now if k not in saved]
+        diffs += [f"{k}: in the checkpoint, not in the model" for k in saved if k not in now]
+        diffs += [f"{k}: shape {list(saved[k])} in the checkpoint, {list(now[k])} in the model"
+                  for k in now if k in saved and tuple(saved[k]) != tuple(now[k])]  # fmt: skip
+        if diffs:
+            problems.append(
+                f"model {i} ({type(strategy.unwrap_model(model)).__name__}) does not match {where} "
+                f"({len(diffs)} difference(s)): " + "; ".join(diffs[:5])
+            )
+    for i, (loader, saved_loader) in enumerate(zip(parts.loaders, m["loaders"])):
+        problem = loader.resume_problem(from_json(saved_loader, None))
+        if problem:
+            problems.append(f"DataLoader {i}: {problem}")
+    for j, (opt, saved_opt) in enumerate(zip(parts.optimizers, m["optimizers"])):
+        if type(opt).__name__ != saved_opt["class"]:
+            problems.append(f"optimizer {j} is {type(opt).__name__}; {where} holds the state of a {saved_opt['class']}")
+        elif len(opt.param_groups) != len(saved_opt["param_groups"]):
+            problems.append(
+                f"optimizer {j} has {len(opt.param_groups)} param group(s); {where} holds {len(saved_opt['param_groups'])}"
+            )
+    return problems
+

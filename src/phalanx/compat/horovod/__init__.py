@@ -1,0 +1,81 @@
+"""Horovod's PyTorch API on phalanx: run a script written for ``import horovod.torch as hvd`` unchanged but for
+its import line.
+
+    import phalanx.horovod as hvd
+
+    hvd.init()
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+
+Run it with ``phalanx launch -n 2 train.py`` (or torchrun, ``srun``, ``mpirun``, or ``python train.py`` for one
+process). Gradients are reduced by phalanx's own bucketed all-reduce (the ddp strategy's), over c10d.
+
+Where phalanx differs from Horovod, on purpose:
+- ``broadcast_optimizer_state`` never steps the optimizer, so a fresh optimizer's parameters stay as they are
+  (Horovod takes a zero-gradient step that applies weight decay).
+- Ranks must issue collectives in the same order (c10d matches them by order, Horovod by name).
+- ``join()`` waits for every rank but does not stand in for the others' later all-reduces: give every rank the
+  same number of steps.
+- ``step()`` after ``synchronize()`` outside ``skip_synchronize()`` warns and does not reduce a second time.
+- Not implemented, each with an error that says what to use: ``op=hvd.Adasum``, MPI communicators and process sets.
+"""
+
+from __future__ import annotations
+
+from phalanx.compat.horovod.ops import (
+    Compression,
+    Compressor,
+    FP16Compressor,
+    NoneCompressor,
+    allgather,
+    allreduce,
+    allreduce_,
+    broadcast,
+    broadcast_,
+)  # fmt: skip
+from phalanx.compat.horovod.optimizer import DistributedOptimizer
+from phalanx.compat.horovod.state import (
+    allgather_object,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+    join,
+)
+from phalanx.compat.horovod.world import (
+    Adasum,
+    Average,
+    Max,
+    Min,
+    Product,
+    ReduceOp,
+    Sum,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    gloo_built,
+    gloo_enabled,
+    init,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    rocm_built,
+    shutdown,
+    size,
+)  # fmt: skip
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size", "cross_rank", "cross_size",
+    "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built", "nccl_built",
+    "cuda_built", "rocm_built",
+    "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
+    "Compression", "Compressor", "NoneCompressor", "FP16Compressor",
+    "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
+    "allreduce", "allreduce_", "allgather", "broadcast", "broadcast_", "join",
+]  # fmt: skip

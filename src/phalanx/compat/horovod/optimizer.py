@@ -1,0 +1,267 @@
+"""``hvd.DistributedOptimizer``: the user's optimizer, with gradients reduced over the ranks before it steps.
+
+The reduction is phalanx's own ddp :class:`~phalanx.strategies.ddp.GradReducer`: gradients live in flat buckets, and
+each bucket's all-reduce starts as soon as backward has produced its last gradient. Horovod's semantics on top:
+
+- ``op=Average`` sums and then divides by the world size (``gradient_predivide_factor`` f moves a factor 1/f before
+  the sum and f/size after it); ``op=Sum`` only sums.
+- ``backward_passes_per_step=N``: the gradients of N backward passes add up locally and are reduced during the
+  N-th; nothing is divided by N (scale the loss for a mean over the passes).
+- ``step()`` reduces whatever was not reduced yet (fewer than N passes, or none), then steps. ``synchronize()``
+  does the reduction alone, for clipping; ``with optimizer.skip_synchronize(): optimizer.step()`` then steps.
+- ``compression``: each bucket travels compressed (fp16: half the bytes) and is decompressed before the division.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+
+from phalanx.runtime.collective_log import watched
+from phalanx.runtime.comm import CommStats
+from phalanx.compat.horovod.ops import Compression, c10d_op, check_compression
+from phalanx.compat.horovod.world import Average, ReduceOp, Sum, check_op, current
+from phalanx.logging import warn_once
+from phalanx.strategies.ddp import GradReducer
+from phalanx.config.strategy_options import DataParallelOptions
+
+__all__ = ["DistributedOptimizer"]
+
+_BUCKET_BYTES = int(DataParallelOptions().bucket_mb * 2**20)
+
+
+class _NamedParams(nn.Module):
+    """What GradReducer reads from a model (parameters with names), made from an optimizer's param groups."""
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]]) -> None:
+        super().__init__()
+        self._named = named  # a plain list, not registered: Horovod's names may contain dots
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        return iter(self._named)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return (p for _, p in self._named)
+
+
+class _Reduced:
+    """A bucket's all-reduce in flight; ``wait`` brings the result back into the bucket, decompressed and scaled."""
+
+    __slots__ = ("work", "wire", "ctx", "flat", "compression", "postscale")
+
+    def __init__(self, work: Any, wire: torch.Tensor, ctx: Any, flat: torch.Tensor, compression: Any, postscale: float) -> None:
+        self.work, self.wire, self.ctx, self.flat = work, wire, ctx, flat
+        self.compression, self.postscale = compression, postscale
+
+    def wait(self) -> None:
+        self.work.wait()
+        out = self.compression.decompress(self.wire, self.ctx)
+        if out is not self.flat:
+            self.flat.copy_(out)
+        if self.postscale != 1.0:
+            self.flat.mul_(self.postscale)
+
+
+class _HorovodReducer(GradReducer):
+    """GradReducer with Horovod's reduction: any of Average/Sum/Min/Max/Product, a factor before and after the
+    all-reduce, and compression on the wire. Parameters that get no gradient are reduced as zeros, as in Horovod."""
+
+    def __init__(self, module: nn.Module, world_size: int, op: ReduceOp, predivide: float, compression: Any) -> None:
+        super().__init__(module, _BUCKET_BYTES, None, world_size, CommStats(), find_unused_parameters=True)
+        self.op, self.compression = op, compression
+        self.scale.default = self.scale.value = 1.0 / predivide if op is Average else 1.0
+        self.postscale = predivide / world_size if op is Average else 1.0
+
+    def _launch(self, bucket: Any) -> None:
+        self.scale.apply_(bucket.flat)
+        wire, ctx = self.compression.compress(bucket.flat)
+        self.stats.record("all_reduce", wire, self.world_size)
+        work = watched(dist.all_reduce, wire, op=c10d_op(self.op), group=self.group, async_op=True)
+        bucket.work = _Reduced(work, wire, ctx, bucket.flat, self.compression, self.postscale)
+
+    def open_window(self) -> None:
+        """The reduced gradients were consumed (a step or synchronize): later backward passes start a new window."""
+        self._reduced = False
+
+
+if TYPE_CHECKING:
+    _OptimizerBase = torch.optim.Optimizer
+else:
+    _OptimizerBase = object
+
+
+class _DistributedOptimizerMixin(_OptimizerBase):
+    """Mixed in before the user's optimizer class, so that ``isinstance(opt, torch.optim.AdamW)`` still holds."""
+
+    _hvd_reducer: _HorovodReducer | None
+    _hvd_passes: int
+    _hvd_pass_open: bool
+    _hvd_synchronized: bool
+    _hvd_should_synchronize: bool
+    backward_passes_per_step: int
+
+    def _hvd_on_grad(self, param: torch.Tensor) -> None:
+        # Runs before the reducer's own hook on each gradient: the first gradient of a backward pass decides
+        # whether this pass is the one that reduces.
+        if self._hvd_pass_open:
+            return
+        reducer = self._hvd_reducer
+        assert reducer is not None, "hooks are registered only with a reducer"
+        if self._hvd_passes >= self.backward_passes_per_step:
+            raise RuntimeError(
+                f"backward ran {self._hvd_passes + 1} times since the last optimizer.step() (or synchronize()), but "
+                f"backward_passes_per_step={self.backward_passes_per_step} and those gradients were already reduced "
+                "(call optimizer.step() after that many backward passes, or raise backward_passes_per_step to "
+                "accumulate more passes locally)"
+            )
+        self._hvd_pass_open = True
+        reducer.require_sync = self._hvd_passes + 1 == self.backward_passes_per_step
+        Variable._execution_engine.queue_callback(self._hvd_close_pass)
+
+    def _hvd_close_pass(self) -> None:
+        self._hvd_pass_open = False
+        self._hvd_passes += 1
+
+    def synchronize(self) -> None:
+        """Finish the all-reduce of every gradient (reducing now what backward did not), so that ``p.grad`` holds
+        the reduced gradient; for clipping before ``with optimizer.skip_synchronize(): optimizer.step()``."""
+        reducer = self._hvd_reducer
+        if reducer is not None:
+            if self._hvd_passes != self.backward_passes_per_step:  # not reduced during backward: reduce it all now
+                reducer.launch_all()
+            reducer.wait()
+            reducer.open_window()
+        self._hvd_passes = 0
+        self._hvd_synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """``step()`` inside this block does not synchronize (call ``synchronize()`` yourself before it)."""
+        self._hvd_should_synchronize = False
+        try:
+            yield
+        finally:
+            self._hvd_should_synchronize = True
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        if self._hvd_should_synchronize:
+            if self._hvd_synchronized:
+                # Horovod reduces a second time here; the gradients are already reduced, so we only warn.
+                warn_once(
+                    "optimizer.step() after optimizer.synchronize() outside `with optimizer.skip_synchronize():`; the "
+                    "gradients are reduced once (wrap the step in optimizer.skip_synchronize() to say so)"
+                )
+            else:
+                self.synchronize()
+        self._hvd_synchronized = False
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._hvd_passes and not self._hvd_synchronized:
+            raise RuntimeError(
+                f"optimizer.zero_grad() after {self._hvd_passes} backward pass(es) whose gradients were not yet "
+                "reduced and stepped would drop them on this rank only (call optimizer.step() or "
+                "optimizer.synchronize() first, and zero_grad() at the start of each window of "
+                f"backward_passes_per_step={self.backward_passes_per_step} passes)"
+            )
+        super().zero_grad(set_to_none)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        self.backward_passes_per_step = _check_passes(passes)
+        self._hvd_passes = 0
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        self._hvd_passes, self._hvd_synchronized = 0, False
+        super().load_state_dict(state_dict)
+
+
+def _check_passes(passes: Any) -> int:
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise ValueError(f"backward_passes_per_step={passes!r} must be a positive integer (use 1 to reduce every pass)")
+    return passes
+
+
+def _named(optimizer: torch.optim.Optimizer, named_parameters: Any) -> list[tuple[str, nn.Parameter]]:
+    """Every parameter of ``optimizer`` with its name, after Horovod's checks on ``named_parameters``."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if named_parameters is None:
+        return [(f"allreduce.noname.{i}.{j}", p) for i, g in enumerate(optimizer.param_groups) for j, p in enumerate(g["params"])]
+    named = list(named_parameters)
+    bad = [x for x in named if not (isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.Tensor))]
+    if bad:
+        raise ValueError(
+            f"named_parameters must hold (name, parameter) pairs; got {type(bad[0]).__name__} {str(bad[0])[:60]!r} "
+            "(pass model.named_parameters())"
+        )
+    seen: set[str] = set()
+    dups = sorted({n for n, _ in named if n in seen or seen.add(n)})  # type: ignore[func-returns-value]
+    if dups:
+        raise ValueError(
+            f"names in named_parameters must be unique; these appear more than once: {', '.join(dups)} (pass "
+            "model.named_parameters() of one model, or prefix the names of each model you combine)"
+        )
+    name_of = {p: n for n, p in named}
+    unnamed = [f"group {i} parameter {j} (shape {tuple(p.shape)})" for i, g in enumerate(optimizer.param_groups)
+               for j, p in enumerate(g["params"]) if p not in name_of]  # fmt: skip
+    if unnamed:
+        raise ValueError(
+            f"named_parameters does not name every parameter of the optimizer; missing: {'; '.join(unnamed)} (pass "
+            "the named_parameters() of every model whose parameters the optimizer holds, or leave it out)"
+        )
+    return [(name_of[p], p) for p in params]
+
+
+def DistributedOptimizer(
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Any = None,
+    compression: Any = Compression.none,
+    backward_passes_per_step: int = 1,
+    op: Any = Average,
+    gradient_predivide_factor: float = 1.0,
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that its gradients are reduced over all ranks (see the module's docstring).
+
+    Returns an optimizer of a subclass of ``type(optimizer)`` that shares its param groups and state; use it in
+    place of the original: ``optimizer = hvd.DistributedOptimizer(optimizer, model.named_parameters())``.
+    """
+    where = "hvd.DistributedOptimizer"
+    world = current(where)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{where}: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, _DistributedOptimizerMixin):
+        raise ValueError(f"{where}: this optimizer is already a DistributedOptimizer (wrap the original only once)")
+    reduce_op = check_op(op, where, (Average, Sum, ReduceOp.Min, ReduceOp.Max, ReduceOp.Product))
+    compressor = check_compression(compression, where)
+    passes = _check_passes(backward_passes_per_step)
+    if not gradient_predivide_factor > 0:
+        raise ValueError(f"{where}: gradient_predivide_factor={gradient_predivide_factor!r} must be positive (1.0 is none)")
+    if gradient_predivide_factor != 1.0 and reduce_op is not Average:
+        raise ValueError(
+            f"{where}: gradient_predivide_factor={gradient_predivide_factor} splits an average, but op=hvd.{reduce_op.name} "
+            "(use op=hvd.Average, or gradient_predivide_factor=1.0)"
+        )
+    named = _named(optimizer, named_parameters)
+
+    cls = type(type(optimizer).__name__, (_DistributedOptimizerMixin, type(optimizer)), {})
+    wrapped: Any = object.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)  # the same param groups, state and hooks, not copies
+    wrapped.backward_passes_per_step = passes
+    wrapped._hvd_passes, wrapped._hvd_pass_open = 0, False
+    wrapped._hvd_synchronized, wrapped._hvd_should_synchronize = False, True
+    wrapped._hvd_reducer = None
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    if world.distributed and trainable:  # one process has nothing to reduce, as in Horovod
+        for _, p in trainable:  # registered before the reducer's hooks, so they run first
+            p.register_post_accumulate_grad_hook(wrapped._hvd_on_grad)
+        wrapped._hvd_reducer = _HorovodReducer(
+            _NamedParams(trainable), world.info.world_size, reduce_op, float(gradient_predivide_factor), compressor
+        )
+    return wrapped

@@ -1,0 +1,293 @@
+"""DeepSpeed's JSON config (``ds_config.json``) in phalanx's settings.
+
+``phalanx launch --deepspeed ds_config.json train.py``, a ``deepspeed:`` key in a phalanx YAML, or Accelerate's
+``deepspeed_config_file`` read it. DeepSpeed silently ignores a top-level key it does not know; phalanx does not:
+an unknown key is an error with a suggestion. ``"auto"`` (as Hugging Face writes it) leaves a value to phalanx: the
+batch sizes come from the script's DataLoader and the batch rule, the rest keep phalanx's defaults. The
+``optimizer`` and ``scheduler`` blocks are built at ``engine.prepare`` when the script passes none
+(``compat/deepspeed_blocks.py``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any
+
+from phalanx.config.dialects.mapping import Mapped, offload_for
+from phalanx.config.dialects.names import strategy_from_zero_stage
+from phalanx.config.options import ConfigError
+
+__all__ = ["read_deepspeed", "from_deepspeed", "is_auto"]
+
+_MIB = 2**20
+
+# Keys with no meaning in phalanx, and why. A block here with "enabled": true asks for a feature phalanx lacks.
+_IGNORED = {
+    "steps_per_print": "phalanx reports progress through its progress bar and metric sinks",
+    "wall_clock_breakdown": "benchmarks/ measures phalanx against its peers",
+    "memory_breakdown": "engine.memory_report() gives the per-rank memory",
+    "dump_state": "phalanx config prints the resolved settings",
+    "prescale_gradients": "phalanx folds the averaging into the loss before the reduction",
+    "gradient_predivide_factor": "phalanx folds the averaging into the loss before the reduction",
+    "zero_force_ds_cpu_optimizer": "phalanx steps your own optimizer on the host shard",
+    "tensorboard": "phalanx's tracking writes TensorBoard when it is installed",
+    "wandb": "use phalanx's tracking (JSONL, TensorBoard)",
+    "csv_monitor": "phalanx's tracking writes JSONL",
+    "comms_logger": "DeepSpeed's communication logger",
+    "flops_profiler": "DeepSpeed's profiler",
+    "checkpoint": "phalanx checkpoints are its own format (safetensors + JSON, resumable on any world size)",
+    "activation_checkpointing": "configures deepspeed.checkpointing, which a phalanx script does not call",
+    "aio": "phalanx's disk offload uses memory-mapped files",
+    "data_types": "phalanx accumulates gradients in the parameters' dtype",
+    "pipeline": "configures DeepSpeed's PipelineModule; use strategy pipeline",
+    "elasticity": "phalanx resumes on any world size from its checkpoints",
+    "autotuning": "DeepSpeed's autotuner",
+    "compression_training": "DeepSpeed's compression library",
+    "sparse_attention": "DeepSpeed's sparse attention kernels",
+    "data_efficiency": "DeepSpeed's data efficiency library",
+    "curriculum_learning": "DeepSpeed's curriculum library",
+    "eigenvalue": "DeepSpeed's eigenvalue analysis",
+    "progressive_layer_drop": "DeepSpeed's progressive layer drop",
+}
+_MAPPED = {
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping", "fp16",
+    "bf16", "bfloat16", "zero_optimization", "optimizer", "scheduler", "zero_allow_untested_optimizer",
+    "communication_data_type", "amp", "fp8",
+}  # fmt: skip
+_ZERO_IGNORED = {
+    "allgather_bucket_size": "phalanx gathers per bucket (zero1/2) or per unit (zero3)",
+    "allgather_partitions": "phalanx always all-gathers the updated shards",
+    "contiguous_gradients": "phalanx's gradients always live in flat contiguous buckets",
+    "overlap_comm": "phalanx always overlaps the reductions with backward",
+    "round_robin_gradients": "phalanx's shards are contiguous slices",
+    "sub_group_size": "phalanx steps the whole local shard (disk offload steps offload_chunk_mb at a time)",
+    "load_from_fp32_weights": "phalanx checkpoints always hold the fp32 master weights",
+    "elastic_checkpoint": "phalanx checkpoints always load on any world size",
+    "stage3_prefetch_bucket_size": "zero3 prefetches one unit ahead (zero3_prefetch)",
+    "stage3_param_persistence_threshold": "zero3 gathers every unit, small ones too; to gather small modules with "
+    "their neighbours, choose the units with zero3_unit_classes (e.g. the transformer block's class)",
+    "stage3_max_live_parameters": "zero3 holds at most the current and the prefetched unit",
+    "stage3_max_reuse_distance": "zero3 frees each unit after use",
+    "stage3_gather_16bit_weights_on_model_save": "engine.save_model always writes the full gathered weights",
+    "stage3_gather_fp16_weights_on_model_save": "engine.save_model always writes the full gathered weights",
+    "memory_efficient_linear": "a DeepSpeed kernel choice",
+    "use_multi_rank_bucket_allreduce": "a DeepSpeed kernel choice",
+    "stage3_module_granularity_threshold": "zero3's units are modules (zero3_unit_classes)",
+    "log_trace_cache_warnings": "DeepSpeed's trace cache",
+}
+# Off by default in DeepSpeed; a value that asks for them is an error, since phalanx cannot do it.
+_ZERO_REFUSED = {
+    "zero_hpz_partition_size": (1, "phalanx shards over all data-parallel ranks (no hierarchical partitioning)"),
+    "zero_quantized_weights": (False, "phalanx does not quantise communication; use comm_dtype bf16"),
+    "zero_quantized_gradients": (False, "phalanx does not quantise communication; use comm_dtype bf16"),
+    "mics_shard_size": (-1, "phalanx shards over all data-parallel ranks (no MiCS groups)"),
+    "cpu_offload": (False, "write offload_optimizer: {device: cpu} instead"),
+}
+_COMM_DTYPES = {"fp16": "fp16", "float16": "fp16", "half": "fp16", "bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32",
+                "float32": "fp32", "float": "fp32"}  # fmt: skip
+
+
+def is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value.lower() == "auto"
+
+
+def read_deepspeed(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"DeepSpeed config {str(p)!r} does not exist (check the path given to --deepspeed)")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"DeepSpeed config {str(p)!r} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"DeepSpeed config {str(p)!r} must hold a JSON object; got {type(data).__name__}")
+    return data
+
+
+def _enabled(block: Any, key: str) -> bool | None:
+    """``{"enabled": true}`` -> True; ``"auto"`` -> None (leave it to the other settings)."""
+    if not isinstance(block, dict):
+        raise ConfigError(f"DeepSpeed config: {key!r} must be an object such as {{\"enabled\": true}}; got {block!r}")
+    value = block.get("enabled", False)
+    return None if is_auto(value) else bool(value)
+
+
+def from_deepspeed(data: dict[str, Any], where: str) -> Mapped:
+    out = Mapped("deepspeed")
+    for key in data:
+        if key not in _MAPPED and key not in _IGNORED:
+            close = difflib.get_close_matches(key, sorted(_MAPPED | set(_IGNORED)), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(f"DeepSpeed config {where}: unknown key {key!r}; {hint}(DeepSpeed would silently ignore "
+                              "it; phalanx refuses, so that a misspelt setting is not dropped)")  # fmt: skip
+    for key, why in _IGNORED.items():
+        if key in data:
+            block = data[key]
+            if isinstance(block, dict) and block.get("enabled") is True and key not in ("tensorboard", "wandb",
+                                                                                         "csv_monitor", "comms_logger",
+                                                                                         "flops_profiler"):
+                raise ConfigError(f"DeepSpeed config {where}: {key} is enabled, and phalanx cannot honour it ({why}); "
+                                  "remove the block or set enabled: false")  # fmt: skip
+            out.ignore(key, why)
+    for key, target in (("train_batch_size", "global_batch_size"), ("train_micro_batch_size_per_gpu", "micro_batch_size"),
+                        ("gradient_accumulation_steps", "grad_accum_steps")):  # fmt: skip
+        if key in data:
+            if is_auto(data[key]):
+                out.ignore(key, "auto: from the DataLoader's batch size and the batch rule")
+            else:
+                out.set(target, data[key], key)
+    if "gradient_clipping" in data:
+        value = data["gradient_clipping"]
+        if is_auto(value) or value in (0, 0.0, None):
+            out.ignore("gradient_clipping", "auto" if is_auto(value) else "0: no clipping")
+        else:
+            out.set("max_grad_norm", float(value), "gradient_clipping")
+    _map_precision(data, out)
+    zero = data.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise ConfigError(f"DeepSpeed config {where}: zero_optimization must be an object; got {zero!r}")
+    stage = zero.get("stage", 0)
+    strategy = None if is_auto(stage) else strategy_from_zero_stage(stage, "zero_optimization.stage")
+    if strategy is not None:
+        out.set("strategy", strategy, "zero_optimization.stage")
+    _map_zero(zero, strategy, out)
+    if "zero_allow_untested_optimizer" in data and strategy not in (None, "ddp"):
+        out.set("zero_allow_untested_optimizer", bool(data["zero_allow_untested_optimizer"]), "zero_allow_untested_optimizer")
+    elif "zero_allow_untested_optimizer" in data:
+        out.ignore("zero_allow_untested_optimizer", "read by the zero strategies only")
+    if "communication_data_type" in data and data["communication_data_type"] is not None:
+        text = str(data["communication_data_type"]).lower()
+        if text not in _COMM_DTYPES:
+            raise ConfigError(f"invalid communication_data_type: got {data['communication_data_type']!r} (use fp16, "
+                              "bf16 or fp32)")  # fmt: skip
+        out.set("comm_dtype", _COMM_DTYPES[text], "communication_data_type")
+    for block in ("optimizer", "scheduler"):
+        if block in data:
+            if not isinstance(data[block], dict) or "type" not in data[block]:
+                raise ConfigError(f"DeepSpeed config {where}: {block} must be an object with a 'type' and 'params'; "
+                                  f"got {data[block]!r}")  # fmt: skip
+    if "optimizer" in data or "scheduler" in data:
+        out.set("deepspeed", where, "optimizer / scheduler blocks")
+    return out
+
+
+def _map_precision(data: dict[str, Any], out: Mapped) -> None:
+    if "amp" in data and _enabled(data["amp"], "amp"):
+        raise ConfigError("DeepSpeed config: amp (NVIDIA Apex) is not supported; use \"fp16\": {\"enabled\": true} "
+                          "or \"bf16\": {\"enabled\": true}")  # fmt: skip
+    if "fp8" in data and _enabled(data["fp8"], "fp8"):
+        raise ConfigError("DeepSpeed config: fp8 is not supported by phalanx; use \"bf16\": {\"enabled\": true}")
+    bf16 = _enabled(data["bf16"], "bf16") if "bf16" in data else None
+    bf16 = _enabled(data["bfloat16"], "bfloat16") if "bfloat16" in data and bf16 is None else bf16
+    fp16 = _enabled(data["fp16"], "fp16") if "fp16" in data else None
+    if fp16 and bf16:
+        raise ConfigError("DeepSpeed config: fp16 and bf16 are both enabled; enable one of them")
+    if bf16:
+        out.set("precision", "bf16-mixed", "bf16.enabled")
+    elif fp16:
+        out.set("precision", "fp16-mixed", "fp16.enabled")
+        _map_loss_scale(data["fp16"], out)
+    elif fp16 is False or bf16 is False:
+        out.set("precision", "fp32", "fp16.enabled / bf16.enabled")
+    if "fp16" in data and not fp16:
+        out.ignore("fp16", "auto: precision comes from the other settings" if fp16 is None else "not enabled")
+
+
+# DeepSpeed's loss scaler defaults, used when the fp16 block is enabled and leaves a key out.
+_FP16_DEFAULTS = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
+                  "min_loss_scale": 1}  # fmt: skip
+
+
+def _map_loss_scale(block: dict[str, Any], out: Mapped) -> None:
+    known = set(_FP16_DEFAULTS) | {"enabled", "auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads"}
+    for key in block:
+        if key not in known:
+            raise ConfigError(f"DeepSpeed config: unknown key 'fp16.{key}'; known: {', '.join(sorted(known))}")
+    if block.get("consecutive_hysteresis"):
+        raise ConfigError("DeepSpeed config: fp16.consecutive_hysteresis is not supported; leave it false")
+    if block.get("fp16_master_weights_and_grads"):
+        raise ConfigError("DeepSpeed config: fp16.fp16_master_weights_and_grads is not supported: phalanx keeps fp32 "
+                          "master weights; leave it false")  # fmt: skip
+    if "auto_cast" in block:
+        out.ignore("fp16.auto_cast", "phalanx's fp16-mixed always autocasts the forward")
+    values = {k: block.get(k, d) for k, d in _FP16_DEFAULTS.items()}
+    for key, value in values.items():
+        if is_auto(value):
+            values[key] = _FP16_DEFAULTS[key]
+    if values["loss_scale"]:
+        out.set("loss_scale", float(values["loss_scale"]), "fp16.loss_scale")
+        return
+    out.set("loss_scale_init", float(2 ** int(values["initial_scale_power"])), "fp16.initial_scale_power")
+    out.set("loss_scale_window", int(values["loss_scale_window"]), "fp16.loss_scale_window")
+    out.set("loss_scale_hysteresis", int(values["hysteresis"]), "fp16.hysteresis")
+    out.set("loss_scale_min", float(values["min_loss_scale"]), "fp16.min_loss_scale")
+
+
+def _map_zero(zero: dict[str, Any], strategy: str | None, out: Mapped) -> None:
+    opt_dev, par_dev = "none", "none"
+    for key, value in zero.items():
+        name = f"zero_optimization.{key}"
+        if key == "stage":
+            continue
+        if key in _ZERO_IGNORED:
+            out.ignore(name, _ZERO_IGNORED[key])
+        elif key in _ZERO_REFUSED:
+            default, why = _ZERO_REFUSED[key]
+            if value not in (default, None, 0) or (value is True):
+                raise ConfigError(f"DeepSpeed config: {name}={value!r} cannot be honoured: {why}")
+            out.ignore(name, f"{value!r}: off")
+        elif key in ("offload_optimizer", "offload_param"):
+            device, path = _offload_block(value, name)
+            if key == "offload_optimizer":
+                opt_dev = device
+            else:
+                par_dev = device
+            if path is not None and device == "disk":
+                out.set("offload_dir", path, f"{name}.nvme_path")
+        elif key == "reduce_bucket_size":
+            if is_auto(value):
+                out.ignore(name, "auto: phalanx's bucket_mb default")
+            else:
+                # DeepSpeed counts elements; phalanx sizes buckets in MiB of fp32 gradients.
+                out.set("bucket_mb", float(value) * 4 / _MIB, f"{name} (elements x 4 bytes)")
+        elif key == "reduce_scatter":
+            if value is False and strategy in ("zero1", "zero2", "zero3"):
+                out.set("zero_collectives", "allreduce", name)
+            else:
+                out.ignore(name, "true: zero2 and zero3 reduce-scatter (zero_collectives picks how on gloo)")
+        elif key == "ignore_unused_parameters":
+            out.set("find_unused_parameters", bool(value), name)
+        else:
+            known = sorted({"stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "reduce_scatter",
+                            "ignore_unused_parameters"} | set(_ZERO_IGNORED) | set(_ZERO_REFUSED))  # fmt: skip
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(f"DeepSpeed config: unknown key {name!r}; {hint}known: {', '.join(known)}")
+    if (opt_dev, par_dev) != ("none", "none") or strategy in ("zero1", "zero2", "zero3"):
+        if strategy in (None, "ddp") and (opt_dev, par_dev) != ("none", "none"):
+            raise ConfigError(f"DeepSpeed config: offload needs ZeRO (zero_optimization.stage 1, 2 or 3); got stage "
+                              f"{zero.get('stage', 0)!r}")  # fmt: skip
+        if strategy not in (None, "ddp"):
+            offload_for(out, opt_dev, par_dev, strategy, "zero_optimization.offload_optimizer / offload_param")
+
+
+def _offload_block(block: Any, name: str) -> tuple[str, str | None]:
+    if block is None:
+        return "none", None
+    if not isinstance(block, dict):
+        raise ConfigError(f"DeepSpeed config: {name} must be an object such as {{\"device\": \"cpu\"}}; got {block!r}")
+    known = {"device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu", "fast_init", "ratio"}
+    for key in block:
+        if key not in known:
+            raise ConfigError(f"DeepSpeed config: unknown key '{name}.{key}'; known: {', '.join(sorted(known))}")
+    if block.get("ratio", 1.0) not in (1, 1.0):
+        raise ConfigError(f"DeepSpeed config: {name}.ratio={block['ratio']!r} (partial offload) is not supported; "
+                          "phalanx offloads all of it: use 1.0")  # fmt: skip
+    device = str(block.get("device", "none")).lower()
+    mapping = {"none": "none", "cpu": "cpu", "nvme": "disk"}
+    if device not in mapping:
+        raise ConfigError(f"invalid {name}.device: got {block.get('device')!r} (use none, cpu or nvme)")
+    path = block.get("nvme_path")
+    return mapping[device], (str(path) if path else None)

@@ -1,0 +1,119 @@
+"""The launcher flags of torchrun and Accelerate, as phalanx settings.
+
+    phalanx launch --nproc_per_node 2 --master_port 29500 train.py              # torchrun's spellings
+    phalanx launch --num_processes 4 --num_machines 2 --machine_rank 0 \\
+        --main_process_ip 10.0.0.1 --main_process_port 29500 --mixed_precision bf16 train.py   # Accelerate's
+
+Each entry names the phalanx setting it sets (``launch.nproc_per_node``, ``precision``) or one of the targets below
+that are not settings. ``phalanx.flags`` turns the table into argparse flags and folds the values into the config.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from phalanx.config.dialects.names import ACCELERATE_PRECISIONS, precision_from_accelerate, strategy_from_zero_stage
+from phalanx.config.options import ConfigError
+
+__all__ = [
+    "DialectFlag", "DIALECT_FLAGS", "CONFIG_FILE", "TOTAL_PROCESSES", "USE_DEEPSPEED", "NO_SETTING",
+]  # fmt: skip
+
+CONFIG_FILE = "(config file)"
+"""The YAML file that ``--config`` names."""
+TOTAL_PROCESSES = "(total processes)"
+"""Accelerate's ``--num_processes``: processes over all machines, divided by the number of nodes."""
+USE_DEEPSPEED = "(use deepspeed)"
+"""Accelerate's ``--use_deepspeed``: a ZeRO strategy, of the stage given elsewhere or Accelerate's default 2."""
+NO_SETTING = "(nothing)"
+"""Accepted for compatibility; phalanx needs nothing from it."""
+
+
+@dataclass(frozen=True)
+class DialectFlag:
+    spelling: str
+    dialect: str
+    target: str
+    help: str
+    convert: Callable[[str, str], Any] | None = None
+    """``(text, spelling) -> value`` in phalanx's terms; None keeps the text (``config.py`` parses it)."""
+    switch: bool = False
+    """A flag without a value (``--cpu``)."""
+    metavar: str = "N"
+
+
+def _whole(text: str, spelling: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{spelling} takes a whole number; got {text!r} (e.g. {spelling} 2)") from None
+
+
+def _nproc(text: str, spelling: str) -> int:
+    """torchrun's ``--nproc_per_node``: a number, or ``cpu``, ``gpu`` or ``auto`` as torchrun reads them."""
+    word = text.lower()
+    if word not in ("cpu", "gpu", "cuda", "auto"):
+        return _whole(text, spelling)
+    if word == "cpu":
+        return os.cpu_count() or 1
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if word == "auto":
+        return gpus or os.cpu_count() or 1
+    if gpus == 0:
+        raise ConfigError(f"{spelling} {text} asks for one process per GPU, and this machine has none (use -n N)")
+    return gpus
+
+
+def _accelerate_precision(text: str, spelling: str) -> str:
+    return precision_from_accelerate(text, key=spelling)
+
+
+def _zero_stage(text: str, spelling: str) -> str:
+    return strategy_from_zero_stage(text, key=spelling)
+
+
+def _cpu(text: str, spelling: str) -> str:
+    return "cpu"
+
+
+def _torchrun(
+    name: str, help: str, convert: Callable[[str, str], Any] | None = _whole, metavar: str = "N"
+) -> DialectFlag:
+    return DialectFlag("--" + name, "torchrun", "launch." + name, help, convert, metavar=metavar)
+
+
+_STAGES = ", ".join(f"{s}={strategy_from_zero_stage(s)}" for s in range(4))
+
+DIALECT_FLAGS: tuple[DialectFlag, ...] = (
+    _torchrun("nproc_per_node", "= -n; also cpu, gpu or auto as torchrun reads them", _nproc),
+    _torchrun("node_rank", "= --node-rank"),
+    _torchrun("master_addr", "= --master-addr", None, "ADDR"),
+    _torchrun("master_port", "= --master-port", metavar="PORT"),
+    _torchrun("rdzv_endpoint", "= --rdzv-endpoint", None, "HOST:PORT"),
+    _torchrun("max_restarts", "= --max-restarts"),
+    DialectFlag("--standalone", "torchrun", NO_SETTING, "one node, local rendezvous (phalanx's default)", switch=True),
+    DialectFlag("--num_processes", "Accelerate", TOTAL_PROCESSES,
+                "processes over ALL machines; each runs num_processes / num_machines of them", _whole),
+    DialectFlag("--num_machines", "Accelerate", "launch.nnodes", "= --nnodes", _whole),
+    DialectFlag("--machine_rank", "Accelerate", "launch.node_rank", "= --node-rank", _whole),
+    DialectFlag("--main_process_ip", "Accelerate", "launch.master_addr", "= --master-addr", metavar="ADDR"),
+    DialectFlag("--main_process_port", "Accelerate", "launch.master_port", "= --master-port", _whole, metavar="PORT"),
+    DialectFlag("--mixed_precision", "Accelerate", "precision",
+                "= --precision: " + ", ".join(f"{k}={v}" for k, v in ACCELERATE_PRECISIONS.items()),
+                _accelerate_precision, metavar="{" + ",".join(ACCELERATE_PRECISIONS) + "}"),
+    DialectFlag("--gradient_accumulation_steps", "Accelerate", "grad_accum_steps", "= --grad-accum-steps"),
+    DialectFlag("--use_deepspeed", "Accelerate", USE_DEEPSPEED,
+                "a ZeRO strategy: the stage of --zero_stage, of the DeepSpeed file, or else 2 (Accelerate's default)",
+                switch=True),
+    DialectFlag("--zero_stage", "Accelerate", "strategy", f"ZeRO stage as --strategy: {_STAGES}", _zero_stage,
+                metavar="{0,1,2,3}"),
+    DialectFlag("--config_file", "Accelerate", CONFIG_FILE, "= --config", metavar="FILE"),
+    DialectFlag("--deepspeed_config_file", "Accelerate", "deepspeed", "= --deepspeed (a DeepSpeed JSON config)",
+                metavar="FILE"),
+    DialectFlag("--multi_gpu", "Accelerate", NO_SETTING, "accepted: phalanx uses every process -n starts", switch=True),
+    DialectFlag("--cpu", "Accelerate", "device", "= --device cpu", _cpu, switch=True),
+)  # fmt: skip

@@ -1,0 +1,199 @@
+"""Each strategy's own settings, declared as :class:`~phalanx.config.options.Options` groups: what every
+data-parallel strategy reads (ddp, zero, the pipeline's stages), the zero strategies' sharding, offload and units,
+and the pipeline's stages, schedule and partition.
+
+They live on the ground floor, beside the registry that names which strategy accepts which group, so that
+configuration, the dialects and ``phalanx launch --help`` read them without importing any strategy. The strategies
+read their values with ``config.options(Group)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from phalanx.config.options import ConfigError, Options, option
+
+if TYPE_CHECKING:
+    from phalanx.config.settings import EngineConfig
+
+__all__ = [
+    "DataParallelOptions", "ZeroShardOptions", "ZeroOptions", "Zero3Options", "PipelineOptions", "COMM_DTYPES",
+    "COLLECTIVES", "OFFLOAD", "SCHEDULES", "parse_partition",
+]
+
+
+@dataclass
+class DataParallelOptions(Options):
+    title: ClassVar[str] = "data parallel (ddp, zero, pipeline stages)"
+    applies_to: ClassVar[str] = "the data-parallel strategies"
+
+    bucket_mb: float = option(
+        25.0,
+        "Size of one gradient bucket in MiB (ddp; zero1/zero2 buckets); a bucket is reduced as soon as its last "
+        "gradient lands.",
+        check=lambda v: v > 0,
+        fix="use a positive size such as 25",
+    )
+    broadcast_buffers: bool = option(
+        True, "Broadcast module buffers (e.g. BatchNorm statistics) from the first replica before each training forward."
+    )
+    find_unused_parameters: bool = option(
+        False, "Allow trainable parameters that get no gradient in a backward (they are reduced as zeros)."
+    )
+
+
+# ---------------------------------------------------------------- zero
+COMM_DTYPES = ("bf16", "fp16", "fp32")
+COLLECTIVES = ("auto", "native", "p2p", "allreduce")
+OFFLOAD = ("none", "cpu", "disk")
+
+
+@dataclass
+class ZeroShardOptions(Options):
+    title: ClassVar[str] = "ZeRO sharding (zero1, zero2, zero3; pipeline with pp_zero_stage=1)"
+    applies_to: ClassVar[str] = "the zero strategies"
+
+    zero_collectives: str = option(
+        "auto",
+        "native (reduce-scatter / all-gather), p2p (both made of point-to-point sends, gloo only; the fastest there), "
+        "allreduce (both emulated with all-reduce), or auto: p2p on gloo, native otherwise.",
+        choices=COLLECTIVES,
+    )
+    zero_allow_untested_optimizer: bool = option(
+        False, "Accept an optimizer outside torch.optim's elementwise ones (as DeepSpeed's option of that name)."
+    )
+
+
+@dataclass
+class ZeroOptions(Options):
+    title: ClassVar[str] = "zero strategies (zero1, zero2, zero3)"
+    applies_to: ClassVar[str] = "the zero strategies"
+
+    offload: str = option(
+        "none",
+        "Where optimizer state (and zero3's parameter shards) live: none (the device), cpu (host memory, pinned on "
+        "CUDA) or disk (memory-mapped files under offload_dir).",
+        choices=OFFLOAD,
+        elsewhere="{key}={value!r} needs a zero strategy (zero1, zero2 or zero3); got strategy={strategy!r}",
+    )
+    offload_dir: str | None = option(None, "Directory for offload: disk (like DeepSpeed's nvme_path); it must be writable.")
+    offload_chunk_mb: float = option(
+        64.0,
+        "offload: disk steps the optimizer this many MiB of parameters at a time, so one chunk of state is resident.",
+        check=lambda v: v > 0,
+        fix="use a positive size such as 64",
+    )
+    comm_dtype: str | None = option(
+        None, "Dtype parameters and gradients travel in (bf16, fp16 or fp32); default: theirs.", choices=COMM_DTYPES
+    )
+
+    def check(self, config: EngineConfig) -> None:
+        if self.offload == "disk" and not self.offload_dir:
+            raise ConfigError("offload='disk' needs offload_dir: a writable directory for the memory-mapped files")
+
+
+@dataclass
+class Zero3Options(Options):
+    title: ClassVar[str] = "zero3"
+    applies_to: ClassVar[str] = "strategy='zero3'"
+
+    zero3_unit_classes: str | None = option(
+        None,
+        "Comma-separated module class names gathered as one unit (like Accelerate's "
+        "fsdp_transformer_layer_cls_to_wrap); default: each child module with parameters.",
+    )
+    zero3_prefetch: bool = option(True, "All-gather the next unit while the current one computes (forward and backward).")
+
+
+# ------------------------------------------------------------ pipeline
+SCHEDULES = ("1f1b", "gpipe")
+
+
+def parse_partition(spec: str) -> str | list[int]:
+    """``parameters``, ``uniform`` or ``time``, or explicit cut points ``"3,6"`` (the first block of stages 1..)."""
+    if spec in ("parameters", "uniform", "time"):
+        return spec
+    try:
+        cuts = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(
+            f"pp_partition must be parameters, uniform, time, or comma-separated cut points such as '3,6'; got {spec!r}"
+        ) from None
+    if not cuts or any(b <= a for a, b in zip(cuts, cuts[1:])) or cuts[0] <= 0:
+        raise ValueError(
+            f"pp_partition cut points must be positive and increasing (the first block of stage 1, 2, ...); got {spec!r}"
+        )
+    return cuts
+
+
+def _check_partition(value: str) -> bool:
+    parse_partition(value)  # raises with the reason
+    return True
+
+
+@dataclass
+class PipelineOptions(Options):
+    title: ClassVar[str] = "pipeline"
+    applies_to: ClassVar[str] = "strategy='pipeline'"
+
+    pp_size: int | None = option(
+        None,
+        "Pipeline stages; the data-parallel size is world_size / pp_size. Default: the world size (one stage per rank).",
+        check=lambda v: v >= 1,
+        fix="use 1 for no pipeline",
+        is_set=lambda v: v is not None and v > 1,
+        elsewhere="{key}={value} splits the model into pipeline stages, which needs strategy='pipeline'; got "
+        "strategy={strategy!r} (use strategy='pipeline', or pp_size=1)",
+    )
+    pp_schedule: str = option(
+        "1f1b",
+        "1f1b (warm-up, one forward one backward, cool-down: at most pp_size micro-batches of activations held per "
+        "stage) or gpipe (every forward, then every backward: all micro-batches held).",
+        choices=SCHEDULES,
+    )
+    pp_microbatches: int | None = option(
+        None,
+        "Micro-batches each batch is split into (the bubble is (pp-1)/(m+pp-1)); default 2 x pp_size.",
+        check=lambda v: v >= 1,
+        fix="use 1 or more micro-batches per batch",
+    )
+    pp_partition: str = option(
+        "parameters",
+        "How blocks are split into stages: parameters (balanced parameter counts), uniform (balanced block counts), "
+        "time (balanced forward+backward time, measured at the first step), or cut points such as \"3,6\" (stage 1 "
+        "starts at block 3, stage 2 at block 6).",
+    )
+    pp_zero_stage: int = option(
+        0,
+        "1 shards each stage's optimizer state over its data-parallel replicas (ZeRO-1, as DeepSpeed's pipeline engine "
+        "allows); 0 keeps it whole on every replica. Stages 2 and 3 are refused: they would reduce-scatter gradients "
+        "or gather parameters once per micro-batch.",
+    )
+
+    def check(self, config: EngineConfig) -> None:
+        try:
+            _check_partition(self.pp_partition)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.pp_zero_stage not in (0, 1):
+            raise ConfigError(
+                f"pp_zero_stage={self.pp_zero_stage!r} is not supported: use 0 (each stage's replicas hold its whole "
+                "optimizer state) or 1 (they shard it). Stages 2 and 3 would reduce-scatter gradients or gather "
+                "parameters on every micro-batch, which is why DeepSpeed's pipeline engine refuses them too"
+            )
+        if config.grad_accum_steps > 1:
+            raise ConfigError(
+                f"grad_accum_steps={config.grad_accum_steps} does not apply to strategy='pipeline': its micro-batches "
+                "already accumulate gradients within each engine.train_step (set pp_microbatches instead, e.g. "
+                f"pp_microbatches={config.grad_accum_steps * (self.pp_microbatches or 1)}, with a batch that many times "
+                "larger)"
+            )
+        if self.pp_zero_stage == 0:
+            shard = config.options(ZeroShardOptions)
+            for key in shard.set_fields():
+                raise ConfigError(
+                    f"{key}={getattr(shard, key)!r} applies to the zero strategies only; got strategy='pipeline' "
+                    "(use zero1, zero2 or zero3, or leave it unset; under strategy='pipeline' with pp_zero_stage=1, "
+                    "zero_collectives and zero_allow_untested_optimizer apply)"
+                )

@@ -1,0 +1,14 @@
+"""The Engine, the one object a training script talks to, and what it hands back from ``prepare``.
+
+- ``engine.py``       Engine: prepare, accumulate, backward, clip, step, train_step; the state and collectives calls
+- ``collectives.py``  gather, gather_for_metrics, reduce, split_between_processes, save: the work behind those calls
+- ``prepared.py``     PreparedOptimizer and PreparedScheduler
+- ``data.py``         the prepared DataLoader: the global sample order, sharded over the data-parallel ranks
+- ``precision.py``    autocast, loss scaling, the dtype report
+- ``nonfinite.py``    on_nonfinite: a NaN or inf loss or gradient caught before the optimizer steps
+- ``guards.py``       the checks that turn a silent wrong result into a clear error or a one-time warning
+"""
+
+from phalanx.engine.engine import Engine
+
+__all__ = ["Engine"]
