@@ -26,7 +26,13 @@ if str(HERE) not in sys.path:
 
 import checkpoint_workers  # noqa: E402
 from harness import (  # noqa: E402
-    add_output_flags, add_round_flags, environment, interleaved_rounds, source_record, source_state, spawn_ranks,
+    add_output_flags,
+    add_round_flags,
+    environment,
+    interleaved_rounds,
+    source_record,
+    source_state,
+    spawn_ranks,
     write_result,
 )
 
@@ -47,7 +53,9 @@ TARGETS = {  # (numerator, denominator, what, limit)
 def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     r0 = results[0]
     # Per repeat the slower rank (barrier to barrier), then the median over the repeats of the run.
-    out: dict[str, Any] = {k: statistics.median(max(ts) for ts in zip(*(r[k] for r in results))) for k in r0 if k.endswith("_s")}
+    out: dict[str, Any] = {
+        k: statistics.median(max(ts) for ts in zip(*(r[k] for r in results))) for k in r0 if k.endswith("_s")
+    }
     out["repeats"] = {k: [max(ts) for ts in zip(*(r[k] for r in results))] for k in r0 if k.endswith("_s")}
     out["bytes"] = r0["bytes"]
     out["checksum"] = r0["checksum_before"]
@@ -61,14 +69,20 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     configs = [c for c in CONFIGS if not args.only or c["key"] in args.only.split(",")]
     workdir = Path(args.dir or tempfile.mkdtemp(prefix="phalanx-bench-ckpt-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    print(f"\n=== checkpoint: {args.layers} x Linear({args.d}, {args.d}) = {nparams:,} parameters + AdamW state "
-          f"({3 * nparams * 4 / 2**20:.0f} MiB of fp32 tensors), {NRANKS} ranks (gloo x 1 thread), {args.rounds} rounds, "
-          f"files in {workdir} ===", flush=True)  # fmt: skip
+    print(
+        f"\n=== checkpoint: {args.layers} x Linear({args.d}, {args.d}) = {nparams:,} parameters + AdamW state "
+        f"({3 * nparams * 4 / 2**20:.0f} MiB of fp32 tensors), {NRANKS} ranks (gloo x 1 thread), {args.rounds} rounds, "
+        f"files in {workdir} ===",
+        flush=True,
+    )
     start = source_state()
 
     def run(cfg: dict[str, Any]) -> Any:
-        s = dict(spec, path=str(workdir / f"{cfg['key']}{'.pt' if cfg['kind'] == 'torch_save' else ''}"),
-                 **{k: v for k, v in cfg.items() if k in ("strategy", "fsdp2")})  # fmt: skip
+        s = dict(
+            spec,
+            path=str(workdir / f"{cfg['key']}{'.pt' if cfg['kind'] == 'torch_save' else ''}"),
+            **{k: v for k, v in cfg.items() if k in ("strategy", "fsdp2")},
+        )
         return spawn_ranks(checkpoint_workers.run, NRANKS, (cfg["kind"], s), args.timeout)
 
     def headline(s: dict[str, Any]) -> str:
@@ -98,10 +112,15 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             targets[tname] = {"ratio": ratio, "target": limit, "meets": ratio <= limit, "per_round": paired}
 
     print(f"\n### checkpoint, {nparams:,} parameters + AdamW state, {NRANKS} ranks x 1 thread, gloo, CPU\n")
-    print(f"median over {args.rounds} rounds of the median of {args.repeats} saves and loads per run; times are barrier to "
-          f"barrier (the slower rank); loads read files evicted from the page cache; wall {wall:.0f} s\n")
-    print("| configuration | state | save s | load s | load s, no checksums | MiB on disk | save x DCP (same state) | "
-          "load x DCP (same state) | save x torch.save |")
+    print(
+        f"median over {args.rounds} rounds of the median of {args.repeats} saves and loads per run; times are "
+        "barrier to barrier (the slower rank); loads read files evicted from the page cache; "
+        f"wall {wall:.0f} s\n"
+    )
+    print(
+        "| configuration | state | save s | load s | load s, no checksums | MiB on disk | save x DCP (same state) | "
+        "load x DCP (same state) | save x torch.save |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         if "failed" in r:
@@ -114,13 +133,17 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             return f"{row[what] / other[what]:.2f}" if other else "-"
 
         nov = f"{r['load_noverify_s']:.2f}" if "load_noverify_s" in r else "-"
-        print(f"| {r['name']} | {r['state']} | {r['save_s']:.2f} | {r['load_s']:.2f} | {nov} | {r['bytes'] / 2**20:.1f} | "
-              f"{ratio(ref, 'save_s')} | {ratio(ref, 'load_s')} | {ratio(ts, 'save_s')} |")
+        print(
+            f"| {r['name']} | {r['state']} | {r['save_s']:.2f} | {r['load_s']:.2f} | {nov} | "
+            f"{r['bytes'] / 2**20:.1f} | {ratio(ref, 'save_s')} | {ratio(ref, 'load_s')} | {ratio(ts, 'save_s')} |"
+        )
     if targets:
         print("\n| target | ratio | per round | verdict |\n|---|---:|---|---|")
         for name, t in targets.items():
-            print(f"| {name} <= {t['target']} | {t['ratio']:.2f} | {', '.join(f'{x:.2f}' for x in t['per_round'])} | "
-                  f"{'meets' if t['meets'] else 'MISSES'} |")
+            print(
+                f"| {name} <= {t['target']} | {t['ratio']:.2f} | {', '.join(f'{x:.2f}' for x in t['per_round'])} | "
+                f"{'meets' if t['meets'] else 'MISSES'} |"
+            )
     if failures:
         print("\nfailed configurations:")
         for name, err in failures.items():
@@ -134,7 +157,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "definitions": {
             "save_s": "barrier, save, barrier: the slower rank's wall time",
             "load_s": "barrier, build a fresh model and optimizer (other seed), load, barrier; files fsynced and "
-                      "evicted from the page cache (posix_fadvise DONTNEED) before",
+            "evicted from the page cache (posix_fadvise DONTNEED) before",
             "load_noverify_s": "phalanx only: load_state(verify=False), again from evicted files",
             "bytes": "bytes of every file the save wrote",
             "targets": {k: f"{v[0]} / {v[1]} {v[2]} <= {v[3]}" for k, v in TARGETS.items()},

@@ -58,7 +58,10 @@ def main() -> None:
         for name, store in stores.items():
             dog = Watchdog(dist.PrefixStore("bench/", store), 0, 1, 300.0, {})
             tick = per_call_us(dog._tick, n=200, repeats=5)
-            print(f"one watchdog tick, {name + ':':15}             {tick:8.1f} us  (once a second: {tick / 1e4:.3f}% of one core)")
+            print(
+                f"one watchdog tick, {name + ':':15}             {tick:8.1f} us  "
+                f"(once a second: {tick / 1e4:.3f}% of one core)"
+            )
         dist.destroy_process_group()
 
 

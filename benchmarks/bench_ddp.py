@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_ddp.py                      # both workloads, 5 rounds
     .venv/bin/python benchmarks/bench_ddp.py --workload mlp --rounds 3 --steps 10
     .venv/bin/python benchmarks/bench_ddp.py --workload mlp --bucket-mb 4,8,50   # extra phalanx bucket sizes
-    .venv/bin/python benchmarks/bench_ddp.py --workload mlp --guard-off --only phalanx_ddp   # the non-finite guard's cost
+    .venv/bin/python benchmarks/bench_ddp.py --workload mlp --guard-off --only phalanx_ddp # the non-finite guard's cost
     .venv/bin/python benchmarks/bench_ddp.py --workload mlp --watchdog-rows --only phalanx_ddp   # the hang watchdog's
 
 Each configuration runs in fresh processes started by phalanx.spawn (2 ranks with 1 thread each, or 1 process
@@ -25,8 +25,19 @@ if str(HERE) not in sys.path:
 
 import ddp_workers  # noqa: E402
 from harness import (  # noqa: E402
-    RANK_THREADS, add_output_flags, add_round_flags, environment, free_port, git_state, interleaved_rounds, mean_over_ranks,
-    per_rank_median, slowest_rank, spawn_ranks, watchdog_rows, write_result,
+    RANK_THREADS,
+    add_output_flags,
+    add_round_flags,
+    environment,
+    free_port,
+    git_state,
+    interleaved_rounds,
+    mean_over_ranks,
+    per_rank_median,
+    slowest_rank,
+    spawn_ranks,
+    watchdog_rows,
+    write_result,
 )
 
 WORKLOADS: dict[str, dict[str, Any]] = {
@@ -43,7 +54,10 @@ def accelerate_status() -> tuple[bool, str]:
 
         return True, f"accelerate {accelerate.__version__}"
     except Exception as e:  # noqa: BLE001
-        return False, f"accelerate is not importable ({type(e).__name__}: {e}); install it with a constraints file pinning torch"
+        return (
+            False,
+            f"accelerate is not importable ({type(e).__name__}: {e}); install it with a constraints file pinning torch",
+        )
 
 
 def configurations(args: argparse.Namespace, gb: int, nranks: int) -> list[dict[str, Any]]:
@@ -51,28 +65,80 @@ def configurations(args: argparse.Namespace, gb: int, nranks: int) -> list[dict[
     configs = [
         {"name": "1 proc, 1 thread", "kind": "single", "nprocs": 1, "threads": 1, "local_batch": gb},
         {"name": "1 proc, 2 threads", "kind": "single", "nprocs": 1, "threads": 2, "local_batch": gb},
-        {"name": "1 proc, 1 thread, per-rank batch", "kind": "single", "nprocs": 1, "threads": 1, "local_batch": per_rank,
-         "trains_subset": True},
+        {
+            "name": "1 proc, 1 thread, per-rank batch",
+            "kind": "single",
+            "nprocs": 1,
+            "threads": 1,
+            "local_batch": per_rank,
+            "trains_subset": True,
+        },
         {"name": "torch DDP", "kind": "torch_ddp", "nprocs": nranks, "threads": RANK_THREADS, "local_batch": per_rank},
-        {"name": "phalanx ddp", "kind": "phalanx_ddp", "nprocs": nranks, "threads": RANK_THREADS, "local_batch": per_rank},
+        {
+            "name": "phalanx ddp",
+            "kind": "phalanx_ddp",
+            "nprocs": nranks,
+            "threads": RANK_THREADS,
+            "local_batch": per_rank,
+        },
     ]
     if args.torch_bucket_view:
-        configs.append({"name": "torch DDP gradient_as_bucket_view", "kind": "torch_ddp", "nprocs": nranks, "threads": RANK_THREADS,
-                        "local_batch": per_rank, "ddp_kwargs": {"gradient_as_bucket_view": True}})
+        configs.append(
+            {
+                "name": "torch DDP gradient_as_bucket_view",
+                "kind": "torch_ddp",
+                "nprocs": nranks,
+                "threads": RANK_THREADS,
+                "local_batch": per_rank,
+                "ddp_kwargs": {"gradient_as_bucket_view": True},
+            }
+        )
     for mb in args.bucket_mb:
-        configs.append({"name": f"phalanx ddp bucket_mb={mb:g}", "kind": "phalanx_ddp", "nprocs": nranks, "threads": RANK_THREADS,
-                        "local_batch": per_rank, "bucket_mb": mb})
+        configs.append(
+            {
+                "name": f"phalanx ddp bucket_mb={mb:g}",
+                "kind": "phalanx_ddp",
+                "nprocs": nranks,
+                "threads": RANK_THREADS,
+                "local_batch": per_rank,
+                "bucket_mb": mb,
+            }
+        )
     if args.guard_off:
-        configs.append({"name": "phalanx ddp on_nonfinite=ignore", "kind": "phalanx_ddp", "nprocs": nranks,
-                        "threads": RANK_THREADS, "local_batch": per_rank, "on_nonfinite": "ignore"})
+        configs.append(
+            {
+                "name": "phalanx ddp on_nonfinite=ignore",
+                "kind": "phalanx_ddp",
+                "nprocs": nranks,
+                "threads": RANK_THREADS,
+                "local_batch": per_rank,
+                "on_nonfinite": "ignore",
+            }
+        )
     if args.watchdog_rows:
         for name, kw in watchdog_rows():
-            configs.append({"name": f"phalanx ddp {name}", "kind": "phalanx_ddp", "nprocs": nranks, "threads": RANK_THREADS,
-                            "local_batch": per_rank, "engine_kwargs": kw})
+            configs.append(
+                {
+                    "name": f"phalanx ddp {name}",
+                    "kind": "phalanx_ddp",
+                    "nprocs": nranks,
+                    "threads": RANK_THREADS,
+                    "local_batch": per_rank,
+                    "engine_kwargs": kw,
+                }
+            )
     if not args.no_accelerate:
         ok, why = accelerate_status()
         if ok:
-            configs.append({"name": "accelerate", "kind": "accelerate", "nprocs": nranks, "threads": RANK_THREADS, "local_batch": per_rank})
+            configs.append(
+                {
+                    "name": "accelerate",
+                    "kind": "accelerate",
+                    "nprocs": nranks,
+                    "threads": RANK_THREADS,
+                    "local_batch": per_rank,
+                }
+            )
         else:
             print(f"[skip] accelerate: {why}")
     else:
@@ -127,12 +193,14 @@ def base_spec(workload: str, args: argparse.Namespace, nranks: int = 2) -> dict[
     if gb % nranks:
         raise SystemExit(f"--global-batch {gb} must be divisible by {nranks}")
     return {
-        "seed": args.seed, "global_batch": gb, "lr": w["lr"],
+        "seed": args.seed,
+        "global_batch": gb,
+        "lr": w["lr"],
         "warmup": args.warmup if args.warmup is not None else w["warmup"],
         "steps": args.steps if args.steps is not None else w["steps"],
         "gpt_data": args.gpt_data,
         "adamw": args.adamw,
-    }  # fmt: skip
+    }
 
 
 def bench_workload(workload: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -140,19 +208,27 @@ def bench_workload(workload: str, args: argparse.Namespace) -> dict[str, Any]:
     base = base_spec(workload, args, nranks)
     gb = base["global_batch"]
     configs = configurations(args, gb, nranks)
-    print(f"\n=== workload {workload}: global batch {gb}, {nranks} ranks on gloo, {base['warmup']} warm-up + "
-          f"{base['steps']} timed steps, {args.rounds} rounds, {len(configs)} configurations, AdamW {args.adamw} ===",
-          flush=True)
+    print(
+        f"\n=== workload {workload}: global batch {gb}, {nranks} ranks on gloo, {base['warmup']} warm-up + "
+        f"{base['steps']} timed steps, {args.rounds} rounds, {len(configs)} configurations, AdamW {args.adamw} ===",
+        flush=True,
+    )
     commit_start = git_state()
     print(f"phalanx checkout: {commit_start}", flush=True)
     rounds, _, wall = interleaved_rounds(
-        configs, args, lambda cfg: run_config(workload, base, cfg, args.timeout, args.profile), summarize_round,
-        lambda s: f"{s['median_ms']:8.1f} ms/step", keep_going=False,
+        configs,
+        args,
+        lambda cfg: run_config(workload, base, cfg, args.timeout, args.profile),
+        summarize_round,
+        lambda s: f"{s['median_ms']:8.1f} ms/step",
+        keep_going=False,
     )
     commit_end = git_state()
     if commit_end != commit_start:
-        print(f"WARNING: the phalanx checkout changed during the run ({commit_start} -> {commit_end}); "
-              "the phalanx rows mix two versions of the code. Run it again.")
+        print(
+            f"WARNING: the phalanx checkout changed during the run ({commit_start} -> {commit_end}); "
+            "the phalanx rows mix two versions of the code. Run it again."
+        )
 
     # -------- aggregate: the median over rounds of each round's median step
     rows = []
@@ -163,24 +239,26 @@ def bench_workload(workload: str, args: argparse.Namespace) -> dict[str, Any]:
         rss = per_rank_median(rs, "peak_rss_mib", nproc)
         cpu = per_rank_median(rs, "cpu_ms_per_step", nproc)
         faults = per_rank_median(rs, "minor_faults_per_step", nproc)
-        rows.append({
-            **{k: v for k, v in cfg.items()},
-            "median_ms": statistics.median(meds),
-            "min_ms": min(meds),
-            "round_medians_ms": meds,
-            "peak_rss_mib_per_rank": rss,
-            "cpu_ms_per_step_per_rank": cpu,
-            "minor_faults_per_step_per_rank": faults,
-            "foreign_load_cores": [r["foreign_load_cores"] for r in rs],
-            "steal_cores": [r["steal_cores"] for r in rs],
-            "final_loss": rs[0]["losses"][-1],
-            "first_loss": rs[0]["losses"][0],
-            "losses": rs[0]["losses"],
-            "param_checksum": rs[0]["param_checksum"],
-            "threads_seen": rs[0]["threads"],
-            **({"describe": rs[0]["describe"]} if "describe" in rs[0] else {}),
-            **({"distributed_type": rs[0]["distributed_type"]} if "distributed_type" in rs[0] else {}),
-        })
+        rows.append(
+            {
+                **{k: v for k, v in cfg.items()},
+                "median_ms": statistics.median(meds),
+                "min_ms": min(meds),
+                "round_medians_ms": meds,
+                "peak_rss_mib_per_rank": rss,
+                "cpu_ms_per_step_per_rank": cpu,
+                "minor_faults_per_step_per_rank": faults,
+                "foreign_load_cores": [r["foreign_load_cores"] for r in rs],
+                "steal_cores": [r["steal_cores"] for r in rs],
+                "final_loss": rs[0]["losses"][-1],
+                "first_loss": rs[0]["losses"][0],
+                "losses": rs[0]["losses"],
+                "param_checksum": rs[0]["param_checksum"],
+                "threads_seen": rs[0]["threads"],
+                **({"describe": rs[0]["describe"]} if "describe" in rs[0] else {}),
+                **({"distributed_type": rs[0]["distributed_type"]} if "distributed_type" in rs[0] else {}),
+            }
+        )
     by = {r["name"]: r for r in rows}
     ddp_ms = by["torch DDP"]["median_ms"] if "torch DDP" in by else None
     for r in rows:
@@ -197,8 +275,15 @@ def bench_workload(workload: str, args: argparse.Namespace) -> dict[str, Any]:
             d_last = abs(r["final_loss"] - ref["final_loss"]) / abs(ref["final_loss"])
             d_sum = abs(r["param_checksum"] - ref["param_checksum"]) / max(1e-12, abs(ref["param_checksum"]))
             ok = d_first < 1e-5 and d_last < 1e-3
-            checks.append({"name": r["name"], "first_loss_rel_diff": d_first, "final_loss_rel_diff": d_last,
-                           "param_checksum_rel_diff": d_sum, "ok": ok})
+            checks.append(
+                {
+                    "name": r["name"],
+                    "first_loss_rel_diff": d_first,
+                    "final_loss_rel_diff": d_last,
+                    "param_checksum_rel_diff": d_sum,
+                    "ok": ok,
+                }
+            )
 
     # -------- scaling efficiency: 1-process step at the per-rank batch (1 thread) / 2-rank step
     t1_local = by.get("1 proc, 1 thread, per-rank batch", {}).get("median_ms")
@@ -206,10 +291,15 @@ def bench_workload(workload: str, args: argparse.Namespace) -> dict[str, Any]:
         r["scaling_efficiency"] = (t1_local / r["median_ms"]) if (t1_local and r["nprocs"] > 1) else None
 
     # -------- print
-    print(f"\nworkload {workload}: median over {args.rounds} rounds of the median step time "
-          f"(after {base['warmup']} warm-up steps, {base['steps']} timed steps per round); wall {wall:.0f} s")
-    hdr = f"{'configuration':<34} {'procs x thr':>11} {'batch/proc':>10} {'median ms':>10} {'rounds min-max':>15} " \
-          f"{'x torch DDP':>11} {'scaling eff':>11} {'peak RSS MiB/rank':>18} {'CPU ms/step/rank':>17} {'faults/step/rank':>17} {'final loss':>11}"
+    print(
+        f"\nworkload {workload}: median over {args.rounds} rounds of the median step time "
+        f"(after {base['warmup']} warm-up steps, {base['steps']} timed steps per round); wall {wall:.0f} s"
+    )
+    hdr = (
+        f"{'configuration':<34} {'procs x thr':>11} {'batch/proc':>10} {'median ms':>10} {'rounds min-max':>15} "
+        f"{'x torch DDP':>11} {'scaling eff':>11} {'peak RSS MiB/rank':>18} {'CPU ms/step/rank':>17} "
+        f"{'faults/step/rank':>17} {'final loss':>11}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
@@ -219,8 +309,11 @@ def bench_workload(workload: str, args: argparse.Namespace) -> dict[str, Any]:
         rss = "/".join(f"{v:.0f}" for v in r["peak_rss_mib_per_rank"])
         cpu = "/".join(f"{v:.0f}" for v in r["cpu_ms_per_step_per_rank"])
         flt = "/".join(f"{v:.0f}" for v in r["minor_faults_per_step_per_rank"])
-        print(f"{r['name']:<34} {str(r['nprocs']) + ' x ' + str(r['threads']):>11} {r['local_batch']:>10} "
-              f"{r['median_ms']:>10.1f} {spread:>15} {xd:>11} {se:>11} {rss:>18} {cpu:>17} {flt:>17} {r['final_loss']:>11.5f}")
+        print(
+            f"{r['name']:<34} {str(r['nprocs']) + ' x ' + str(r['threads']):>11} {r['local_batch']:>10} "
+            f"{r['median_ms']:>10.1f} {spread:>15} {xd:>11} {se:>11} {rss:>18} {cpu:>17} {flt:>17} "
+            f"{r['final_loss']:>11.5f}"
+        )
     headline: dict[str, Any] = {}
     if "phalanx ddp" in by and ddp_ms:
         headline["phalanx_ddp_over_torch_ddp"] = by["phalanx ddp"]["median_ms"] / ddp_ms
@@ -231,20 +324,30 @@ def bench_workload(workload: str, args: argparse.Namespace) -> dict[str, Any]:
         headline["phalanx_ddp_scaling_efficiency"] = by["phalanx ddp"]["scaling_efficiency"]
         headline["torch_ddp_scaling_efficiency"] = by["torch DDP"]["scaling_efficiency"]
         verdict = "meets" if headline["phalanx_ddp_over_torch_ddp"] <= 1.0 else "MISSES"
-        print(f"\nheadline  phalanx ddp / torch DDP = {headline['phalanx_ddp_over_torch_ddp']:.3f}  "
-              f"(target <= 1.00: {verdict}); per round: {', '.join(f'{x:.3f}' for x in paired)} "
-              f"(median {headline['phalanx_ddp_over_torch_ddp_paired']:.3f})")
+        print(
+            f"\nheadline  phalanx ddp / torch DDP = {headline['phalanx_ddp_over_torch_ddp']:.3f}  "
+            f"(target <= 1.00: {verdict}); per round: {', '.join(f'{x:.3f}' for x in paired)} "
+            f"(median {headline['phalanx_ddp_over_torch_ddp_paired']:.3f})"
+        )
     if t1_local:
-        effs = ", ".join(f"{r['name']} {r['scaling_efficiency']:.3f}" for r in rows if r["scaling_efficiency"] is not None)
-        print(f"scaling efficiency = T(1 proc, 1 thread, per-rank batch {gb // nranks}) / T(2 ranks, batch {gb // nranks} "
-              f"each): {effs}  (1.0 = perfect: 2 ranks do twice the work in the same time)")
+        effs = ", ".join(
+            f"{r['name']} {r['scaling_efficiency']:.3f}" for r in rows if r["scaling_efficiency"] is not None
+        )
+        print(
+            f"scaling efficiency = T(1 proc, 1 thread, per-rank batch {gb // nranks}) / T(2 ranks, batch "
+            f"{gb // nranks} each): {effs}  (1.0 = perfect: 2 ranks do twice the work in the same time)"
+        )
     if checks:
         bad = [c for c in checks if not c["ok"]]
-        print("setup check vs '1 proc, 1 thread' (same init, same global batches): "
-              + ("OK" if not bad else "FAILED for " + ", ".join(c["name"] for c in bad)))
+        print(
+            "setup check vs '1 proc, 1 thread' (same init, same global batches): "
+            + ("OK" if not bad else "FAILED for " + ", ".join(c["name"] for c in bad))
+        )
         for c in checks:
-            print(f"  {c['name']:<34} first loss rel diff {c['first_loss_rel_diff']:.1e}, final loss rel diff "
-                  f"{c['final_loss_rel_diff']:.1e}, param checksum rel diff {c['param_checksum_rel_diff']:.1e}")
+            print(
+                f"  {c['name']:<34} first loss rel diff {c['first_loss_rel_diff']:.1e}, final loss rel diff "
+                f"{c['final_loss_rel_diff']:.1e}, param checksum rel diff {c['param_checksum_rel_diff']:.1e}"
+            )
 
     return {
         "workload": workload,
@@ -254,18 +357,18 @@ def bench_workload(workload: str, args: argparse.Namespace) -> dict[str, Any]:
         "wall_s": wall,
         "definitions": {
             "median_ms": "median over rounds of (median over timed steps of the step time, the slowest rank per step); "
-                         "a step is forward + backward + optimizer.step() + zero_grad()",
+            "a step is forward + backward + optimizer.step() + zero_grad()",
             "x_torch_ddp": "median_ms / median_ms of torch DDP (lower is better)",
-            "scaling_efficiency": "median_ms of '1 proc, 1 thread, per-rank batch' / median_ms of the 2-rank configuration "
-                                  "(same per-rank batch; 1.0 is perfect scaling)",
+            "scaling_efficiency": "median_ms of '1 proc, 1 thread, per-rank batch' / median_ms of the 2-rank "
+            "configuration (same per-rank batch; 1.0 is perfect scaling)",
             "peak_rss_mib_per_rank": "resource.getrusage(RUSAGE_SELF).ru_maxrss of each rank, median over rounds",
             "cpu_ms_per_step_per_rank": "time.process_time() of each rank (all its threads, gloo's included) per timed "
-                                        "step, median over rounds; CPU time above the step time means the rank ran "
-                                        "more than one thread at once",
+            "step, median over rounds; CPU time above the step time means the rank ran "
+            "more than one thread at once",
             "minor_faults_per_step_per_rank": "minor page faults per timed step of each rank (ru_minflt), median over "
-                                              "rounds: memory the allocator took fresh from the kernel",
-            "foreign_load_cores": "per round: CPU time used by processes other than this benchmark during the run / wall "
-                                  "time (0 = the machine was ours; 1 = another process kept a whole core busy)",
+            "rounds: memory the allocator took fresh from the kernel",
+            "foreign_load_cores": "per round: CPU time used by processes other than this benchmark during the run / "
+            "wall time (0 = the machine was ours; 1 = another process kept a whole core busy)",
         },
         "headline": headline,
         "phalanx_commit": commit_start if commit_start == commit_end else f"{commit_start} -> {commit_end} (changed)",
@@ -282,23 +385,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (default: per workload)")
     p.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps per run (default: per workload)")
     p.add_argument("--global-batch", type=int, default=None, help="global batch (default: mlp 64, gpt 16)")
-    p.add_argument("--watchdog-rows", action="store_true",
-                   help="add rows with the hang watchdog off (hang_timeout_s=0) and with debug_collectives: their cost")
-    p.add_argument("--guard-off", action="store_true",
-                   help="add a row of phalanx ddp with on_nonfinite='ignore': the non-finite guard's cost, side by side")
-    p.add_argument("--bucket-mb", type=lambda s: [float(x) for x in s.split(",") if x], default=[],
-                   help="extra phalanx ddp configurations with these bucket sizes, e.g. 4,8,50")
-    p.add_argument("--torch-bucket-view", action="store_true",
-                   help="add a torch DDP row with gradient_as_bucket_view=True (no gradient copies, like phalanx)")
-    p.add_argument("--gpt-data", choices=["stdlib", "random"], default="stdlib",
-                   help="gpt tokens: windows of the stdlib source (phalanx.demo.load_stdlib_bytes) or random bytes")
-    p.add_argument("--adamw", choices=["default", "foreach", "fused"], default="default",
-                   help="AdamW implementation for every configuration (default: torch's per-tensor loop on CPU)")
-    p.add_argument("--only", default="", help="comma-separated kinds or names to run (single, torch_ddp, phalanx_ddp, ...)")
+    p.add_argument(
+        "--watchdog-rows",
+        action="store_true",
+        help="add rows with the hang watchdog off (hang_timeout_s=0) and with debug_collectives: their cost",
+    )
+    p.add_argument(
+        "--guard-off",
+        action="store_true",
+        help="add a row of phalanx ddp with on_nonfinite='ignore': the non-finite guard's cost, side by side",
+    )
+    p.add_argument(
+        "--bucket-mb",
+        type=lambda s: [float(x) for x in s.split(",") if x],
+        default=[],
+        help="extra phalanx ddp configurations with these bucket sizes, e.g. 4,8,50",
+    )
+    p.add_argument(
+        "--torch-bucket-view",
+        action="store_true",
+        help="add a torch DDP row with gradient_as_bucket_view=True (no gradient copies, like phalanx)",
+    )
+    p.add_argument(
+        "--gpt-data",
+        choices=["stdlib", "random"],
+        default="stdlib",
+        help="gpt tokens: windows of the stdlib source (phalanx.demo.load_stdlib_bytes) or random bytes",
+    )
+    p.add_argument(
+        "--adamw",
+        choices=["default", "foreach", "fused"],
+        default="default",
+        help="AdamW implementation for every configuration (default: torch's per-tensor loop on CPU)",
+    )
+    p.add_argument(
+        "--only", default="", help="comma-separated kinds or names to run (single, torch_ddp, phalanx_ddp, ...)"
+    )
     p.add_argument("--no-accelerate", action="store_true")
-    p.add_argument("--profile", default=None, metavar="DIR",
-                   help="record the timed steps with torch.profiler: DIR/<workload>-<config>.rank<r>.{txt,json} "
-                        "(slows the steps down; use with --rounds 1 and --no-json)")
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="record the timed steps with torch.profiler: DIR/<workload>-<config>.rank<r>.{txt,json} "
+        "(slows the steps down; use with --rounds 1 and --no-json)",
+    )
     p.add_argument("--seed", type=int, default=1234)
     add_output_flags(p, HERE / "results", "ddp-<workload>")
     return p

@@ -86,8 +86,9 @@ WORKER = textwrap.dedent(
             out = model(x)
             times.append(time.perf_counter() - t0)
     placed = list(model.hf_device_map.values())
-    print(json.dumps({"forward_ms": 1e3 * sorted(times)[len(times) // 2], "load_s": load_s, "grew_mib": (hwm() - base) / 2**20,
-                      "equal": torch.equal(out, want), "disk": placed.count("disk"), "cpu": placed.count("cpu")}))
+    print(json.dumps({"forward_ms": 1e3 * sorted(times)[len(times) // 2], "load_s": load_s,
+                      "grew_mib": (hwm() - base) / 2**20, "equal": torch.equal(out, want),
+                      "disk": placed.count("disk"), "cpu": placed.count("cpu")}))
     """
 )
 
@@ -106,23 +107,37 @@ def main() -> int:
         for r in range(args.rounds):
             order = ["phalanx", "accelerate"] if r % 2 == 0 else ["accelerate", "phalanx"]
             for who in order:
-                proc = subprocess.run([sys.executable, str(worker), who, tmp, str(args.forwards)], capture_output=True, text=True)
+                proc = subprocess.run(
+                    [sys.executable, str(worker), who, tmp, str(args.forwards)], capture_output=True, text=True
+                )
                 if proc.returncode != 0:
                     print(f"{who} failed:\n{proc.stderr[-2000:]}")
                     return 1
                 got = json.loads(proc.stdout.strip().splitlines()[-1])
                 results[who].append(got)
-                print(f"round {r + 1} {who:10} forward {got['forward_ms']:7.1f} ms  peak +{got['grew_mib']:6.1f} MiB  "
-                      f"load {got['load_s']:.2f} s  blocks on disk {got['disk']}  equal {got['equal']}")
+                print(
+                    f"round {r + 1} {who:10} forward {got['forward_ms']:7.1f} ms  peak +{got['grew_mib']:6.1f} MiB  "
+                    f"load {got['load_s']:.2f} s  blocks on disk {got['disk']}  equal {got['equal']}"
+                )
     ratio_t = [a["forward_ms"] / b["forward_ms"] for a, b in zip(results["phalanx"], results["accelerate"])]
     ratio_m = [a["grew_mib"] / b["grew_mib"] for a, b in zip(results["phalanx"], results["accelerate"])]
-    med = {who: {k: statistics.median(x[k] for x in rs) for k in ("forward_ms", "grew_mib", "load_s")} for who, rs in results.items()}
+    med = {
+        who: {k: statistics.median(x[k] for x in rs) for k in ("forward_ms", "grew_mib", "load_s")}
+        for who, rs in results.items()
+    }
     for who, m in med.items():
-        print(f"{who:10} median forward {m['forward_ms']:.1f} ms, peak +{m['grew_mib']:.1f} MiB, load {m['load_s']:.2f} s")
-    print(f"phalanx / Accelerate: forward {statistics.median(ratio_t):.3f} (rounds {min(ratio_t):.3f}-{max(ratio_t):.3f}), "
-          f"peak RSS {statistics.median(ratio_m):.3f} (rounds {min(ratio_m):.3f}-{max(ratio_m):.3f})")
+        print(
+            f"{who:10} median forward {m['forward_ms']:.1f} ms, peak +{m['grew_mib']:.1f} MiB, load {m['load_s']:.2f} s"
+        )
+    print(
+        f"phalanx / Accelerate: forward {statistics.median(ratio_t):.3f} "
+        f"(rounds {min(ratio_t):.3f}-{max(ratio_t):.3f}), "
+        f"peak RSS {statistics.median(ratio_m):.3f} (rounds {min(ratio_m):.3f}-{max(ratio_m):.3f})"
+    )
     if args.out:
-        Path(args.out).write_text(json.dumps({"results": results, "median": med, "ratio_forward": ratio_t, "ratio_peak": ratio_m}, indent=1))
+        Path(args.out).write_text(
+            json.dumps({"results": results, "median": med, "ratio_forward": ratio_t, "ratio_peak": ratio_m}, indent=1)
+        )
     return 0
 
 

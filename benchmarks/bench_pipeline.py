@@ -25,14 +25,29 @@ if str(HERE) not in sys.path:
 
 import pipeline_workers  # noqa: E402
 from harness import (  # noqa: E402
-    add_output_flags, add_round_flags, environment, interleaved_rounds, per_rank_median, slowest_rank, source_record,
-    source_state, spawn_ranks, write_result,
+    add_output_flags,
+    add_round_flags,
+    environment,
+    interleaved_rounds,
+    per_rank_median,
+    slowest_rank,
+    source_record,
+    source_state,
+    spawn_ranks,
+    write_result,
 )
 
 WORKLOAD = "mlp"
 # 8 residual MLP blocks x + fc2(gelu(fc1(x))), d=512 -> 2048 -> 512: 16.8M parameters, 4 blocks per stage.
-DEFAULTS: dict[str, Any] = {"d": 512, "n_blocks": 8, "global_batch": 64, "microbatches": 8, "lr": 1e-3,
-                            "warmup": 5, "steps": 30}
+DEFAULTS: dict[str, Any] = {
+    "d": 512,
+    "n_blocks": 8,
+    "global_batch": 64,
+    "microbatches": 8,
+    "lr": 1e-3,
+    "warmup": 5,
+    "steps": 30,
+}
 NSTAGES = 2
 
 # Every row's first and final loss against torch ScheduleGPipe's (relative).
@@ -98,7 +113,9 @@ def base_spec(args: argparse.Namespace) -> dict[str, Any]:
         if v is not None:
             base[k] = v
     if base["global_batch"] % base["microbatches"]:
-        raise SystemExit(f"global batch {base['global_batch']} is not divisible by {base['microbatches']} micro-batches")
+        raise SystemExit(
+            f"global batch {base['global_batch']} is not divisible by {base['microbatches']} micro-batches"
+        )
     if base["n_blocks"] % NSTAGES:
         raise SystemExit(f"{base['n_blocks']} blocks do not split evenly over {NSTAGES} stages")
     return base
@@ -111,10 +128,13 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     d, nb = base["d"], base["n_blocks"]
     nparams = nb * (8 * d * d + 5 * d)
     configs = configurations(args)
-    print(f"\n=== pipeline mlp: {nb} residual MLP blocks d={d} ({nparams:,} parameters), global batch "
-          f"{base['global_batch']}, pp={p} on {p} ranks (gloo x 1 thread), m={m} micro-batches of "
-          f"{base['global_batch'] // m}, {base['warmup']} warm-up + {base['steps']} timed steps, {args.rounds} rounds, "
-          f"{len(configs)} configurations, AdamW {args.adamw} ===", flush=True)
+    print(
+        f"\n=== pipeline mlp: {nb} residual MLP blocks d={d} ({nparams:,} parameters), global batch "
+        f"{base['global_batch']}, pp={p} on {p} ranks (gloo x 1 thread), m={m} micro-batches of "
+        f"{base['global_batch'] // m}, {base['warmup']} warm-up + {base['steps']} timed steps, {args.rounds} rounds, "
+        f"{len(configs)} configurations, AdamW {args.adamw} ===",
+        flush=True,
+    )
     start = source_state()
     print(f"phalanx checkout: {start[0]}, sources {start[1]}", flush=True)
 
@@ -135,30 +155,32 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             continue
         meds = [r["median_ms"] for r in rs]
         bubble = per_rank_median(rs, "bubble", NSTAGES)
-        rows.append({
-            **cfg,
-            "median_ms": statistics.median(meds),
-            "min_ms": min(meds),
-            "round_medians_ms": meds,
-            "schedule_ms_per_stage": per_rank_median(rs, "schedule_ms", NSTAGES),
-            "wait_ms_per_stage": per_rank_median(rs, "wait_ms", NSTAGES),
-            "bubble_per_stage": bubble,
-            "bubble_max": max(b for b in bubble if b is not None) if any(b is not None for b in bubble) else None,
-            "peak_rss_mib_per_rank": per_rank_median(rs, "peak_rss_mib", NSTAGES),
-            "ru_maxrss_mib_per_rank": per_rank_median(rs, "ru_maxrss_mib", NSTAGES),
-            "setup_peak_rss_mib_per_rank": per_rank_median(rs, "setup_peak_rss_mib", NSTAGES),
-            "cpu_ms_per_step_per_rank": per_rank_median(rs, "cpu_ms_per_step", NSTAGES),
-            "foreign_load_cores": [r["foreign_load_cores"] for r in rs],
-            "first_loss": rs[0]["losses"][0],
-            "final_loss": rs[0]["losses"][-1],
-            "losses": rs[0]["losses"],
-            "param_checksum": rs[0]["param_checksum"],
-            "stage_params": rs[0]["stage_params"],
-            "threads_seen": rs[0]["threads"],
-            "describe": rs[0]["describe"],
-            "split_check": rs[0]["split_check"],
-            **({"failed_later": failures[cfg["name"]]} if cfg["name"] in failures else {}),
-        })
+        rows.append(
+            {
+                **cfg,
+                "median_ms": statistics.median(meds),
+                "min_ms": min(meds),
+                "round_medians_ms": meds,
+                "schedule_ms_per_stage": per_rank_median(rs, "schedule_ms", NSTAGES),
+                "wait_ms_per_stage": per_rank_median(rs, "wait_ms", NSTAGES),
+                "bubble_per_stage": bubble,
+                "bubble_max": max(b for b in bubble if b is not None) if any(b is not None for b in bubble) else None,
+                "peak_rss_mib_per_rank": per_rank_median(rs, "peak_rss_mib", NSTAGES),
+                "ru_maxrss_mib_per_rank": per_rank_median(rs, "ru_maxrss_mib", NSTAGES),
+                "setup_peak_rss_mib_per_rank": per_rank_median(rs, "setup_peak_rss_mib", NSTAGES),
+                "cpu_ms_per_step_per_rank": per_rank_median(rs, "cpu_ms_per_step", NSTAGES),
+                "foreign_load_cores": [r["foreign_load_cores"] for r in rs],
+                "first_loss": rs[0]["losses"][0],
+                "final_loss": rs[0]["losses"][-1],
+                "losses": rs[0]["losses"],
+                "param_checksum": rs[0]["param_checksum"],
+                "stage_params": rs[0]["stage_params"],
+                "threads_seen": rs[0]["threads"],
+                "describe": rs[0]["describe"],
+                "split_check": rs[0]["split_check"],
+                **({"failed_later": failures[cfg["name"]]} if cfg["name"] in failures else {}),
+            }
+        )
     ok_rows = [r for r in rows if "failed" not in r]
     by = {r["name"]: r for r in ok_rows}
     for r in ok_rows:
@@ -176,9 +198,17 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             d_last = abs(r["final_loss"] - ref["final_loss"]) / abs(ref["final_loss"])
             d_max = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref["losses"]))
             d_sum = abs(r["param_checksum"] - ref["param_checksum"]) / max(1e-12, abs(ref["param_checksum"]))
-            checks.append({"name": r["name"], "reference": ref["name"], "first_loss_rel_diff": d_first,
-                           "final_loss_rel_diff": d_last, "max_step_loss_rel_diff": d_max,
-                           "param_checksum_rel_diff": d_sum, "ok": d_first < TOL_FIRST and d_last < TOL_FINAL})
+            checks.append(
+                {
+                    "name": r["name"],
+                    "reference": ref["name"],
+                    "first_loss_rel_diff": d_first,
+                    "final_loss_rel_diff": d_last,
+                    "max_step_loss_rel_diff": d_max,
+                    "param_checksum_rel_diff": d_sum,
+                    "ok": d_first < TOL_FIRST and d_last < TOL_FINAL,
+                }
+            )
 
     # -------- target ratios
     targets: dict[str, Any] = {}
@@ -187,17 +217,38 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             continue
         ratio = by[num]["median_ms"] / by[den]["median_ms"]
         paired = [a["median_ms"] / b["median_ms"] for a, b in zip(rounds[num], rounds[den])]
-        targets[tname] = {"ratio": ratio, "target": limit, "meets": ratio <= limit, "per_round": paired,
-                          "per_round_median": statistics.median(paired) if paired else None,
-                          "numerator": num, "denominator": den}
+        targets[tname] = {
+            "ratio": ratio,
+            "target": limit,
+            "meets": ratio <= limit,
+            "per_round": paired,
+            "per_round_median": statistics.median(paired) if paired else None,
+            "numerator": num,
+            "denominator": den,
+        }
 
     # -------- print (markdown)
-    print(f"\n### pipeline `mlp` ({nparams:,} parameters, {nb} blocks, {nb // NSTAGES} per stage), global batch "
-          f"{base['global_batch']}, pp={p}, m={m}, 2 ranks x 1 thread, gloo\n")
-    print(f"median over {args.rounds} rounds of the median step time (slower rank per step; {base['warmup']} warm-up + "
-          f"{base['steps']} timed steps per run); wall {wall:.0f} s; theoretical bubble (p-1)/(m+p-1) = {theory:.3f}\n")
-    cols = ["configuration", "median ms", "rounds min-max", "x torch (same schedule)", "schedule ms/stage",
-            "wait ms/stage", "bubble/stage", "bubble max", "peak RSS MiB/rank", "CPU ms/step/rank", "final loss"]
+    print(
+        f"\n### pipeline `mlp` ({nparams:,} parameters, {nb} blocks, {nb // NSTAGES} per stage), global batch "
+        f"{base['global_batch']}, pp={p}, m={m}, 2 ranks x 1 thread, gloo\n"
+    )
+    print(
+        f"median over {args.rounds} rounds of the median step time (slower rank per step; {base['warmup']} warm-up + "
+        f"{base['steps']} timed steps per run); wall {wall:.0f} s; theoretical bubble (p-1)/(m+p-1) = {theory:.3f}\n"
+    )
+    cols = [
+        "configuration",
+        "median ms",
+        "rounds min-max",
+        "x torch (same schedule)",
+        "schedule ms/stage",
+        "wait ms/stage",
+        "bubble/stage",
+        "bubble max",
+        "peak RSS MiB/rank",
+        "CPU ms/step/rank",
+        "final loss",
+    ]
     print("| " + " | ".join(cols) + " |")
     print("|" + "|".join("---" if i == 0 else "---:" for i in range(len(cols))) + "|")
     for r in rows:
@@ -206,33 +257,50 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             continue
         spread = f"{min(r['round_medians_ms']):.1f}-{max(r['round_medians_ms']):.1f}"
         xt = f"{r['x_torch_same_schedule']:.3f}" if r["x_torch_same_schedule"] is not None else "-"
-        print(f"| {r['name']} | {r['median_ms']:.1f} | {spread} | {xt} | {_fmt(r['schedule_ms_per_stage'], '{:.1f}')} | "
-              f"{_fmt(r['wait_ms_per_stage'], '{:.1f}')} | {_fmt(r['bubble_per_stage'], '{:.3f}')} | "
-              f"{r['bubble_max']:.3f} | {_fmt(r['peak_rss_mib_per_rank'])} | "
-              f"{_fmt(r['cpu_ms_per_step_per_rank'])} | {r['final_loss']:.6f} |")
-    print("\n(bubble = wait / schedule wall time per stage. phalanx: `last_step_timing` idle_s / step_s, the time "
-          "blocked on p2p receives. torch: wall time inside `schedules._wait_batch_p2p` (receives, and in 1F1B the "
-          "sends fused with them) / wall time of `schedule.step()`.)")
+        print(
+            f"| {r['name']} | {r['median_ms']:.1f} | {spread} | {xt} | {_fmt(r['schedule_ms_per_stage'], '{:.1f}')} | "
+            f"{_fmt(r['wait_ms_per_stage'], '{:.1f}')} | {_fmt(r['bubble_per_stage'], '{:.3f}')} | "
+            f"{r['bubble_max']:.3f} | {_fmt(r['peak_rss_mib_per_rank'])} | "
+            f"{_fmt(r['cpu_ms_per_step_per_rank'])} | {r['final_loss']:.6f} |"
+        )
+    print(
+        "\n(bubble = wait / schedule wall time per stage. phalanx: `last_step_timing` idle_s / step_s, the time "
+        "blocked on p2p receives. torch: wall time inside `schedules._wait_batch_p2p` (receives, and in 1F1B the "
+        "sends fused with them) / wall time of `schedule.step()`.)"
+    )
     if targets:
         print("\n| target | ratio | target | verdict | per round (median) |\n|---|---:|---:|---|---|")
         for t in targets.values():
             per = ", ".join(f"{x:.3f}" for x in t["per_round"]) or "-"
             pm = f" ({t['per_round_median']:.3f})" if t["per_round_median"] is not None else ""
-            print(f"| {t['numerator']} / {t['denominator']} step time | {t['ratio']:.3f} | <= {t['target']} | "
-                  f"{'meets' if t['meets'] else 'MISSES'} | {per}{pm} |")
+            print(
+                f"| {t['numerator']} / {t['denominator']} step time | {t['ratio']:.3f} | <= {t['target']} | "
+                f"{'meets' if t['meets'] else 'MISSES'} | {per}{pm} |"
+            )
     if checks and ref is not None:
         bad = [c for c in checks if not c["ok"]]
-        print(f"\nsetup check vs {ref['name']} (same init, same global batches; first and final loss rel diff < "
-              f"{TOL_FIRST:g} / {TOL_FINAL:g}): " + ("OK" if not bad else "FAILED for " + ", ".join(c["name"] for c in bad)))
+        print(
+            f"\nsetup check vs {ref['name']} (same init, same global batches; first and final loss rel diff < "
+            f"{TOL_FIRST:g} / {TOL_FINAL:g}): "
+            + ("OK" if not bad else "FAILED for " + ", ".join(c["name"] for c in bad))
+        )
         for c in checks:
-            print(f"  {c['name']:<22} first {c['first_loss_rel_diff']:.1e}, final {c['final_loss_rel_diff']:.1e}, "
-                  f"max over steps {c['max_step_loss_rel_diff']:.1e}, param checksum {c['param_checksum_rel_diff']:.1e}"
-                  + ("" if c["ok"] else "   <-- MISMATCH"))
+            print(
+                f"  {c['name']:<22} first {c['first_loss_rel_diff']:.1e}, final {c['final_loss_rel_diff']:.1e}, "
+                f"max over steps {c['max_step_loss_rel_diff']:.1e}, param checksum {c['param_checksum_rel_diff']:.1e}"
+                + ("" if c["ok"] else "   <-- MISMATCH")
+            )
     splits = [(r["name"], r["split_check"]) for r in ok_rows if r["kind"] == "phalanx"]
     for name, sc in splits:
         ok = all(s and s.get("ok") for s in sc)
-        print(f"split check {name}: " + ("stage k holds blocks " + "; ".join(f"{s['stage']}: {s['blocks']}" for s in sc)
-                                         if ok else f"FAILED {sc}"))
+        print(
+            f"split check {name}: "
+            + (
+                "stage k holds blocks " + "; ".join(f"{s['stage']}: {s['blocks']}" for s in sc)
+                if ok
+                else f"FAILED {sc}"
+            )
+        )
     if failures:
         print("\nfailed configurations:")
         for name, err in failures.items():
@@ -248,21 +316,21 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "wall_s": wall,
         "definitions": {
             "median_ms": "median over rounds of (median over timed steps of the step time, the slowest rank per step); "
-                         "a step is the schedule (torch: schedule.step(); phalanx: engine.train_step(), which includes "
-                         "the optimizer step) + optimizer.step() + zero_grad()",
+            "a step is the schedule (torch: schedule.step(); phalanx: engine.train_step(), which includes "
+            "the optimizer step) + optimizer.step() + zero_grad()",
             "x_torch_same_schedule": "median_ms / median_ms of the torch row with the same schedule (lower is better)",
             "schedule_ms_per_stage": "median over steps of the schedule's own wall time (phalanx: last_step_timing"
-                                     "['step_s']; torch: schedule.step()), median over rounds",
+            "['step_s']; torch: schedule.step()), median over rounds",
             "wait_ms_per_stage": "phalanx: last_step_timing['idle_s'] (blocked on p2p receives); torch: wall time in "
-                                 "schedules._wait_batch_p2p (all p2p waits; 1F1B fuses sends with receives)",
+            "schedules._wait_batch_p2p (all p2p waits; 1F1B fuses sends with receives)",
             "bubble_per_stage": "median over steps of wait / schedule time, median over rounds",
             "theoretical_bubble": "(p-1)/(m+p-1)",
             "peak_rss_mib_per_rank": "VmHWM of /proc/self/status at the end of training, median over rounds",
             "ru_maxrss_mib_per_rank": "getrusage(RUSAGE_SELF).ru_maxrss at the end of training (never below the "
-                                      "driver's RSS, see bench_zero)",
+            "driver's RSS, see bench_zero)",
             "targets": {k: f"{v[0]} / {v[1]} step time <= {v[2]}" for k, v in TARGETS.items()},
             "setup_checks": f"first and final loss (last stage) relative to torch ScheduleGPipe's: < {TOL_FIRST:g} "
-                            f"and < {TOL_FINAL:g}; param_checksum = sum over stages of the float64 sum of parameters",
+            f"and < {TOL_FINAL:g}; param_checksum = sum over stages of the float64 sum of parameters",
         },
         **sources,
         "targets": targets,
@@ -278,14 +346,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_round_flags(p, rounds=5)
     p.add_argument("--steps", type=int, default=None, help=f"timed steps per run ({DEFAULTS['steps']})")
     p.add_argument("--warmup", type=int, default=None, help=f"untimed warm-up steps per run ({DEFAULTS['warmup']})")
-    p.add_argument("--global-batch", dest="global_batch", type=int, default=None,
-                   help=f"global batch ({DEFAULTS['global_batch']})")
+    p.add_argument(
+        "--global-batch", dest="global_batch", type=int, default=None, help=f"global batch ({DEFAULTS['global_batch']})"
+    )
     p.add_argument("--microbatches", type=int, default=None, help=f"micro-batches m ({DEFAULTS['microbatches']})")
     p.add_argument("--d", type=int, default=None, help=f"block width ({DEFAULTS['d']})")
     p.add_argument("--blocks", dest="n_blocks", type=int, default=None, help=f"blocks ({DEFAULTS['n_blocks']})")
-    p.add_argument("--only", default="",
-                   help="comma-separated keys, kinds or names: torch_gpipe, torch_1f1b, phalanx_gpipe, phalanx_1f1b "
-                        "(kinds: torch, phalanx)")
+    p.add_argument(
+        "--only",
+        default="",
+        help="comma-separated keys, kinds or names: torch_gpipe, torch_1f1b, phalanx_gpipe, phalanx_1f1b "
+        "(kinds: torch, phalanx)",
+    )
     p.add_argument("--adamw", choices=["default", "foreach", "fused"], default="default")
     p.add_argument("--seed", type=int, default=1234)
     add_output_flags(p, HERE / "results", f"pipeline-{WORKLOAD}")

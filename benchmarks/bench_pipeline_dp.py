@@ -26,8 +26,16 @@ if str(HERE) not in sys.path:
 
 import pipeline_dp_workers  # noqa: E402
 from harness import (  # noqa: E402
-    add_output_flags, add_round_flags, environment, interleaved_rounds, mean_over_ranks, slowest_rank, source_record,
-    source_state, spawn_ranks, write_result,
+    add_output_flags,
+    add_round_flags,
+    environment,
+    interleaved_rounds,
+    mean_over_ranks,
+    slowest_rank,
+    source_record,
+    source_state,
+    spawn_ranks,
+    write_result,
 )
 
 STEM = "pipeline-dp-mlp"
@@ -72,9 +80,13 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     world = base["pp"] * base["dp"]
     configs = configurations(args.only)
     d, nb = base["d"], base["n_blocks"]
-    print(f"\n=== pipeline x dp: {nb} residual MLP blocks d={d} ({nb * (8 * d * d + 5 * d):,} parameters), pp={base['pp']}"
-          f" x dp={base['dp']} on {world} ranks (gloo x 1 thread), {base['schedule']}, m={base['microbatches']}, "
-          f"global batch {base['global_batch']}, {base['warmup']} warm-up + {base['steps']} timed steps ===", flush=True)
+    print(
+        f"\n=== pipeline x dp: {nb} residual MLP blocks d={d} ({nb * (8 * d * d + 5 * d):,} parameters), "
+        f"pp={base['pp']} x dp={base['dp']} on {world} ranks (gloo x 1 thread), {base['schedule']}, "
+        f"m={base['microbatches']}, "
+        f"global batch {base['global_batch']}, {base['warmup']} warm-up + {base['steps']} timed steps ===",
+        flush=True,
+    )
     start = source_state()
 
     def run(cfg: dict[str, Any]) -> list[dict[str, Any]]:
@@ -93,12 +105,19 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         if not rs:
             rows.append({**cfg, "failed": failures.get(cfg["name"], "no result")})
             continue
-        rows.append({**cfg, "median_ms": statistics.median(r["median_ms"] for r in rs),
-                     "round_medians_ms": [r["median_ms"] for r in rs],
-                     "optimizer_state_mib_per_rank": rs[0]["optimizer_state_mib"],
-                     "peak_rss_mib_per_rank": [statistics.median(r["peak_rss_mib"][k] for r in rs) for k in range(world)],
-                     "losses": rs[0]["losses"], "param_checksum": rs[0]["param_checksum"],
-                     "stage_params": rs[0]["stage_params"], "describe": rs[0]["describe"]})  # fmt: skip
+        rows.append(
+            {
+                **cfg,
+                "median_ms": statistics.median(r["median_ms"] for r in rs),
+                "round_medians_ms": [r["median_ms"] for r in rs],
+                "optimizer_state_mib_per_rank": rs[0]["optimizer_state_mib"],
+                "peak_rss_mib_per_rank": [statistics.median(r["peak_rss_mib"][k] for r in rs) for k in range(world)],
+                "losses": rs[0]["losses"],
+                "param_checksum": rs[0]["param_checksum"],
+                "stage_params": rs[0]["stage_params"],
+                "describe": rs[0]["describe"],
+            }
+        )
     by = {r["key"]: r for r in rows if "failed" not in r}
     ref = by.get("phalanx_pp")
     checks = []
@@ -106,43 +125,69 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         if ref is not None and r is not ref:
             d_loss = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref["losses"]))
             d_sum = abs(r["param_checksum"] - ref["param_checksum"]) / abs(ref["param_checksum"])
-            checks.append({"name": r["name"], "max_step_loss_rel_diff": d_loss, "param_checksum_rel_diff": d_sum,
-                           "ok": d_loss < TOL})
+            checks.append(
+                {
+                    "name": r["name"],
+                    "max_step_loss_rel_diff": d_loss,
+                    "param_checksum_rel_diff": d_sum,
+                    "ok": d_loss < TOL,
+                }
+            )
     ratios: dict[str, Any] = {}
-    for name, (num, den) in {"zero1_over_pp_step": ("phalanx_pp_zero1", "phalanx_pp"),
-                             "zero1_over_ds_zero1_step": ("phalanx_pp_zero1", "ds_pp_zero1"),
-                             "pp_over_ds_pp_step": ("phalanx_pp", "ds_pp")}.items():  # fmt: skip
+    for name, (num, den) in {
+        "zero1_over_pp_step": ("phalanx_pp_zero1", "phalanx_pp"),
+        "zero1_over_ds_zero1_step": ("phalanx_pp_zero1", "ds_pp_zero1"),
+        "pp_over_ds_pp_step": ("phalanx_pp", "ds_pp"),
+    }.items():
         if num in by and den in by:
             a, b = by[num], by[den]
             paired = [x["median_ms"] / y["median_ms"] for x, y in zip(rounds[a["name"]], rounds[b["name"]])]
             ratios[name] = {"ratio": a["median_ms"] / b["median_ms"], "per_round": paired}
     if "phalanx_pp_zero1" in by and "phalanx_pp" in by:
-        ratios["zero1_over_pp_optimizer_state"] = {"ratio": max(by["phalanx_pp_zero1"]["optimizer_state_mib_per_rank"])
-                                                   / max(by["phalanx_pp"]["optimizer_state_mib_per_rank"])}  # fmt: skip
+        ratios["zero1_over_pp_optimizer_state"] = {
+            "ratio": max(by["phalanx_pp_zero1"]["optimizer_state_mib_per_rank"])
+            / max(by["phalanx_pp"]["optimizer_state_mib_per_rank"])
+        }
 
-    print(f"\n### pp={base['pp']} x dp={base['dp']}, {world} ranks x 1 thread on {world // 2 if world > 2 else 1}x "
-          f"oversubscribed cores; wall {wall:.0f} s\n")
+    print(
+        f"\n### pp={base['pp']} x dp={base['dp']}, {world} ranks x 1 thread on {world // 2 if world > 2 else 1}x "
+        f"oversubscribed cores; wall {wall:.0f} s\n"
+    )
     print("| configuration | median ms/step | per round | optimizer state MiB per rank | peak RSS MiB per rank |")
     print("|---|---:|---|---|---|")
     for r in rows:
         if "failed" in r:
             print(f"| {r['name']} | failed: {r['failed'][:120]} | | | |")
             continue
-        print(f"| {r['name']} | {r['median_ms']:.1f} | {', '.join(f'{v:.0f}' for v in r['round_medians_ms'])} | "
-              f"{' / '.join(f'{v:.1f}' for v in r['optimizer_state_mib_per_rank'])} | "
-              f"{' / '.join(f'{v:.0f}' for v in r['peak_rss_mib_per_rank'])} |")
+        print(
+            f"| {r['name']} | {r['median_ms']:.1f} | {', '.join(f'{v:.0f}' for v in r['round_medians_ms'])} | "
+            f"{' / '.join(f'{v:.1f}' for v in r['optimizer_state_mib_per_rank'])} | "
+            f"{' / '.join(f'{v:.0f}' for v in r['peak_rss_mib_per_rank'])} |"
+        )
     for name, v in ratios.items():
         per = f" (per round {', '.join(f'{x:.2f}' for x in v['per_round'])})" if "per_round" in v else ""
         print(f"- {name}: {v['ratio']:.2f}{per}")
     for c in checks:
-        print(f"- same model as phalanx pipeline: {c['name']}: max step loss rel diff {c['max_step_loss_rel_diff']:.1e}, "
-              f"checksum rel diff {c['param_checksum_rel_diff']:.1e}{'' if c['ok'] else '  MISMATCH'}")
-    return {"workload": base, "wall_s": wall, **sources, "ratios": ratios, "setup_checks": checks,
-            "failures": failures, "configs": rows, "raw_rounds": rounds,
-            "definitions": {"median_ms": "median over rounds of (median over timed steps of the slowest rank's step)",
-                            "optimizer_state_mib_per_rank": "bytes of tensors in the torch optimizer's state with dim "
-                                                            "> 0 (AdamW exp_avg, exp_avg_sq), rank order pp-major",
-                            "peak_rss_mib_per_rank": "VmHWM at the end of training, median over rounds"}}  # fmt: skip
+        print(
+            f"- same model as phalanx pipeline: {c['name']}: max step loss rel diff {c['max_step_loss_rel_diff']:.1e}, "
+            f"checksum rel diff {c['param_checksum_rel_diff']:.1e}{'' if c['ok'] else '  MISMATCH'}"
+        )
+    return {
+        "workload": base,
+        "wall_s": wall,
+        **sources,
+        "ratios": ratios,
+        "setup_checks": checks,
+        "failures": failures,
+        "configs": rows,
+        "raw_rounds": rounds,
+        "definitions": {
+            "median_ms": "median over rounds of (median over timed steps of the slowest rank's step)",
+            "optimizer_state_mib_per_rank": "bytes of tensors in the torch optimizer's state with dim "
+            "> 0 (AdamW exp_avg, exp_avg_sq), rank order pp-major",
+            "peak_rss_mib_per_rank": "VmHWM at the end of training, median over rounds",
+        },
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,8 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     add_round_flags(p, rounds=3)
     p.add_argument("--steps", type=int, default=None, help=f"timed steps per run ({DEFAULTS['steps']})")
     p.add_argument("--warmup", type=int, default=None, help=f"untimed warm-up steps per run ({DEFAULTS['warmup']})")
-    p.add_argument("--only", default="", help="comma-separated keys or kinds: phalanx_pp, phalanx_pp_zero1, ds_pp, "
-                                              "ds_pp_zero1 (kinds: phalanx, deepspeed)")  # fmt: skip
+    p.add_argument(
+        "--only",
+        default="",
+        help="comma-separated keys or kinds: phalanx_pp, phalanx_pp_zero1, ds_pp, "
+        "ds_pp_zero1 (kinds: phalanx, deepspeed)",
+    )
     p.add_argument("--seed", type=int, default=1234)
     add_output_flags(p, HERE / "results", STEM)
     args = p.parse_args(argv)

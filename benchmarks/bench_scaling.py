@@ -2,8 +2,8 @@
 DeepSpeed ZeRO-3 where it is installed), for world sizes 1-4 and GPT models from 8M to 200M parameters, on CPU
 over gloo.
 
-    .venv/bin/python benchmarks/bench_scaling.py                       # the full grid (64 min with ~1 core of other work)
-    .venv/bin/python benchmarks/bench_scaling.py --quick               # 8M and 25M, world sizes 1 and 2 (about 5 min)
+    .venv/bin/python benchmarks/bench_scaling.py                     # the full grid (64 min with ~1 core of other work)
+    .venv/bin/python benchmarks/bench_scaling.py --quick             # 8M and 25M, world sizes 1 and 2 (about 5 min)
     .venv/bin/python benchmarks/bench_scaling.py --sizes 8m,50m --worlds 2,4 --strategies zero3,fsdp2
     .venv/bin/python benchmarks/bench_scaling.py --replot benchmarks/results/scaling-cpu.json   # table + plot again
 
@@ -36,8 +36,16 @@ if str(HERE) not in sys.path:
 import scaling_workers  # noqa: E402
 from bench_zero import TOL_FINAL, TOL_FIRST, deepspeed_status, summarize_round  # noqa: E402
 from harness import (  # noqa: E402
-    RANK_THREADS, add_output_flags, add_round_flags, environment, interleaved_rounds, per_rank_median, source_record,
-    source_state, spawn_ranks, write_result,
+    RANK_THREADS,
+    add_output_flags,
+    add_round_flags,
+    environment,
+    interleaved_rounds,
+    per_rank_median,
+    source_record,
+    source_state,
+    spawn_ranks,
+    write_result,
 )
 
 STEM = "scaling-cpu"
@@ -90,33 +98,45 @@ def run_cell(size: str, world: int, keys: list[str], args: argparse.Namespace) -
     """Every strategy of ``keys`` at one (model size, world size), in interleaved rounds; the cell's rows."""
     warmup, steps = STEPS[size]
     spec = {
-        "seed": args.seed, "lr": 1e-3, "adamw": args.adamw,
+        "seed": args.seed,
+        "lr": 1e-3,
+        "adamw": args.adamw,
         "gpt": {**SIZES[size], "block_size": args.seq},
-        "local_batch": args.local_batch, "global_batch": args.local_batch * world,
+        "local_batch": args.local_batch,
+        "global_batch": args.local_batch * world,
         "warmup": args.warmup if args.warmup is not None else warmup,
         "steps": args.steps if args.steps is not None else steps,
-    }  # fmt: skip
+    }
     n_params = param_count(size, args.seq)
     configs = []
     for k in keys:
         name, kind, extra = STRATEGIES[k]
         configs.append({"key": k, "name": name, "kind": kind, "spec": {**spec, **extra}})
-    print(f"\n=== {size} ({n_params / 1e6:.1f}M parameters), world size {world}: {len(configs)} strategies, "
-          f"{spec['warmup']} warm-up + {spec['steps']} timed steps, {args.rounds} round(s) ===", flush=True)  # fmt: skip
+    print(
+        f"\n=== {size} ({n_params / 1e6:.1f}M parameters), world size {world}: {len(configs)} strategies, "
+        f"{spec['warmup']} warm-up + {spec['steps']} timed steps, {args.rounds} round(s) ===",
+        flush=True,
+    )
 
     def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         s = summarize_round(results)
-        s.update(build_peak_rss_mib=[r["build_peak_hwm_mib"] for r in results],
-                 base_rss_mib=[r["base_rss_mib"] for r in results], hwm_reset=all(r["hwm_reset"] for r in results))
-        return s  # fmt: skip
+        s.update(
+            build_peak_rss_mib=[r["build_peak_hwm_mib"] for r in results],
+            base_rss_mib=[r["base_rss_mib"] for r in results],
+            hwm_reset=all(r["hwm_reset"] for r in results),
+        )
+        return s
 
     def headline(s: dict[str, Any]) -> str:
         run_peak = max(max(a, b) for a, b in zip(s["build_peak_rss_mib"], s["peak_rss_mib"]))
         return f"{s['median_ms']:9.1f} ms/step, peak {run_peak:6.0f} MiB/rank (steps {max(s['peak_rss_mib']):6.0f})"
 
     rounds, failures, wall = interleaved_rounds(
-        configs, args, lambda cfg: spawn_ranks(scaling_workers.run, world, (cfg["kind"], cfg["spec"]), args.timeout),
-        summarize, headline,
+        configs,
+        args,
+        lambda cfg: spawn_ranks(scaling_workers.run, world, (cfg["kind"], cfg["spec"]), args.timeout),
+        summarize,
+        headline,
     )
     rows = [_row(cfg, rounds[cfg["name"]], failures.get(cfg["name"]), world) for cfg in configs]
     cell = {"size": size, "world": world, "n_params": n_params, "spec": spec, "wall_s": wall, "rows": rows}
@@ -180,7 +200,11 @@ def _add_ratios(cell: dict[str, Any]) -> None:
     for r in ok.values():
         first = abs(r["losses"][0] - ref["losses"][0]) / abs(ref["losses"][0])
         final = abs(r["losses"][-1] - ref["losses"][-1]) / abs(ref["losses"][-1])
-        r["loss_check"] = {"first_rel_diff": first, "final_rel_diff": final, "ok": first < TOL_FIRST and final < TOL_FINAL}
+        r["loss_check"] = {
+            "first_rel_diff": first,
+            "final_rel_diff": final,
+            "ok": first < TOL_FIRST and final < TOL_FINAL,
+        }
 
 
 # ================================================================================================ table
@@ -197,7 +221,9 @@ def _sizes_of(result: dict[str, Any]) -> list[tuple[str, int]]:
     return sorted(seen.items(), key=lambda kv: kv[1])
 
 
-def _grid(result: dict[str, Any]) -> tuple[list[int], list[tuple[str, int]], list[str], dict[tuple[int, str, str], Any]]:
+def _grid(
+    result: dict[str, Any],
+) -> tuple[list[int], list[tuple[str, int]], list[str], dict[tuple[int, str, str], Any]]:
     """World sizes, (size, parameters), row names (in --strategies order) and {(world, size, name): row}."""
     worlds = sorted({c["world"] for c in result["cells"]})
     names: list[str] = []
@@ -215,8 +241,13 @@ def _per_world_tables(result: dict[str, Any], figure: Callable[[dict[str, Any]],
     worlds, sizes, names, by = _grid(result)
     out = []
     for w in worlds:
-        out += ["", f"world size {w}", "", "| strategy | " + " | ".join(f"{n / 1e6:.0f}M" for _, n in sizes) + " |",
-                "|---|" + "---:|" * len(sizes)]  # fmt: skip
+        out += [
+            "",
+            f"world size {w}",
+            "",
+            "| strategy | " + " | ".join(f"{n / 1e6:.0f}M" for _, n in sizes) + " |",
+            "|---|" + "---:|" * len(sizes),
+        ]
         for name in names:
             rows = [by.get((w, s, name)) for s, _ in sizes]
             cells = ["" if r is None else "FAILED" if "failed" in r else figure(r) for r in rows]
@@ -231,45 +262,74 @@ def markdown(result: dict[str, Any]) -> str:
     out = [
         "# Scaling curves on CPU: phalanx ddp / zero1 / zero2 / zero3 beside the peers",
         "",
-        (f"`TinyGPT` (bytes, tied head) at {len(sizes)} sizes; every rank trains {st['local_batch']} sequence(s) of "
-         f"{st['seq']} tokens per step at every world size (weak scaling: global batch = {st['local_batch']} x world "
-         f"size); AdamW ({st['adamw']}), fp32, gloo, {RANK_THREADS} thread per rank on a "
-         f"{result['environment']['cpu_count']}-core machine, so 3 and 4 ranks share 2 cores. Step time: the slowest "
-         f"rank per step, median over the timed steps (warm-up + timed: {steps}), median "
-         f"over {st['rounds']} round(s). Peak RSS: VmHWM of /proc/self/status, max over ranks."),
+        (
+            f"`TinyGPT` (bytes, tied head) at {len(sizes)} sizes; every rank trains {st['local_batch']} sequence(s) of "
+            f"{st['seq']} tokens per step at every world size (weak scaling: global batch = {st['local_batch']} x "
+            f"world size); AdamW ({st['adamw']}), fp32, gloo, {RANK_THREADS} thread per rank on a "
+            f"{result['environment']['cpu_count']}-core machine, so 3 and 4 ranks share 2 cores. Step time: the "
+            f"slowest rank per step, median over the timed steps (warm-up + timed: {steps}), median "
+            f"over {st['rounds']} round(s). Peak RSS: VmHWM of /proc/self/status, max over ranks."
+        ),
         "",
         f"Peers: {'; '.join(f'{k}: {v}' for k, v in result['peers'].items())}.",
         "",
         _load_note(result),
         "",
         "## Step time, ms (x our ddp at the same world size and model size)",
-    ]  # fmt: skip
+    ]
     out += _per_world_tables(result, lambda r: f"{r['median_ms']:.0f} ({_fmt(r.get('x_ddp'), '.2f')})")
-    out += ["", "## Peak RSS per rank, MiB (max over ranks): whole run / training steps only", "",
-            ("The whole run includes building the full model on every rank (every row here does, before it shards); "
-             "the training-steps figure is VmHWM after a reset once the model was built and wrapped."), "",
-            ("A phalanx row's third figure is `engine.memory_report()['predicted_total']` (the ZeRO paper's model: "
-             "parameters, gradients and AdamW state this rank holds; no activations, buffers or the ~300 MiB of the "
-             "torch import).")]  # fmt: skip
-    out += _per_world_tables(result, lambda r: f"{r['peak_rss_mib']:.0f} / {r['steps_peak_rss_mib']:.0f}"
-                             + (f" / pred {r['predicted_mib']:.0f}" if "predicted_mib" in r else ""))  # fmt: skip
+    out += [
+        "",
+        "## Peak RSS per rank, MiB (max over ranks): whole run / training steps only",
+        "",
+        (
+            "The whole run includes building the full model on every rank (every row here does, before it shards); "
+            "the training-steps figure is VmHWM after a reset once the model was built and wrapped."
+        ),
+        "",
+        (
+            "A phalanx row's third figure is `engine.memory_report()['predicted_total']` (the ZeRO paper's model: "
+            "parameters, gradients and AdamW state this rank holds; no activations, buffers or the ~300 MiB of the "
+            "torch import)."
+        ),
+    ]
+    out += _per_world_tables(
+        result,
+        lambda r: (
+            f"{r['peak_rss_mib']:.0f} / {r['steps_peak_rss_mib']:.0f}"
+            + (f" / pred {r['predicted_mib']:.0f}" if "predicted_mib" in r else "")
+        ),
+    )
     for num, den in PEER_RATIOS:
         key = f"{num} / {den}"
         if not any(key in c["peer_ratios"] for c in result["cells"]):
             continue
-        out += ["", f"## {key}: step time, peak RSS (whole run), peak RSS (steps)", "",
-                "| world size | " + " | ".join(f"{n / 1e6:.0f}M" for _, n in sizes) + " |", "|---|" + "---:|" * len(sizes)]
+        out += [
+            "",
+            f"## {key}: step time, peak RSS (whole run), peak RSS (steps)",
+            "",
+            "| world size | " + " | ".join(f"{n / 1e6:.0f}M" for _, n in sizes) + " |",
+            "|---|" + "---:|" * len(sizes),
+        ]
         for w in worlds:
             cells = []
             for s, _ in sizes:
                 c = next((c for c in result["cells"] if c["world"] == w and c["size"] == s), None)
                 pr = c["peer_ratios"].get(key) if c else None
-                cells.append("" if pr is None else f"{pr['step']:.2f}, {pr['peak_rss']:.2f}, {pr['steps_peak_rss']:.2f}")
+                cells.append(
+                    "" if pr is None else f"{pr['step']:.2f}, {pr['peak_rss']:.2f}, {pr['steps_peak_rss']:.2f}"
+                )
             out.append(f"| {w} | " + " | ".join(cells) + " |")
-    out += ["", "## Every row", "",
-            ("| params | world | strategy | step ms | x our ddp | peak RSS MiB/rank | steps peak | steps peak above "
-             "import | predicted MiB | held MiB | foreign load (cores) | loss vs our ddp |"),
-            "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+    out += [
+        "",
+        "## Every row",
+        "",
+        (
+            "| params | world | strategy | step ms | x our ddp | peak RSS MiB/rank | steps peak | steps peak above "
+            "import | predicted MiB | held MiB | foreign load (cores) | loss vs our ddp |"
+        ),
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for c in result["cells"]:
         for r in c["rows"]:
             lead = f"| {c['n_params'] / 1e6:.1f}M | {c['world']} | {r['name']} |"
@@ -279,14 +339,22 @@ def markdown(result: dict[str, Any]) -> str:
             fl = [f for f in r["foreign_load_cores"] if f is not None]
             lc = r.get("loss_check")
             check = "-" if lc is None else ("ok" if lc["ok"] else "MISMATCH") + f" ({lc['final_rel_diff']:.0e})"
-            out.append(f"{lead} {r['median_ms']:.1f} | {_fmt(r.get('x_ddp'), '.2f')} | {r['peak_rss_mib']:.0f} | "
-                       f"{r['steps_peak_rss_mib']:.0f} | {r['steps_peak_above_base_mib']:.0f} | "
-                       f"{_fmt(r.get('predicted_mib'))} | {_fmt(r.get('held_mib'))} | "
-                       f"{_fmt(max(fl) if fl else None, '.2f')} | {check} |")  # fmt: skip
-    out += ["", (f"phalanx {result['phalanx_commit']} (sources {result['phalanx_src_sha256']}), torch "
-                 f"{result['environment']['torch']}, finished {result.get('finished', '?')}; wall "
-                 f"{result['wall_s'] / 60:.1f} min."),
-            f"Command: `bench_scaling.py {' '.join(result.get('argv', []))}`", ""]  # fmt: skip
+            out.append(
+                f"{lead} {r['median_ms']:.1f} | {_fmt(r.get('x_ddp'), '.2f')} | {r['peak_rss_mib']:.0f} | "
+                f"{r['steps_peak_rss_mib']:.0f} | {r['steps_peak_above_base_mib']:.0f} | "
+                f"{_fmt(r.get('predicted_mib'))} | {_fmt(r.get('held_mib'))} | "
+                f"{_fmt(max(fl) if fl else None, '.2f')} | {check} |"
+            )
+    out += [
+        "",
+        (
+            f"phalanx {result['phalanx_commit']} (sources {result['phalanx_src_sha256']}), torch "
+            f"{result['environment']['torch']}, finished {result.get('finished', '?')}; wall "
+            f"{result['wall_s'] / 60:.1f} min."
+        ),
+        f"Command: `bench_scaling.py {' '.join(result.get('argv', []))}`",
+        "",
+    ]
     return "\n".join(out)
 
 
@@ -295,10 +363,12 @@ def _load_note(result: dict[str, Any]) -> str:
     if not loads:
         return "Foreign load: not measured."
     busy = sum(1 for f in loads if f > result["settings"]["max_foreign"])
-    return (f"The machine may have been shared with other work (tests, other benchmarks): the CPU time other "
-            f"processes used during the runs was {statistics.median(loads):.2f} cores in the median run and "
-            f"{max(loads):.2f} at most; {busy} of {len(loads)} runs saw more than {result['settings']['max_foreign']} "
-            f"cores (their foreign load is in the last table). Read ratios within a cell, not absolute times.")  # fmt: skip
+    return (
+        f"The machine may have been shared with other work (tests, other benchmarks): the CPU time other "
+        f"processes used during the runs was {statistics.median(loads):.2f} cores in the median run and "
+        f"{max(loads):.2f} at most; {busy} of {len(loads)} runs saw more than {result['settings']['max_foreign']} "
+        f"cores (their foreign load is in the last table). Read ratios within a cell, not absolute times."
+    )
 
 
 # ================================================================================================ plot
@@ -316,11 +386,14 @@ def plot(result: dict[str, Any], path: Path) -> str:
     except ImportError as e:
         return f"PNG skipped: matplotlib is not installed ({e}); pip install -e '.[plot]'"
     worlds, sizes, names, by = _grid(result)
-    panels = [("median step time (s)", lambda r: r["median_ms"] / 1e3),
-              ("peak RSS per rank, whole run (MiB)", lambda r: r["peak_rss_mib"]),
-              ("training steps' peak RSS above the import (MiB)", lambda r: r["steps_peak_above_base_mib"])]  # fmt: skip
-    fig, axes = plt.subplots(len(panels), len(worlds), figsize=(4.2 * len(worlds), 3.6 * len(panels)),
-                             squeeze=False, sharey="row")  # fmt: skip
+    panels = [
+        ("median step time (s)", lambda r: r["median_ms"] / 1e3),
+        ("peak RSS per rank, whole run (MiB)", lambda r: r["peak_rss_mib"]),
+        ("training steps' peak RSS above the import (MiB)", lambda r: r["steps_peak_above_base_mib"]),
+    ]
+    fig, axes = plt.subplots(
+        len(panels), len(worlds), figsize=(4.2 * len(worlds), 3.6 * len(panels)), squeeze=False, sharey="row"
+    )
     colors = {n: plt.get_cmap("tab10")(i) for i, n in enumerate(names)}
     plain = FuncFormatter(lambda v, _: f"{v:g}")
     # Between powers of ten, label 2x and 5x only: nine labels a decade crowd the panels.
@@ -329,15 +402,29 @@ def plot(result: dict[str, Any], path: Path) -> str:
         for i, (label, value) in enumerate(panels):
             ax = axes[i][j]
             for name in names:
-                pts = [(n, by[(w, s, name)]) for s, n in sizes if (w, s, name) in by and "failed" not in by[(w, s, name)]]
+                pts = [
+                    (n, by[(w, s, name)]) for s, n in sizes if (w, s, name) in by and "failed" not in by[(w, s, name)]
+                ]
                 if not pts:
                     continue
                 style = "--" if not name.startswith("phalanx") else "-"
-                ax.plot([n / 1e6 for n, _ in pts], [value(r) for _, r in pts], style, marker="o", ms=3,
-                        color=colors[name], label=name)  # fmt: skip
+                ax.plot(
+                    [n / 1e6 for n, _ in pts],
+                    [value(r) for _, r in pts],
+                    style,
+                    marker="o",
+                    ms=3,
+                    color=colors[name],
+                    label=name,
+                )
                 if i == 2 and all("predicted_mib" in r for _, r in pts):
-                    ax.plot([n / 1e6 for n, _ in pts], [r["predicted_mib"] for _, r in pts], ":", color=colors[name],
-                            label=f"{name} predicted")  # fmt: skip
+                    ax.plot(
+                        [n / 1e6 for n, _ in pts],
+                        [r["predicted_mib"] for _, r in pts],
+                        ":",
+                        color=colors[name],
+                        label=f"{name} predicted",
+                    )
             ax.set_xscale("log")
             ax.set_yscale("log")
             ax.set_xticks([n / 1e6 for _, n in sizes], [f"{n / 1e6:.0f}M" for _, n in sizes])
@@ -355,16 +442,23 @@ def plot(result: dict[str, Any], path: Path) -> str:
     ncol = max(1, min(len(labels), int(fig.get_figwidth() / 2.6)))
     legend_rows = -(-len(labels) // ncol)
     fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8)
-    fig.suptitle(f"phalanx vs peers on CPU (gloo, {RANK_THREADS} thread/rank, {result['environment']['cpu_count']} cores), "
-                 f"{result['settings']['local_batch']}x{result['settings']['seq']} tokens per rank per step")  # fmt: skip
+    fig.suptitle(
+        f"phalanx vs peers on CPU (gloo, {RANK_THREADS} thread/rank, {result['environment']['cpu_count']} cores), "
+        f"{result['settings']['local_batch']}x{result['settings']['seq']} tokens per rank per step"
+    )
     fig.tight_layout(rect=(0, 0.01 + 0.022 * legend_rows, 1, 0.97))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return f"wrote {path}"
 
 
-def write_outputs(result: dict[str, Any], args: argparse.Namespace, env: dict[str, Any], argv: list[str] | None,
-                  plot_status: str | None = None) -> None:  # fmt: skip
+def write_outputs(
+    result: dict[str, Any],
+    args: argparse.Namespace,
+    env: dict[str, Any],
+    argv: list[str] | None,
+    plot_status: str | None = None,
+) -> None:
     """The JSON (harness.write_result) and the Markdown table; the PNG too when ``plot_status`` is None, else that
     status (why there is no PNG) is recorded."""
     stem = Path(args.out) / (f"{STEM}-{args.tag}" if args.tag else STEM)
@@ -386,12 +480,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default=",".join(SIZES), help=f"model sizes, comma-separated, of {', '.join(SIZES)}")
     p.add_argument("--worlds", default="1,2,3,4", help="world sizes, comma-separated")
-    p.add_argument("--strategies", default=DEFAULT_STRATEGIES,
-                   help=f"comma-separated, of {', '.join(STRATEGIES)} (ds3 is skipped when deepspeed is not importable)")
+    p.add_argument(
+        "--strategies",
+        default=DEFAULT_STRATEGIES,
+        help=f"comma-separated, of {', '.join(STRATEGIES)} (ds3 is skipped when deepspeed is not importable)",
+    )
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (default: per size, 6 down to 3)")
     p.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps per run (default 2)")
-    p.add_argument("--quick", action="store_true",
-                   help="8m and 25m, world sizes 1 and 2, 1 warm-up + 2 timed steps; writes scaling-cpu-quick.*")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="8m and 25m, world sizes 1 and 2, 1 warm-up + 2 timed steps; writes scaling-cpu-quick.*",
+    )
     p.add_argument("--local-batch", type=int, default=1, help="sequences per rank per step")
     p.add_argument("--seq", type=int, default=64, help="tokens per sequence (the model's block size)")
     p.add_argument("--adamw", choices=["default", "foreach", "fused"], default="default")
@@ -425,8 +525,10 @@ def main(argv: list[str] | None = None) -> int:
     worlds = [int(w) for w in _csv(args.worlds)]
     bad = [s for s in sizes if s not in SIZES] + [k for k in keys if k not in STRATEGIES]
     if bad or not worlds or min(worlds) < 1:
-        raise SystemExit(f"unknown sizes/strategies {bad} or bad --worlds {args.worlds!r}; sizes: {', '.join(SIZES)}; "
-                         f"strategies: {', '.join(STRATEGIES)}")  # fmt: skip
+        raise SystemExit(
+            f"unknown sizes/strategies {bad} or bad --worlds {args.worlds!r}; sizes: {', '.join(SIZES)}; "
+            f"strategies: {', '.join(STRATEGIES)}"
+        )
     peers: dict[str, str] = {}
     if "fsdp2" in keys:
         peers["FSDP2"] = "torch.distributed.fsdp.fully_shard per transformer block, then the root"
@@ -444,31 +546,45 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[skip] {no_plot}; the JSON and the table are written")
     env = environment()
     start = source_state()
-    print(f"phalanx checkout: {start[0]}, sources {start[1]}; sizes {sizes}, world sizes {worlds}, strategies {keys}",
-          flush=True)  # fmt: skip
+    print(
+        f"phalanx checkout: {start[0]}, sources {start[1]}; sizes {sizes}, world sizes {worlds}, strategies {keys}",
+        flush=True,
+    )
     result: dict[str, Any] = {
         "settings": {
-            "sizes": {s: {**SIZES[s], "block_size": args.seq} for s in sizes}, "worlds": worlds, "strategies": keys,
-            "local_batch": args.local_batch, "seq": args.seq, "adamw": args.adamw, "rounds": args.rounds,
-            "steps_per_size": {s: (args.warmup if args.warmup is not None else STEPS[s][0],
-                                   args.steps if args.steps is not None else STEPS[s][1]) for s in sizes},
-            "threads_per_rank": RANK_THREADS, "max_foreign": args.max_foreign, "quiet_wait": args.quiet_wait,
+            "sizes": {s: {**SIZES[s], "block_size": args.seq} for s in sizes},
+            "worlds": worlds,
+            "strategies": keys,
+            "local_batch": args.local_batch,
+            "seq": args.seq,
+            "adamw": args.adamw,
+            "rounds": args.rounds,
+            "steps_per_size": {
+                s: (
+                    args.warmup if args.warmup is not None else STEPS[s][0],
+                    args.steps if args.steps is not None else STEPS[s][1],
+                )
+                for s in sizes
+            },
+            "threads_per_rank": RANK_THREADS,
+            "max_foreign": args.max_foreign,
+            "quiet_wait": args.quiet_wait,
         },
         "peers": peers,
         "definitions": {
             "median_ms": "median over rounds of (median over timed steps of the step time, the slowest rank per step); "
-                         "a step is forward + backward + optimizer step + zero_grad",
+            "a step is forward + backward + optimizer step + zero_grad",
             "x_ddp": "median_ms / median_ms of phalanx ddp at the same world size and model size",
             "peak_rss_mib": "max over ranks of the process's peak resident set (VmHWM) over the whole run: "
-                            "max(peak after the model is built and wrapped, peak during the steps)",
+            "max(peak after the model is built and wrapped, peak during the steps)",
             "steps_peak_rss_mib": "max over ranks of VmHWM at the end of training, reset (/proc/self/clear_refs) "
-                                  "once the model was built and wrapped: the training steps' own peak",
+            "once the model was built and wrapped: the training steps' own peak",
             "steps_peak_above_base_mib": "max over ranks of (steps peak - RSS before anything was built)",
             "predicted_mib": "phalanx only: max over ranks of engine.memory_report()['predicted_total']",
             "held_mib": "phalanx only: max over ranks of engine.memory_report()['held_total'] after the last step",
             "peer_ratios": "phalanx zero3 / peer at the same cell: step time, peak RSS, steps peak RSS",
             "loss_check": f"first and final loss against phalanx ddp's (same model, same data): < {TOL_FIRST:g} and "
-                          f"< {TOL_FINAL:g} relative",
+            f"< {TOL_FINAL:g} relative",
         },
         "cells": [],
     }

@@ -31,8 +31,19 @@ if str(HERE) not in sys.path:
 
 import zero_workers  # noqa: E402
 from harness import (  # noqa: E402
-    RANK_THREADS, add_output_flags, add_round_flags, environment, interleaved_rounds, mean_over_ranks, per_rank_median,
-    slowest_rank, source_record, source_state, spawn_ranks, watchdog_rows, write_result,
+    RANK_THREADS,
+    add_output_flags,
+    add_round_flags,
+    environment,
+    interleaved_rounds,
+    mean_over_ranks,
+    per_rank_median,
+    slowest_rank,
+    source_record,
+    source_state,
+    spawn_ranks,
+    watchdog_rows,
+    write_result,
 )
 
 WORKLOADS: dict[str, dict[str, Any]] = {
@@ -93,28 +104,56 @@ def configurations(args: argparse.Namespace, gb: int, nranks: int, ds_ok: bool, 
     ]
     if args.zero_native:
         for s in ("zero1", "zero2", "zero3"):
-            c.append({"key": f"{s}_native", "name": f"phalanx {s} native", "kind": "phalanx", "strategy": s,
-                      "engine_kwargs": {"zero_collectives": "native"}})
+            c.append(
+                {
+                    "key": f"{s}_native",
+                    "name": f"phalanx {s} native",
+                    "kind": "phalanx",
+                    "strategy": s,
+                    "engine_kwargs": {"zero_collectives": "native"},
+                }
+            )
     for cls in args.zero3_units:
-        c.append({"key": f"zero3_units_{cls}", "name": f"phalanx zero3 units={cls}", "kind": "phalanx",
-                  "strategy": "zero3", "engine_kwargs": {"zero3_unit_classes": cls}})
+        c.append(
+            {
+                "key": f"zero3_units_{cls}",
+                "name": f"phalanx zero3 units={cls}",
+                "kind": "phalanx",
+                "strategy": "zero3",
+                "engine_kwargs": {"zero3_unit_classes": cls},
+            }
+        )
     if args.watchdog_rows:
         for s in ("ddp", "zero3"):
             for name, kw in watchdog_rows():
                 key = f"{s}_{name.replace(' ', '_')}"
-                c.append({"key": key, "name": f"phalanx {s} {name}", "kind": "phalanx", "strategy": s, "engine_kwargs": kw})
+                c.append(
+                    {"key": key, "name": f"phalanx {s} {name}", "kind": "phalanx", "strategy": s, "engine_kwargs": kw}
+                )
     if args.malloc_rows:  # glibc's mmap threshold fixed at 1 MiB (host_mmap_threshold_mb=1): its cost in step time
         for s in ("zero2", "zero3"):
-            c.append({"key": f"{s}_mmap_1mib", "name": f"phalanx {s} mmap threshold 1 MiB", "kind": "phalanx",
-                      "strategy": s, "engine_kwargs": {"host_mmap_threshold_mb": 1}})
+            c.append(
+                {
+                    "key": f"{s}_mmap_1mib",
+                    "name": f"phalanx {s} mmap threshold 1 MiB",
+                    "kind": "phalanx",
+                    "strategy": s,
+                    "engine_kwargs": {"host_mmap_threshold_mb": 1},
+                }
+            )
     c += [
         {"key": "zero_redundancy", "name": "DDP + ZeroRedundancyOpt", "kind": "torch_zero"},
         {"key": "fsdp2", "name": "FSDP2 per block", "kind": "fsdp2"},
     ]
     if args.compile:  # torch.compile(model) after engine.prepare / after fully_shard; the warm-up steps compile
         c += [
-            {"key": "zero3_compiled", "name": "phalanx zero3 compiled", "kind": "phalanx", "strategy": "zero3",
-             "compile": args.compile},
+            {
+                "key": "zero3_compiled",
+                "name": "phalanx zero3 compiled",
+                "kind": "phalanx",
+                "strategy": "zero3",
+                "compile": args.compile,
+            },
             {"key": "fsdp2_compiled", "name": "FSDP2 per block compiled", "kind": "fsdp2", "compile": args.compile},
         ]
     if args.floor:
@@ -136,8 +175,9 @@ def configurations(args: argparse.Namespace, gb: int, nranks: int, ds_ok: bool, 
     return c
 
 
-def run_config(workload: str, base: dict[str, Any], cfg: dict[str, Any], timeout: float,
-               overrides: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def run_config(
+    workload: str, base: dict[str, Any], cfg: dict[str, Any], timeout: float, overrides: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
     spec = dict(base, local_batch=cfg["local_batch"], **(overrides or {}))
     for k in ("strategy", "engine_kwargs", "ds_stage", "compile"):
         if k in cfg:
@@ -187,21 +227,28 @@ def base_spec(workload: str, args: argparse.Namespace, nranks: int = 2) -> dict[
     if gb % nranks:
         raise SystemExit(f"--global-batch {gb} must be divisible by {nranks}")
     return {
-        "seed": args.seed, "global_batch": gb, "lr": w["lr"],
+        "seed": args.seed,
+        "global_batch": gb,
+        "lr": w["lr"],
         "warmup": args.warmup if args.warmup is not None else w["warmup"],
         "steps": args.steps if args.steps is not None else w["steps"],
-        "gpt_data": args.gpt_data, "adamw": args.adamw,
+        "gpt_data": args.gpt_data,
+        "adamw": args.adamw,
     }
 
 
-def bench_workload(workload: str, args: argparse.Namespace, ds: tuple[bool, str], ds_warm: dict[str, Any]) -> dict[str, Any]:
+def bench_workload(
+    workload: str, args: argparse.Namespace, ds: tuple[bool, str], ds_warm: dict[str, Any]
+) -> dict[str, Any]:
     nranks = 2
     base = base_spec(workload, args, nranks)
     gb = base["global_batch"]
     configs = configurations(args, gb, nranks, *ds)
-    print(f"\n=== workload {workload}: global batch {gb}, {nranks} ranks on gloo x 1 thread, {base['warmup']} warm-up + "
-          f"{base['steps']} timed steps, {args.rounds} rounds, {len(configs)} configurations, AdamW {args.adamw} ===",
-          flush=True)
+    print(
+        f"\n=== workload {workload}: global batch {gb}, {nranks} ranks on gloo x 1 thread, {base['warmup']} warm-up + "
+        f"{base['steps']} timed steps, {args.rounds} rounds, {len(configs)} configurations, AdamW {args.adamw} ===",
+        flush=True,
+    )
     start = source_state()
     print(f"phalanx checkout: {start[0]}, sources {start[1]}", flush=True)
 
@@ -212,13 +259,18 @@ def bench_workload(workload: str, args: argparse.Namespace, ds: tuple[bool, str]
         try:
             run_config(workload, base, ds_cfgs[0], args.timeout, {"warmup": 0, "steps": 1})
             ds_warm.update(done=True, seconds=time.perf_counter() - t0)
-            print(f"DeepSpeed warm-up run (untimed, builds/loads its extensions): {ds_warm['seconds']:.1f} s", flush=True)
+            print(
+                f"DeepSpeed warm-up run (untimed, builds/loads its extensions): {ds_warm['seconds']:.1f} s", flush=True
+            )
         except Exception as e:  # noqa: BLE001 - the timed runs report the failure per configuration
             ds_warm.update(done=True, error=f"{type(e).__name__}: {e}")
             print(f"DeepSpeed warm-up run failed: {type(e).__name__}: {str(e)[-2000:]}", flush=True)
 
     rounds, failures, wall = interleaved_rounds(
-        configs, args, lambda cfg: run_config(workload, base, cfg, args.timeout), summarize_round,
+        configs,
+        args,
+        lambda cfg: run_config(workload, base, cfg, args.timeout),
+        summarize_round,
         lambda s: f"{s['median_ms']:8.1f} ms/step",
     )
     sources = source_record(start, source_state())
@@ -277,12 +329,23 @@ def bench_workload(workload: str, args: argparse.Namespace, ds: tuple[bool, str]
             d_first = abs(r["first_loss"] - ref["first_loss"]) / abs(ref["first_loss"])
             d_last = abs(r["final_loss"] - ref["final_loss"]) / abs(ref["final_loss"])
             d_max = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref["losses"]))
-            d_sum = (abs(r["param_checksum"] - ref["param_checksum"]) / max(1e-12, abs(ref["param_checksum"]))
-                     if r["param_checksum"] is not None and ref["param_checksum"] is not None else None)
+            d_sum = (
+                abs(r["param_checksum"] - ref["param_checksum"]) / max(1e-12, abs(ref["param_checksum"]))
+                if r["param_checksum"] is not None and ref["param_checksum"] is not None
+                else None
+            )
             # The floor's ranks do not average their gradients: only its first loss is ddp's.
             ok = d_first < TOL_FIRST and (d_last < TOL_FINAL or r["kind"] == "local")
-            checks.append({"name": r["name"], "first_loss_rel_diff": d_first, "final_loss_rel_diff": d_last,
-                           "max_step_loss_rel_diff": d_max, "param_checksum_rel_diff": d_sum, "ok": ok})
+            checks.append(
+                {
+                    "name": r["name"],
+                    "first_loss_rel_diff": d_first,
+                    "final_loss_rel_diff": d_last,
+                    "max_step_loss_rel_diff": d_max,
+                    "param_checksum_rel_diff": d_sum,
+                    "ok": ok,
+                }
+            )
 
     # -------- target ratios
     def peak(r: dict[str, Any], key: str = "peak_rss_mib_per_rank") -> float | None:
@@ -302,29 +365,56 @@ def bench_workload(workload: str, args: argparse.Namespace, ds: tuple[bool, str]
             paired = []
             am, bm = peak(by[num], "ru_maxrss_mib_per_rank"), peak(by[den], "ru_maxrss_mib_per_rank")
             targets[tname + "_ru_maxrss"] = am / bm if am and bm else None
-        targets[tname] = {"ratio": ratio, "target": limit, "meets": ratio is not None and ratio <= limit,
-                          "per_round": paired, "numerator": num, "denominator": den}
+        targets[tname] = {
+            "ratio": ratio,
+            "target": limit,
+            "meets": ratio is not None and ratio <= limit,
+            "per_round": paired,
+            "numerator": num,
+            "denominator": den,
+        }
 
     ratios: dict[str, Any] = {}
     for tname, (num, den) in COMPILE_RATIOS.items() if args.compile else ():
         if num in by and den in by:
             paired = [a["median_ms"] / b["median_ms"] for a, b in zip(rounds[num], rounds[den])]
-            ratios[tname] = {"ratio": by[num]["median_ms"] / by[den]["median_ms"], "per_round": paired,
-                             "numerator": num, "denominator": den}
+            ratios[tname] = {
+                "ratio": by[num]["median_ms"] / by[den]["median_ms"],
+                "per_round": paired,
+                "numerator": num,
+                "denominator": den,
+            }
 
     floor = floor_ratios(by, nranks)
 
     # -------- print (markdown)
     nparams = zero_param_count(workload, ok_rows)
-    print(f"\n### workload `{workload}` ({nparams:,} parameters), global batch {gb}, 2 ranks x 1 thread, gloo\n"
-          if nparams else f"\n### workload `{workload}`\n")
+    print(
+        f"\n### workload `{workload}` ({nparams:,} parameters), global batch {gb}, 2 ranks x 1 thread, gloo\n"
+        if nparams
+        else f"\n### workload `{workload}`\n"
+    )
     if workload == "gpt20m" and nparams:
-        print(f"gpt20m parameter count {nparams:,} {'>=' if nparams >= MIN_GPT20M_PARAMS else '< (TOO SMALL)'} "
-              f"{MIN_GPT20M_PARAMS:,}\n")
-    print(f"median over {args.rounds} rounds of the median step time (slower rank per step; {base['warmup']} warm-up + "
-          f"{base['steps']} timed steps per run); wall {wall:.0f} s\n")
-    cols = ["configuration", "median ms", "rounds min-max", "x torch DDP", "peak RSS MiB/rank",
-            "ru_maxrss MiB/rank", "held MiB/rank", "predicted MiB/rank", "CPU ms/step/rank", "final loss"]
+        print(
+            f"gpt20m parameter count {nparams:,} {'>=' if nparams >= MIN_GPT20M_PARAMS else '< (TOO SMALL)'} "
+            f"{MIN_GPT20M_PARAMS:,}\n"
+        )
+    print(
+        f"median over {args.rounds} rounds of the median step time (slower rank per step; {base['warmup']} warm-up + "
+        f"{base['steps']} timed steps per run); wall {wall:.0f} s\n"
+    )
+    cols = [
+        "configuration",
+        "median ms",
+        "rounds min-max",
+        "x torch DDP",
+        "peak RSS MiB/rank",
+        "ru_maxrss MiB/rank",
+        "held MiB/rank",
+        "predicted MiB/rank",
+        "CPU ms/step/rank",
+        "final loss",
+    ]
     print("| " + " | ".join(cols) + " |")
     print("|" + "|".join("---" if i == 0 else "---:" for i in range(len(cols))) + "|")
     for r in rows:
@@ -335,9 +425,11 @@ def bench_workload(workload: str, args: argparse.Namespace, ds: tuple[bool, str]
         xd = f"{r['x_torch_ddp']:.3f}" if r["x_torch_ddp"] is not None else "-"
         held = _fmt_pair(r["held_total_mib_per_rank"], "{:.1f}") if "held_total_mib_per_rank" in r else "-"
         pred = _fmt_pair(r["predicted_total_mib_per_rank"], "{:.1f}") if "predicted_total_mib_per_rank" in r else "-"
-        print(f"| {r['name']} | {r['median_ms']:.1f} | {spread} | {xd} | {_fmt_pair(r['peak_rss_mib_per_rank'])} | "
-              f"{_fmt_pair(r['ru_maxrss_mib_per_rank'])} | {held} | {pred} | {_fmt_pair(r['cpu_ms_per_step_per_rank'])} | "
-              f"{r['final_loss']:.5f} |")
+        print(
+            f"| {r['name']} | {r['median_ms']:.1f} | {spread} | {xd} | {_fmt_pair(r['peak_rss_mib_per_rank'])} | "
+            f"{_fmt_pair(r['ru_maxrss_mib_per_rank'])} | {held} | {pred} | "
+            f"{_fmt_pair(r['cpu_ms_per_step_per_rank'])} | {r['final_loss']:.5f} |"
+        )
     if targets:
         print("\n| target | ratio | target | verdict | per round |\n|---|---:|---:|---|---|")
         for tname, t in targets.items():
@@ -346,35 +438,48 @@ def bench_workload(workload: str, args: argparse.Namespace, ds: tuple[bool, str]
             ratio = "-" if t["ratio"] is None else f"{t['ratio']:.3f}"
             label = {"median_ms": "step time"}.get(TARGETS[tname][2], "peak RSS (max over ranks)")
             per = ", ".join(f"{x:.3f}" for x in t["per_round"]) or "-"
-            print(f"| {t['numerator']} / {t['denominator']} {label} | {ratio} | <= {t['target']} | "
-                  f"{'meets' if t['meets'] else 'MISSES'} | {per} |")
+            print(
+                f"| {t['numerator']} / {t['denominator']} {label} | {ratio} | <= {t['target']} | "
+                f"{'meets' if t['meets'] else 'MISSES'} | {per} |"
+            )
         if targets.get("zero3_over_fsdp2_peak_rss_ru_maxrss") is not None:
-            print(f"\n(zero3 / FSDP2 with ru_maxrss instead of VmHWM: {targets['zero3_over_fsdp2_peak_rss_ru_maxrss']:.3f})")
+            print(
+                "\n(zero3 / FSDP2 with ru_maxrss instead of VmHWM: "
+                f"{targets['zero3_over_fsdp2_peak_rss_ru_maxrss']:.3f})"
+            )
     if ratios:
         print("\n| compiled step time | ratio of medians | per round (paired) | min-max |\n|---|---:|---|---|")
         for t in ratios.values():
             per = t["per_round"]
             spread = f"{min(per):.3f}-{max(per):.3f}" if per else "-"
-            print(f"| {t['numerator']} / {t['denominator']} | {t['ratio']:.3f} | "
-                  f"{', '.join(f'{x:.3f}' for x in per) or '-'} | {spread} |")
+            print(
+                f"| {t['numerator']} / {t['denominator']} | {t['ratio']:.3f} | "
+                f"{', '.join(f'{x:.3f}' for x in per) or '-'} | {spread} |"
+            )
     if floor:
         f = by[FLOOR]
-        print(f"\nfloor: forward + backward {f['fwd_bwd_ms']:.1f} ms, AdamW {f['optimizer_ms']:.1f} ms per step (plain torch, "
-              f"no communication); a sharded floor steps 1/{nranks} of the parameters: "
-              f"{floor['sharded_floor_ms']:.1f} ms")
+        print(
+            f"\nfloor: forward + backward {f['fwd_bwd_ms']:.1f} ms, AdamW {f['optimizer_ms']:.1f} ms per step "
+            f"(plain torch, no communication); a sharded floor steps 1/{nranks} of the parameters: "
+            f"{floor['sharded_floor_ms']:.1f} ms"
+        )
         print("\n| floor ratio | ratio |\n|---|---:|")
         for k, v in floor.items():
             if k != "sharded_floor_ms":
                 print(f"| {k} | {v:.3f} |")
     if checks:
         bad = [c for c in checks if not c["ok"]]
-        print(f"\nsetup check vs torch DDP (same init, same global batches; first loss rel diff < {TOL_FIRST:g}, final "
-              f"< {TOL_FINAL:g}): " + ("OK" if not bad else "FAILED for " + ", ".join(c["name"] for c in bad)))
+        print(
+            f"\nsetup check vs torch DDP (same init, same global batches; first loss rel diff < {TOL_FIRST:g}, final "
+            f"< {TOL_FINAL:g}): " + ("OK" if not bad else "FAILED for " + ", ".join(c["name"] for c in bad))
+        )
         for c in checks:
             ds = "-" if c["param_checksum_rel_diff"] is None else f"{c['param_checksum_rel_diff']:.1e}"
-            print(f"  {c['name']:<28} first {c['first_loss_rel_diff']:.1e}, final {c['final_loss_rel_diff']:.1e}, "
-                  f"max over steps {c['max_step_loss_rel_diff']:.1e}, param checksum {ds}"
-                  + ("" if c["ok"] else "   <-- MISMATCH"))
+            print(
+                f"  {c['name']:<28} first {c['first_loss_rel_diff']:.1e}, final {c['final_loss_rel_diff']:.1e}, "
+                f"max over steps {c['max_step_loss_rel_diff']:.1e}, param checksum {ds}"
+                + ("" if c["ok"] else "   <-- MISMATCH")
+            )
     if failures:
         print("\nfailed configurations:")
         for name, err in failures.items():
@@ -390,22 +495,22 @@ def bench_workload(workload: str, args: argparse.Namespace, ds: tuple[bool, str]
         "deepspeed_warmup": ds_warm,
         "definitions": {
             "median_ms": "median over rounds of (median over timed steps of the step time, the slowest rank per step); "
-                         "a step is forward + backward + optimizer step + zero_grad (DeepSpeed: engine.backward + "
-                         "engine.step)",
+            "a step is forward + backward + optimizer step + zero_grad (DeepSpeed: engine.backward + "
+            "engine.step)",
             "x_torch_ddp": "median_ms / median_ms of torch DDP (lower is better)",
             "peak_rss_mib_per_rank": "VmHWM of /proc/self/status at the end of training (this process's own peak "
-                                     "resident set), median over rounds",
+            "resident set), median over rounds",
             "ru_maxrss_mib_per_rank": "getrusage(RUSAGE_SELF).ru_maxrss at the end of training, median over rounds; "
-                                      "never below the driver's RSS at spawn time (Linux carries the forking "
-                                      "process's high-water mark across exec)",
+            "never below the driver's RSS at spawn time (Linux carries the forking "
+            "process's high-water mark across exec)",
             "setup_peak_rss_mib_per_rank": "VmHWM before the first step (model built and prepared/sharded)",
             "held_total_mib_per_rank": "phalanx only: engine.memory_report()['held_total'] after the last step",
             "predicted_total_mib_per_rank": "phalanx only: engine.memory_report()['predicted_total']",
             "targets": {k: f"{v[0]} / {v[1]} {v[2]} <= {v[3]}" for k, v in TARGETS.items()},
             "compile_ratios": "with --compile: median_ms of one row / median_ms of another, and the same per round "
-                              "(rounds pair runs made back to back in one rotation); compiled rows are "
-                              "torch.compile(model, backend=--compile) after engine.prepare / fully_shard, compiled "
-                              "during the warm-up steps",
+            "(rounds pair runs made back to back in one rotation); compiled rows are "
+            "torch.compile(model, backend=--compile) after engine.prepare / fully_shard, compiled "
+            "during the warm-up steps",
             "setup_checks": f"first and final loss relative to torch DDP's: < {TOL_FIRST:g} and < {TOL_FINAL:g}",
         },
         **sources,
@@ -432,7 +537,9 @@ def floor_ratios(by: dict[str, dict[str, Any]], nranks: int) -> dict[str, float]
             floor = f["median_ms"] if name == "phalanx ddp" else sharded
             out[f"{name} / its floor"] = by[name]["median_ms"] / floor
     if "FSDP2 per block" in by:
-        out["sharded floor / FSDP2 (zero3 / FSDP2 with free communication)"] = sharded / by["FSDP2 per block"]["median_ms"]
+        out["sharded floor / FSDP2 (zero3 / FSDP2 with free communication)"] = (
+            sharded / by["FSDP2 per block"]["median_ms"]
+        )
     return out
 
 
@@ -450,25 +557,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (default: per workload)")
     p.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps per run (default: per workload)")
     p.add_argument("--global-batch", type=int, default=None, help="global batch (default: mlp 64, gpt 16, gpt20m 4)")
-    p.add_argument("--only", default="",
-                   help="comma-separated keys, kinds or names: torch_ddp, phalanx_ddp, zero1, zero2, zero3, "
-                        "zero_redundancy, fsdp2, ds1, ds2, ds3 (kinds: phalanx, deepspeed, ...)")
-    p.add_argument("--zero-native", action="store_true",
-                   help="add phalanx zero1/2/3 rows with zero_collectives='native' (reduce-scatter/all-gather on gloo)")
-    p.add_argument("--zero3-units", type=lambda s: [x for x in s.split(";") if x], default=[],
-                   help="extra phalanx zero3 rows with these zero3_unit_classes, ';'-separated, e.g. _Block")
-    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
-                   help="add 'phalanx zero3 compiled' and 'FSDP2 per block compiled' rows (keys zero3_compiled, "
-                        "fsdp2_compiled): torch.compile(model, backend=BACKEND, default inductor) after "
-                        "engine.prepare / fully_shard; the warm-up steps compile")
+    p.add_argument(
+        "--only",
+        default="",
+        help="comma-separated keys, kinds or names: torch_ddp, phalanx_ddp, zero1, zero2, zero3, "
+        "zero_redundancy, fsdp2, ds1, ds2, ds3 (kinds: phalanx, deepspeed, ...)",
+    )
+    p.add_argument(
+        "--zero-native",
+        action="store_true",
+        help="add phalanx zero1/2/3 rows with zero_collectives='native' (reduce-scatter/all-gather on gloo)",
+    )
+    p.add_argument(
+        "--zero3-units",
+        type=lambda s: [x for x in s.split(";") if x],
+        default=[],
+        help="extra phalanx zero3 rows with these zero3_unit_classes, ';'-separated, e.g. _Block",
+    )
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="add 'phalanx zero3 compiled' and 'FSDP2 per block compiled' rows (keys zero3_compiled, "
+        "fsdp2_compiled): torch.compile(model, backend=BACKEND, default inductor) after "
+        "engine.prepare / fully_shard; the warm-up steps compile",
+    )
     p.add_argument("--no-deepspeed", action="store_true")
-    p.add_argument("--malloc-rows", action="store_true",
-                   help="add zero2 and zero3 rows with glibc's mmap threshold fixed at 1 MiB (host_mmap_threshold_mb=1)")
-    p.add_argument("--watchdog-rows", action="store_true",
-                   help="add ddp and zero3 rows with the hang watchdog off (hang_timeout_s=0) and with debug_collectives")
-    p.add_argument("--floor", action="store_true",
-                   help="add the compute floor (key floor): plain torch on each rank's share, no communication, forward + "
-                        "backward and AdamW timed apart")
+    p.add_argument(
+        "--malloc-rows",
+        action="store_true",
+        help="add zero2 and zero3 rows with glibc's mmap threshold fixed at 1 MiB (host_mmap_threshold_mb=1)",
+    )
+    p.add_argument(
+        "--watchdog-rows",
+        action="store_true",
+        help="add ddp and zero3 rows with the hang watchdog off (hang_timeout_s=0) and with debug_collectives",
+    )
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="add the compute floor (key floor): plain torch on each rank's share, no communication, forward + "
+        "backward and AdamW timed apart",
+    )
     p.add_argument("--no-ds-warm", action="store_true", help="skip the untimed DeepSpeed warm-up run")
     p.add_argument("--gpt-data", choices=["stdlib", "random"], default="stdlib")
     p.add_argument("--adamw", choices=["default", "foreach", "fused"], default="default")

@@ -18,13 +18,13 @@ import gc
 import os
 import shutil
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
-
 from harness import init_gloo, memory_now, world
+from torch import nn
 
 
 def build_model(spec: dict[str, Any], seed: int) -> nn.Sequential:
@@ -99,8 +99,14 @@ Loader = Callable[[], Callable[[], float]]
 """Builds a fresh model and optimizer (untimed) and returns the load itself, which returns the checksum after."""
 
 
-def _measure(spec: dict[str, Any], rank: int, save: Callable[[], Any], loader: Loader,
-             before: float, extra_loads: dict[str, Loader] | None = None) -> dict[str, Any]:  # fmt: skip
+def _measure(
+    spec: dict[str, Any],
+    rank: int,
+    save: Callable[[], Any],
+    loader: Loader,
+    before: float,
+    extra_loads: dict[str, Loader] | None = None,
+) -> dict[str, Any]:
     """``spec["repeats"]`` times: sync, time ``save``, evict the files, build the fresh state, time the load (and
     each extra load), delete the checkpoint. Returns every repeat's times; the driver takes their median."""
     path = spec["path"]
@@ -252,8 +258,14 @@ def run_phalanx(spec: dict[str, Any]) -> dict[str, Any]:
 
         return make
 
-    out = _measure(spec, rank, lambda: engine.save_state(spec["path"]), loader(True), before,
-                   extra_loads={"load_noverify": loader(False)})  # fmt: skip
+    out = _measure(
+        spec,
+        rank,
+        lambda: engine.save_state(spec["path"]),
+        loader(True),
+        before,
+        extra_loads={"load_noverify": loader(False)},
+    )
     return out
 
 

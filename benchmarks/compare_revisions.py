@@ -31,8 +31,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -40,7 +41,13 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from harness import (  # noqa: E402
-    add_output_flags, add_round_flags, environment, git_state, interleaved_rounds, src_digest, write_result,
+    add_output_flags,
+    add_round_flags,
+    environment,
+    git_state,
+    interleaved_rounds,
+    src_digest,
+    write_result,
 )
 
 # bench key -> (benchmark module, its arguments that keep the phalanx rows only, workloads)
@@ -66,14 +73,22 @@ def plan(bench: str, bench_argv: list[str]) -> tuple[list[dict[str, Any]], Calla
             args = bench_ddp.build_parser().parse_args(bench_argv)
             base = bench_ddp.base_spec(args.workload, args)
             configs = bench_ddp.configurations(args, base["global_batch"], 2)
-            return configs, lambda c: bench_ddp.run_config(args.workload, base, c, args.timeout), bench_ddp.summarize_round
+            return (
+                configs,
+                lambda c: bench_ddp.run_config(args.workload, base, c, args.timeout),
+                bench_ddp.summarize_round,
+            )
         if module == "bench_zero":
             import bench_zero
 
             args = bench_zero.build_parser().parse_args(bench_argv)
             base = bench_zero.base_spec(args.workload, args)
             configs = bench_zero.configurations(args, base["global_batch"], 2, False, "--no-deepspeed")
-            return configs, lambda c: bench_zero.run_config(args.workload, base, c, args.timeout), bench_zero.summarize_round
+            return (
+                configs,
+                lambda c: bench_zero.run_config(args.workload, base, c, args.timeout),
+                bench_zero.summarize_round,
+            )
         import bench_pipeline
 
         args = bench_pipeline.build_parser().parse_args(bench_argv)
@@ -135,9 +150,9 @@ def _worktrees() -> dict[Path, str]:
     path = None
     for line in _git("worktree", "list", "--porcelain").splitlines():
         if line.startswith("worktree "):
-            path = Path(line[len("worktree "):]).resolve()
+            path = Path(line[len("worktree ") :]).resolve()
         elif line.startswith("HEAD ") and path is not None:
-            out[path] = line[len("HEAD "):]
+            out[path] = line[len("HEAD ") :]
     return out
 
 
@@ -184,8 +199,14 @@ def _tree_state(root: Path) -> dict[str, str]:
     return {"checkout": git_state(root), "src_sha256": src_digest(root / "src" / "phalanx")}
 
 
-def compare(bench: str, args: argparse.Namespace, trees: dict[str, Path], revs: dict[str, dict[str, Any]],
-            env: dict[str, Any], argv: list[str] | None) -> dict[str, Any]:  # fmt: skip
+def compare(
+    bench: str,
+    args: argparse.Namespace,
+    trees: dict[str, Path],
+    revs: dict[str, dict[str, Any]],
+    env: dict[str, Any],
+    argv: list[str] | None,
+) -> dict[str, Any]:
     b_argv = bench_argv(bench, args)
     configs, _, _ = plan(bench, b_argv)
     rows = [c["name"] for c in configs]
@@ -194,11 +215,16 @@ def compare(bench: str, args: argparse.Namespace, trees: dict[str, Path], revs: 
     workload = args.workload if len(BENCHES[bench][2]) > 1 else BENCHES[bench][2][0]
     start = {side: _tree_state(trees[side]) for side in SIDES}
     same = start["current"]["src_sha256"] == start["baseline"]["src_sha256"]
-    print(f"\n=== {bench} ({BENCHES[bench][0]} {' '.join(b_argv)}): {', '.join(rows)}; "
-          + " vs ".join(f"{side} {trees[side] / 'src'} ({start[side]['checkout']}, sources {start[side]['src_sha256']})"
-                        for side in SIDES)
-          + f"; {args.rounds} rounds ===" + ("\n(the two src/ trees are identical: the ratios measure the noise)"
-                                            if same else ""), flush=True)  # fmt: skip
+    print(
+        f"\n=== {bench} ({BENCHES[bench][0]} {' '.join(b_argv)}): {', '.join(rows)}; "
+        + " vs ".join(
+            f"{side} {trees[side] / 'src'} ({start[side]['checkout']}, sources {start[side]['src_sha256']})"
+            for side in SIDES
+        )
+        + f"; {args.rounds} rounds ==="
+        + ("\n(the two src/ trees are identical: the ratios measure the noise)" if same else ""),
+        flush=True,
+    )
     work = Path(tempfile.mkdtemp(prefix="phalanx-compare-"))
 
     def run_side(row: str, side: str) -> dict[str, Any]:
@@ -206,21 +232,30 @@ def compare(bench: str, args: argparse.Namespace, trees: dict[str, Path], revs: 
         out = work / f"{side}.json"
         out.unlink(missing_ok=True)
         src = trees[side] / "src"
-        req.write_text(json.dumps({"bench": bench, "bench_argv": b_argv, "config": row, "src": str(src),
-                                   "out": str(out)}))  # fmt: skip
+        req.write_text(
+            json.dumps({"bench": bench, "bench_argv": b_argv, "config": row, "src": str(src), "out": str(out)})
+        )
         pypath = os.environ.get("PYTHONPATH")
         child_env = dict(os.environ, PYTHONPATH=str(src) + (os.pathsep + pypath if pypath else ""))
         try:
-            p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--run-one", str(req)], env=child_env,
-                               cwd=REPO, capture_output=True, text=True, timeout=args.timeout + 300)  # fmt: skip
+            p = subprocess.run(
+                [sys.executable, str(Path(__file__).resolve()), "--run-one", str(req)],
+                env=child_env,
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=args.timeout + 300,
+            )
         except subprocess.TimeoutExpired as e:
             raise RuntimeError(f"the {side} run did not finish within {args.timeout + 300:.0f} s") from e
         if p.returncode != 0 or not out.exists():
             raise RuntimeError(f"the {side} run failed (exit {p.returncode}):\n{(p.stdout + p.stderr)[-3000:]}")
         res = json.loads(out.read_text())
         files = res["phalanx_file_ranks"]
-        print(f"    {side:<8} {row}: ranks 0-{len(files) - 1} imported phalanx from "
-              f"{', '.join(sorted(set(files)))}", flush=True)  # fmt: skip
+        print(
+            f"    {side:<8} {row}: ranks 0-{len(files) - 1} imported phalanx from {', '.join(sorted(set(files)))}",
+            flush=True,
+        )
         return res
 
     calls: dict[str, int] = {}
@@ -236,8 +271,10 @@ def compare(bench: str, args: argparse.Namespace, trees: dict[str, Path], revs: 
         return pair
 
     def headline(s: dict[str, Any]) -> str:
-        return (f"current {s['current']['median_ms']:7.1f} / baseline {s['baseline']['median_ms']:7.1f} ms/step = "
-                f"{s['ratio']:.3f} ({s['first']} ran first)")  # fmt: skip
+        return (
+            f"current {s['current']['median_ms']:7.1f} / baseline {s['baseline']['median_ms']:7.1f} ms/step = "
+            f"{s['ratio']:.3f} ({s['first']} ran first)"
+        )
 
     try:
         rounds, failures, wall = interleaved_rounds([{"name": row} for row in rows], args, run, lambda s: s, headline)
@@ -246,8 +283,10 @@ def compare(bench: str, args: argparse.Namespace, trees: dict[str, Path], revs: 
     end = {side: _tree_state(trees[side]) for side in SIDES}
     for side in SIDES:
         if end[side] != start[side]:
-            print(f"WARNING: the {side} sources changed during the run ({start[side]['checkout']} "
-                  f"{start[side]['src_sha256']} -> {end[side]['checkout']} {end[side]['src_sha256']}); run it again.")
+            print(
+                f"WARNING: the {side} sources changed during the run ({start[side]['checkout']} "
+                f"{start[side]['src_sha256']} -> {end[side]['checkout']} {end[side]['src_sha256']}); run it again."
+            )
 
     results = []
     for row in rows:
@@ -263,38 +302,56 @@ def compare(bench: str, args: argparse.Namespace, trees: dict[str, Path], revs: 
             med = statistics.median(paired)
             cur, base = pairs[0]["current"], pairs[0]["baseline"]
             r.update(
-                ratio_per_round=paired, median_ratio=med,
-                ratio_of_medians=statistics.median(r["current_ms_per_round"]) / statistics.median(r["baseline_ms_per_round"]),
+                ratio_per_round=paired,
+                median_ratio=med,
+                ratio_of_medians=statistics.median(r["current_ms_per_round"])
+                / statistics.median(r["baseline_ms_per_round"]),
                 rounds_current_slower=sum(x > 1.0 for x in paired),
                 verdict=verdict(paired, args.tolerance),
                 loss_max_rel_diff=max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(cur["losses"], base["losses"])),
                 phalanx_files={"current": cur["phalanx_file_ranks"], "baseline": base["phalanx_file_ranks"]},
-            )  # fmt: skip
+            )
         else:
             r["verdict"] = "no result: " + failures.get(row, "")[:300]
         results.append(r)
 
-    print(f"\n### {bench} `{workload}`: current ({start['current']['checkout']}, src {start['current']['src_sha256']}) "
-          f"/ baseline ({revs['baseline']['rev']} = {start['baseline']['checkout']}, src "
-          f"{start['baseline']['src_sha256']}); median step ms per run, {args.rounds} rounds; wall {wall:.0f} s\n")
-    print("| configuration | baseline ms per round | current ms per round | current / baseline per round | median "
-          "ratio | ratio of medians | verdict |\n|---|---|---|---|---:|---:|---|")
+    print(
+        f"\n### {bench} `{workload}`: current ({start['current']['checkout']}, src {start['current']['src_sha256']}) "
+        f"/ baseline ({revs['baseline']['rev']} = {start['baseline']['checkout']}, src "
+        f"{start['baseline']['src_sha256']}); median step ms per run, {args.rounds} rounds; wall {wall:.0f} s\n"
+    )
+    print(
+        "| configuration | baseline ms per round | current ms per round | current / baseline per round | median "
+        "ratio | ratio of medians | verdict |\n|---|---|---|---|---:|---:|---|"
+    )
+
     def fmt(vals: list[float], f: str = "{:.1f}") -> str:
         return ", ".join(f.format(x) for x in vals)
 
     for r in results:
         if "median_ratio" not in r:
-            print(f"| {r['name']} | {fmt(r['baseline_ms_per_round'])} | {fmt(r['current_ms_per_round'])} | | | | "
-                  f"{r['verdict']} |")
+            print(
+                f"| {r['name']} | {fmt(r['baseline_ms_per_round'])} | {fmt(r['current_ms_per_round'])} | | | | "
+                f"{r['verdict']} |"
+            )
             continue
-        print(f"| {r['name']} | {fmt(r['baseline_ms_per_round'])} | {fmt(r['current_ms_per_round'])} | "
-              f"{fmt(r['ratio_per_round'], '{:.3f}')} | {r['median_ratio']:.3f} | {r['ratio_of_medians']:.3f} | "
-              f"{r['verdict']} |")
+        print(
+            f"| {r['name']} | {fmt(r['baseline_ms_per_round'])} | {fmt(r['current_ms_per_round'])} | "
+            f"{fmt(r['ratio_per_round'], '{:.3f}')} | {r['median_ratio']:.3f} | {r['ratio_of_medians']:.3f} | "
+            f"{r['verdict']} |"
+        )
     for r in results:
         if "loss_max_rel_diff" in r:
             d = r["loss_max_rel_diff"]
-            print(f"losses {r['name']}: " + ("identical on both sides" if d == 0 else f"max rel diff {d:.1e} between "
-                  "the sides" + ("  <-- the restructure changed the numbers" if d > 1e-5 else "")))  # fmt: skip
+            print(
+                f"losses {r['name']}: "
+                + (
+                    "identical on both sides"
+                    if d == 0
+                    else f"max rel diff {d:.1e} between "
+                    "the sides" + ("  <-- the restructure changed the numbers" if d > 1e-5 else "")
+                )
+            )
     if failures:
         print("\nfailed runs:")
         for name, err in failures.items():
@@ -307,24 +364,28 @@ def compare(bench: str, args: argparse.Namespace, trees: dict[str, Path], revs: 
         "tolerance": args.tolerance,
         "wall_s": wall,
         "baseline": {**revs["baseline"], **start["baseline"], "src": str(trees["baseline"] / "src")},
-        "current": {**revs["current"], **start["current"], "src": str(trees["current"] / "src"),
-                    **({"src_sha256_end": end["current"]["src_sha256"]} if end["current"] != start["current"] else {})},
+        "current": {
+            **revs["current"],
+            **start["current"],
+            "src": str(trees["current"] / "src"),
+            **({"src_sha256_end": end["current"]["src_sha256"]} if end["current"] != start["current"] else {}),
+        },
         "identical_sources": same,
         "definitions": {
             "ms_per_round": "each run's median over its timed steps of the step time (the slowest rank per step), "
-                            "as in the benchmark",
+            "as in the benchmark",
             "ratio_per_round": "current / baseline of the two back-to-back runs of a round (first_per_round: which "
-                               "side ran first; it alternates)",
+            "side ran first; it alternates)",
             "median_ratio": "median of ratio_per_round",
             "verdict": "fewer than 3 rounds: none; median_ratio <= 1 + tolerance: no slowdown beyond noise; above it "
-                       "and current slower in every round: SLOWER; else unclear (run more rounds)",
+            "and current slower in every round: SLOWER; else unclear (run more rounds)",
             "ratio_of_medians": "median of current_ms_per_round / median of baseline_ms_per_round",
             "loss_max_rel_diff": "largest relative difference of the per-step losses of the first runs of both sides",
         },
         "rows": results,
         "failures": failures,
         "raw_rounds": rounds,
-    }  # fmt: skip
+    }
     write_result(result, args, f"compare-{bench}-{workload}", env, argv)
     return result
 
@@ -334,18 +395,28 @@ def main(argv: list[str] | None = None) -> int:
         return run_one(sys.argv[2])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--baseline", required=True, help="git revision to compare against (e.g. main~1, a commit)")
-    p.add_argument("--current", default="",
-                   help="git revision of the current side (default: this working tree, uncommitted changes included)")
-    p.add_argument("--bench", default="ddp", help="ddp, zero3, pipeline, or several comma-separated (run one after "
-                                                   "the other, one result file each)")  # fmt: skip
+    p.add_argument(
+        "--current",
+        default="",
+        help="git revision of the current side (default: this working tree, uncommitted changes included)",
+    )
+    p.add_argument(
+        "--bench",
+        default="ddp",
+        help="ddp, zero3, pipeline, or several comma-separated (run one after the other, one result file each)",
+    )
     p.add_argument("--workload", default="mlp", help="workload of bench_ddp / bench_zero (mlp, gpt; zero3: gpt20m)")
     add_round_flags(p, rounds=4, timeout=600.0)
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (default: the benchmark's)")
     p.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps per run (default: the benchmark's)")
     p.add_argument("--only", default="", help="the benchmark's --only instead of its phalanx rows (e.g. phalanx_1f1b)")
     p.add_argument("--bench-args", default="", help="more arguments for the benchmark, e.g. '--adamw fused'")
-    p.add_argument("--tolerance", type=float, default=0.05,
-                   help="a median current/baseline ratio up to 1 + this is no slowdown (0.05); see the verdicts")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.05,
+        help="a median current/baseline ratio up to 1 + this is no slowdown (0.05); see the verdicts",
+    )
     p.add_argument("--worktree", default="/tmp/phalanx-baseline", help="where the baseline is checked out")
     p.add_argument("--keep-worktree", action="store_true", help="leave the worktree(s) in place at the end")
     add_output_flags(p, HERE / "results", "compare-<bench>-<workload>")

@@ -11,14 +11,14 @@ Every function here is module-level so that the spawn start method can import it
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-
 from harness import env_rendezvous, init_gloo, make_adamw, param_sum, train_loop, world
+from torch import nn
 
 # ------------------------------------------------------------------------------------------ workloads
 
@@ -42,7 +42,9 @@ def build_model(workload: str, seed: int) -> nn.Module:
 _STDLIB: torch.Tensor | None = None
 
 
-def make_batch(workload: str, spec: dict[str, Any], step: int, rank: int, nranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(
+    workload: str, spec: dict[str, Any], step: int, rank: int, nranks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's share of the global batch of ``step`` (the same global batch in every configuration)."""
     global _STDLIB
     gb = spec["global_batch"]
@@ -82,11 +84,18 @@ def make_optimizer(model: nn.Module, spec: dict[str, Any]) -> torch.optim.Optimi
 # ------------------------------------------------------------------------------------------ configurations
 
 
-def _train(workload: str, spec: dict[str, Any], rank: int, nranks: int, step: Callable[..., Any],
-           checksum: Callable[[], float | None]) -> dict[str, Any]:  # fmt: skip
+def _train(
+    workload: str,
+    spec: dict[str, Any],
+    rank: int,
+    nranks: int,
+    step: Callable[..., Any],
+    checksum: Callable[[], float | None],
+) -> dict[str, Any]:
     """harness.train_loop on this rank's share of each global batch (bench_zero's workers use it too)."""
-    return train_loop(spec, rank, lambda s: make_batch(workload, spec, s, rank, nranks), step, checksum,
-                      spec.get("profile"))  # fmt: skip
+    return train_loop(
+        spec, rank, lambda s: make_batch(workload, spec, s, rank, nranks), step, checksum, spec.get("profile")
+    )
 
 
 def run_single(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
@@ -126,7 +135,8 @@ def run_torch_ddp(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_phalanx_ddp(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """phalanx.Engine(strategy="ddp"): engine.prepare(model, opt); engine.backward(loss); opt.step(); opt.zero_grad()."""
+    """phalanx.Engine(strategy="ddp"): engine.prepare(model, opt); engine.backward(loss); opt.step();
+    opt.zero_grad()."""
     import phalanx
 
     rank, size = world()

@@ -29,8 +29,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -41,8 +42,9 @@ RANK_THREADS = 1
 ``OMP_NUM_THREADS`` in each rank to it."""
 
 
-def spawn_ranks(fn: Callable[..., Any], nprocs: int, args: Sequence[Any], timeout: float,
-                threads: int = RANK_THREADS) -> list[Any]:  # fmt: skip
+def spawn_ranks(
+    fn: Callable[..., Any], nprocs: int, args: Sequence[Any], timeout: float, threads: int = RANK_THREADS
+) -> list[Any]:
     """``fn(*args)`` on ranks 0..nprocs-1, fresh processes from phalanx.spawn; their results in rank order."""
     import phalanx
 
@@ -130,10 +132,12 @@ def git_state(root: Path | None = None) -> str:
 
         root = Path(phalanx.__file__).resolve().parents[2]
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                              timeout=10).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=root, capture_output=True, text=True,
-                               timeout=10).stdout.strip()  # fmt: skip
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "src"], cwd=root, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return (head or "unknown") + ("+dirty" if dirty else "")
@@ -160,8 +164,10 @@ def source_state() -> tuple[str, str]:
 def source_record(start: tuple[str, str], end: tuple[str, str]) -> dict[str, str]:
     """What the result file says of the sources; a warning is printed when they changed during the run."""
     if start != end:
-        print(f"WARNING: the phalanx sources changed during the run ({start[0]} {start[1]} -> {end[0]} {end[1]}); "
-              "run it again.")  # fmt: skip
+        print(
+            f"WARNING: the phalanx sources changed during the run ({start[0]} {start[1]} -> {end[0]} {end[1]}); "
+            "run it again."
+        )
     return {
         "phalanx_commit": start[0] if start[0] == end[0] else f"{start[0]} -> {end[0]} (changed)",
         "phalanx_src_sha256": start[1] if start[1] == end[1] else f"{start[1]} -> {end[1]} (changed)",
@@ -177,13 +183,16 @@ def environment(with_phalanx: bool = True, **extra: Any) -> dict[str, Any]:
     if with_phalanx:
         import phalanx
     env = {
-        "torch": torch.__version__, **({"phalanx": phalanx.__version__} if with_phalanx else {}),
-        "python": platform.python_version(), "cpu_count": os.cpu_count(), "machine": platform.machine(),
+        "torch": torch.__version__,
+        **({"phalanx": phalanx.__version__} if with_phalanx else {}),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
         "platform": platform.platform(),
         **extra,
         **({"phalanx_checkout": git_state()} if with_phalanx else {}),
         "driver_ru_maxrss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1),
-    }  # fmt: skip
+    }
     print("environment:", ", ".join(f"{k}={v}" for k, v in env.items()))
     return env
 
@@ -194,11 +203,13 @@ def add_output_flags(p: argparse.ArgumentParser, out: Path, stem: str) -> None:
     p.add_argument("--tag", default="", help=f"write {stem}-<tag>.json instead of {stem}.json")
 
 
-def write_result(result: dict[str, Any], args: argparse.Namespace, stem: str, env: dict[str, Any],
-                 argv: list[str] | None) -> None:  # fmt: skip
+def write_result(
+    result: dict[str, Any], args: argparse.Namespace, stem: str, env: dict[str, Any], argv: list[str] | None
+) -> None:
     """Add the environment, arguments and finish time, and write ``<out>/<stem>[-<tag>].json`` unless --no-json."""
-    result.update(environment=env, argv=sys.argv[1:] if argv is None else argv,
-                  finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"))  # fmt: skip
+    result.update(
+        environment=env, argv=sys.argv[1:] if argv is None else argv, finished=time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    )
     if args.no_json:
         return
     out = Path(args.out)
@@ -213,12 +224,24 @@ def write_result(result: dict[str, Any], args: argparse.Namespace, stem: str, en
 
 def add_round_flags(p: argparse.ArgumentParser, rounds: int, timeout: float = 900.0) -> None:
     p.add_argument("--rounds", type=int, default=rounds, help="interleaved rounds (every configuration once per round)")
-    p.add_argument("--quiet-wait", type=float, default=30.0,
-                   help="before each run, wait up to this many seconds for the machine to be quiet (0: never wait)")
-    p.add_argument("--quiet-threshold", type=float, default=0.15,
-                   help="'quiet' means at most this fraction of all cores busy (from /proc/stat)")
-    p.add_argument("--max-foreign", type=float, default=0.25,
-                   help="a run during which other processes used more than this many cores is run again (see --retries)")
+    p.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=30.0,
+        help="before each run, wait up to this many seconds for the machine to be quiet (0: never wait)",
+    )
+    p.add_argument(
+        "--quiet-threshold",
+        type=float,
+        default=0.15,
+        help="'quiet' means at most this fraction of all cores busy (from /proc/stat)",
+    )
+    p.add_argument(
+        "--max-foreign",
+        type=float,
+        default=0.25,
+        help="a run during which other processes used more than this many cores is run again (see --retries)",
+    )
     p.add_argument("--retries", type=int, default=1, help="how often a run disturbed by other processes is run again")
     p.add_argument("--timeout", type=float, default=timeout, help="seconds one spawned run may take")
 
@@ -256,26 +279,39 @@ def interleaved_rounds(
                     if not keep_going:
                         raise
                     failures[cfg["name"]] = f"{type(e).__name__}: {e}"
-                    print(f"  round {rnd + 1}/{args.rounds}  {cfg['name']:<{width}} FAILED: {type(e).__name__}: "
-                          f"{str(e)[-3000:]}", flush=True)  # fmt: skip
+                    print(
+                        f"  round {rnd + 1}/{args.rounds}  {cfg['name']:<{width}} FAILED: {type(e).__name__}: "
+                        f"{str(e)[-3000:]}",
+                        flush=True,
+                    )
                     res = None
                     break
                 foreign = probe.stop()
                 if foreign is None or foreign <= args.max_foreign or attempt == args.retries:
                     break
-                print(f"  round {rnd + 1}/{args.rounds}  {cfg['name']:<{width}} discarded: other processes used "
-                      f"{foreign:.2f} cores meanwhile (> --max-foreign {args.max_foreign}); running it again", flush=True)
+                print(
+                    f"  round {rnd + 1}/{args.rounds}  {cfg['name']:<{width}} discarded: other processes used "
+                    f"{foreign:.2f} cores meanwhile (> --max-foreign {args.max_foreign}); running it again",
+                    flush=True,
+                )
             if res is None:
                 continue
             s = summarize(res)
-            s.update(cpu_busy_before=busy, foreign_load_cores=foreign,
-                     steal_cores=probe.steal_cores if probe else None, attempts=attempt + 1)  # fmt: skip
+            s.update(
+                cpu_busy_before=busy,
+                foreign_load_cores=foreign,
+                steal_cores=probe.steal_cores if probe else None,
+                attempts=attempt + 1,
+            )
             rounds[cfg["name"]].append(s)
             load = f", busy before {100 * busy:3.0f}%" if busy is not None else ""
             load += f", foreign load {foreign:.2f} cores" if foreign is not None else ""
             load += f", steal {probe.steal_cores:.2f}" if probe and probe.steal_cores else ""
-            print(f"  round {rnd + 1}/{args.rounds}  {cfg['name']:<{width}} {headline(s)}  "
-                  f"(wall {time.perf_counter() - t0:5.1f} s{load})", flush=True)
+            print(
+                f"  round {rnd + 1}/{args.rounds}  {cfg['name']:<{width}} {headline(s)}  "
+                f"(wall {time.perf_counter() - t0:5.1f} s{load})",
+                flush=True,
+            )
     return rounds, failures, time.perf_counter() - t_start
 
 

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from harness import make_adamw, world
 from pipeline_workers import _mse, _train, build_model, phalanx_timing, stage_blocks
 from zero_workers import deepspeed_config, init_deepspeed
@@ -31,8 +30,12 @@ def _replica_rows(spec: dict[str, Any], dp_rank: int) -> slice:
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(t.numel() * t.element_size() for st in optimizer.state.values() for t in st.values()
-               if isinstance(t, torch.Tensor) and t.dim() > 0)  # fmt: skip
+    return sum(
+        t.numel() * t.element_size()
+        for st in optimizer.state.values()
+        for t in st.values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+    )
 
 
 def run_phalanx(spec: dict[str, Any]) -> dict[str, Any]:
@@ -41,8 +44,14 @@ def run_phalanx(spec: dict[str, Any]) -> dict[str, Any]:
 
     rank, size = world()
     pp = size // spec["dp"]
-    engine = phalanx.Engine(strategy="pipeline", pp_size=pp, pp_zero_stage=spec["zero_stage"],
-                            pp_schedule=spec["schedule"], pp_microbatches=spec["microbatches"], seed=spec["seed"])  # fmt: skip
+    engine = phalanx.Engine(
+        strategy="pipeline",
+        pp_size=pp,
+        pp_zero_stage=spec["zero_stage"],
+        pp_schedule=spec["schedule"],
+        pp_microbatches=spec["microbatches"],
+        seed=spec["seed"],
+    )
     model = build_model(spec)
     stage_idx, rows = engine.topology.pp_stage, _replica_rows(spec, engine.topology.dp_rank)
     idx = stage_blocks(spec, stage_idx, pp)
@@ -51,7 +60,9 @@ def run_phalanx(spec: dict[str, Any]) -> dict[str, Any]:
     model, opt = engine.prepare(model, opt)
     kept = list(model.parameters())
     if sorted(n for n, _ in model.named_parameters()) != expected:
-        raise RuntimeError(f"rank {rank}: phalanx kept {[n for n, _ in model.named_parameters()]}, not blocks {list(idx)}")
+        raise RuntimeError(
+            f"rank {rank}: phalanx kept {[n for n, _ in model.named_parameters()]}, not blocks {list(idx)}"
+        )
 
     def step(x: torch.Tensor, y: torch.Tensor) -> tuple[float, dict[str, float]]:
         loss = engine.train_step((x[rows], y[rows]), _mse)
@@ -90,8 +101,12 @@ def run_deepspeed(spec: dict[str, Any]) -> dict[str, Any]:
     out = _train(spec, rank, step, params)
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
     out["optimizer_state_bytes"] = _state_bytes(inner)
-    out["describe"] = {"zero_stage": engine.zero_optimization_stage(), "deepspeed": deepspeed.__version__,
-                       "stage": engine.grid.get_pipe_parallel_rank(), "dp_rank": dp_rank}  # fmt: skip
+    out["describe"] = {
+        "zero_stage": engine.zero_optimization_stage(),
+        "deepspeed": deepspeed.__version__,
+        "stage": engine.grid.get_pipe_parallel_rank(),
+        "dp_rank": dp_rank,
+    }
     dist.barrier()
     return out
 

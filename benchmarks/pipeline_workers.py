@@ -20,14 +20,14 @@ Every function here is module-level so that the spawn start method can import it
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-
 from harness import init_gloo, make_adamw, param_sum, train_loop, world
+from torch import nn
 
 # ------------------------------------------------------------------------------------------ workload
 
@@ -85,7 +85,7 @@ def _train(spec: dict[str, Any], rank: int, step_fn: StepFn, params: list[torch.
     return out
 
 
-# ------------------------------------------------------------------------------------------ torch.distributed.pipelining
+# ----------------------------------------------------------------------------------------- torch.distributed.pipelining
 
 
 class _WaitTimer:
@@ -138,7 +138,7 @@ def run_torch(spec: dict[str, Any]) -> dict[str, Any]:
         t1 = time.perf_counter()
         opt.step()
         opt.zero_grad()
-        loss = float(torch.stack([l.detach() for l in losses]).mean()) if last else float("nan")
+        loss = float(torch.stack([loss.detach() for loss in losses]).mean()) if last else float("nan")
         return loss, {"schedule_s": t1 - t0, "wait_s": timer.total - w0}
 
     out = _train(spec, rank, step, list(stage_mod.parameters()))
@@ -166,8 +166,13 @@ def run_phalanx(spec: dict[str, Any]) -> dict[str, Any]:
     import phalanx
 
     rank, size = world()
-    engine = phalanx.Engine(strategy="pipeline", pp_size=size, pp_schedule=spec["schedule"],
-                            pp_microbatches=spec["microbatches"], seed=spec["seed"])
+    engine = phalanx.Engine(
+        strategy="pipeline",
+        pp_size=size,
+        pp_schedule=spec["schedule"],
+        pp_microbatches=spec["microbatches"],
+        seed=spec["seed"],
+    )
     model = build_model(spec)  # after Engine(), which reseeds
     stage_idx = engine.topology.pp_stage
     idx = stage_blocks(spec, stage_idx, size)
@@ -184,8 +189,9 @@ def run_phalanx(spec: dict[str, Any]) -> dict[str, Any]:
         )
     opt_params = [p for g in opt.param_groups for p in g["params"]]
     if {id(p) for p in opt_params} != {id(p) for p in kept}:
-        raise RuntimeError(f"stage {stage_idx}: the prepared optimizer holds {len(opt_params)} tensors, the stage "
-                           f"{len(kept)}")
+        raise RuntimeError(
+            f"stage {stage_idx}: the prepared optimizer holds {len(opt_params)} tensors, the stage {len(kept)}"
+        )
 
     def step(x: torch.Tensor, y: torch.Tensor) -> tuple[float, dict[str, float]]:
         loss = engine.train_step((x, y), _mse)

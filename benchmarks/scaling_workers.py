@@ -23,10 +23,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
-
 from ddp_workers import loss_of
 from harness import init_gloo, make_adamw, memory_now, train_loop, world
+from torch import nn
 from zero_workers import block_modules, deepspeed_config, init_deepspeed
 
 _LOSS = "gpt"  # ddp_workers.loss_of: next-token cross entropy over the logits

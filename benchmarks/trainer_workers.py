@@ -144,13 +144,28 @@ def run_phalanx_trainer(spec: dict[str, Any], rank: int, world_size: int, out_di
     clock = StepClock(spec, rank)
     model = build_model(spec)
     args = phalanx.TrainingArguments(
-        output_dir=out_dir, per_device_train_batch_size=spec["batch"], gradient_accumulation_steps=spec["grad_accum"],
-        learning_rate=spec["lr"], weight_decay=0.01, max_steps=total_steps(spec), logging_steps=spec["logging_steps"],
-        save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True, seed=spec["seed"], strategy="ddp",
-        bf16=bool(spec.get("bf16")), optim=spec["optim"],
-    )  # fmt: skip
-    trainer = phalanx.Trainer(model, args, train_dataset=RandomRegression(dataset_size(spec, world_size), spec["d"], spec["seed"]),
-                              callbacks=[make_timing_callback(TrainerCallback, clock)])  # fmt: skip
+        output_dir=out_dir,
+        per_device_train_batch_size=spec["batch"],
+        gradient_accumulation_steps=spec["grad_accum"],
+        learning_rate=spec["lr"],
+        weight_decay=0.01,
+        max_steps=total_steps(spec),
+        logging_steps=spec["logging_steps"],
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=spec["seed"],
+        strategy="ddp",
+        bf16=bool(spec.get("bf16")),
+        optim=spec["optim"],
+    )
+    trainer = phalanx.Trainer(
+        model,
+        args,
+        train_dataset=RandomRegression(dataset_size(spec, world_size), spec["d"], spec["seed"]),
+        callbacks=[make_timing_callback(TrainerCallback, clock)],
+    )
     trainer.train()
     clock.finish()
     logged = [(e["step"], e["loss"]) for e in trainer.state.log_history if "loss" in e]
@@ -169,12 +184,20 @@ def run_engine_loop(spec: dict[str, Any], rank: int, world_size: int, out_dir: s
 
     clock = StepClock(spec, rank)
     model = build_model(spec)
-    engine = phalanx.Engine(strategy="ddp", grad_accum_steps=spec["grad_accum"], seed=spec["seed"], max_grad_norm=1.0,
-                            precision="bf16-mixed" if spec.get("bf16") else "fp32")  # fmt: skip
+    engine = phalanx.Engine(
+        strategy="ddp",
+        grad_accum_steps=spec["grad_accum"],
+        seed=spec["seed"],
+        max_grad_norm=1.0,
+        precision="bf16-mixed" if spec.get("bf16") else "fp32",
+    )
     decay = [p for n, p in model.named_parameters() if not n.endswith("bias")]
     no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=spec["lr"], fused=spec["optim"] == "adamw_torch_fused" or None)  # fmt: skip
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=spec["lr"],
+        fused=spec["optim"] == "adamw_torch_fused" or None,
+    )
     n_steps = total_steps(spec)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, (n_steps - s) / max(1, n_steps)))
     data = RandomRegression(dataset_size(spec, world_size), spec["d"], spec["seed"])
@@ -226,25 +249,51 @@ def run_hf_trainer(spec: dict[str, Any], rank: int, world_size: int, out_dir: st
     model = build_model(spec)
     optim = {"optim": spec["optim"]}
     args = transformers.TrainingArguments(
-        output_dir=out_dir, use_cpu=not spec.get("gpu"), per_device_train_batch_size=spec["batch"],
-        gradient_accumulation_steps=spec["grad_accum"], learning_rate=spec["lr"], weight_decay=0.01,
-        max_steps=total_steps(spec), logging_steps=spec["logging_steps"], save_strategy="no", eval_strategy="no",
-        report_to="none", disable_tqdm=True, seed=spec["seed"], dataloader_pin_memory=bool(spec.get("gpu")), bf16=bool(spec.get("bf16")), **optim,
-    )  # fmt: skip
-    trainer = transformers.Trainer(model=model, args=args,
-                                   train_dataset=RandomRegression(dataset_size(spec, world_size), spec["d"], spec["seed"]),
-                                   callbacks=[make_timing_callback(transformers.TrainerCallback, clock)])  # fmt: skip
+        output_dir=out_dir,
+        use_cpu=not spec.get("gpu"),
+        per_device_train_batch_size=spec["batch"],
+        gradient_accumulation_steps=spec["grad_accum"],
+        learning_rate=spec["lr"],
+        weight_decay=0.01,
+        max_steps=total_steps(spec),
+        logging_steps=spec["logging_steps"],
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=spec["seed"],
+        dataloader_pin_memory=bool(spec.get("gpu")),
+        bf16=bool(spec.get("bf16")),
+        **optim,
+    )
+    trainer = transformers.Trainer(
+        model=model,
+        args=args,
+        train_dataset=RandomRegression(dataset_size(spec, world_size), spec["d"], spec["seed"]),
+        callbacks=[make_timing_callback(transformers.TrainerCallback, clock)],
+    )
     dtype = trainer.accelerator.distributed_type
     backend = dist.get_backend() if dist.is_initialized() else None
-    if world_size > 1 and not spec.get("gpu") and (dtype != DistributedType.MULTI_CPU or trainer.args.world_size != world_size or backend != "gloo"):
-        raise RuntimeError(f"the HF Trainer runs {dtype} with world_size={trainer.args.world_size}, backend={backend}, "
-                           f"not MULTI_CPU x {world_size} on gloo: the comparison would be void")  # fmt: skip
+    if (
+        world_size > 1
+        and not spec.get("gpu")
+        and (dtype != DistributedType.MULTI_CPU or trainer.args.world_size != world_size or backend != "gloo")
+    ):
+        raise RuntimeError(
+            f"the HF Trainer runs {dtype} with world_size={trainer.args.world_size}, backend={backend}, "
+            f"not MULTI_CPU x {world_size} on gloo: the comparison would be void"
+        )
     trainer.train()
     clock.finish()
     logged = [(e["step"], e["loss"]) for e in trainer.state.log_history if "loss" in e]
     out = _result(clock, spec, rank, logged, model)
-    out.update(optimizer=_describe_optimizer(trainer.optimizer), distributed_type=str(dtype), backend=backend,
-               hf_world_size=trainer.args.world_size, transformers=transformers.__version__)  # fmt: skip
+    out.update(
+        optimizer=_describe_optimizer(trainer.optimizer),
+        distributed_type=str(dtype),
+        backend=backend,
+        hf_world_size=trainer.args.world_size,
+        transformers=transformers.__version__,
+    )
     dist.barrier()
     return out
 
@@ -257,15 +306,16 @@ RUNNERS = {"phalanx_trainer": run_phalanx_trainer, "engine_loop": run_engine_loo
 
 def _describe_optimizer(opt: Any) -> str:
     inner = getattr(opt, "optimizer", opt)
-    while hasattr(inner, "optimizer") and inner is not getattr(inner, "optimizer"):
+    while hasattr(inner, "optimizer") and inner is not inner.optimizer:
         inner = inner.optimizer
     d = getattr(inner, "defaults", {})
     impl = "fused" if d.get("fused") else "foreach" if d.get("foreach") else "default"
     return f"{type(inner).__name__}({impl}, groups={len(getattr(inner, 'param_groups', []))})"
 
 
-def _result(clock: StepClock, spec: dict[str, Any], rank: int, logged: list[tuple[int, float]],
-            model: nn.Module) -> dict[str, Any]:  # fmt: skip
+def _result(
+    clock: StepClock, spec: dict[str, Any], rank: int, logged: list[tuple[int, float]], model: nn.Module
+) -> dict[str, Any]:
     times = clock.step_times()
     res: dict[str, Any] = {
         "rank": rank,

@@ -15,13 +15,12 @@ import os
 import warnings
 from typing import Any
 
+import ddp_workers
 import torch
 import torch.distributed as dist
-from torch import nn
-
-import ddp_workers
 from ddp_workers import _train, loss_of
 from harness import adamw_kwargs, init_gloo, init_method, make_adamw, param_sum, world
+from torch import nn
 
 # ------------------------------------------------------------------------------------------ workloads
 
@@ -131,7 +130,8 @@ def _compiled(model: nn.Module, spec: dict[str, Any]) -> nn.Module:
 
 
 def run_phalanx(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """phalanx.Engine(strategy=ddp|zero1|zero2|zero3): prepare(model, opt); backward(loss); opt.step(); opt.zero_grad()."""
+    """phalanx.Engine(strategy=ddp|zero1|zero2|zero3): prepare(model, opt); backward(loss); opt.step();
+    opt.zero_grad()."""
     import phalanx
 
     rank, size = world()
@@ -174,8 +174,14 @@ def init_deepspeed() -> Any:
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     rank, size = world()
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False,
-                               init_method=init_method(), rank=rank, world_size=size)
+    deepspeed.init_distributed(
+        dist_backend="gloo",
+        auto_mpi_discovery=False,
+        verbose=False,
+        init_method=init_method(),
+        rank=rank,
+        world_size=size,
+    )
     return deepspeed
 
 
@@ -217,9 +223,12 @@ def run_deepspeed(workload: str, spec: dict[str, Any]) -> dict[str, Any]:
         return param_sum(params)
 
     out = _train(workload, spec, rank, size, step, checksum)
-    out["describe"] = {"zero_stage": engine.zero_optimization_stage(), "deepspeed": deepspeed.__version__,
-                       "accelerator": type(deepspeed.get_accelerator()).__name__,
-                       "optimizer": type(engine.optimizer).__name__}
+    out["describe"] = {
+        "zero_stage": engine.zero_optimization_stage(),
+        "deepspeed": deepspeed.__version__,
+        "accelerator": type(deepspeed.get_accelerator()).__name__,
+        "optimizer": type(engine.optimizer).__name__,
+    }
     dist.barrier()
     return out
 

@@ -22,7 +22,9 @@ import phalanx
 from phalanx.demo import ByteChunks, GPTConfig, TinyGPT, load_stdlib_bytes
 
 
-def next_byte_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: torch.Tensor | None = None) -> torch.Tensor:
+def next_byte_loss(
+    logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: torch.Tensor | None = None
+) -> torch.Tensor:
     """The mean cross-entropy of every next-byte prediction in the micro-batch."""
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
 
@@ -69,20 +71,26 @@ def main() -> None:
         dataloader_drop_last=True,  # every step's batch must split into equal micro-batches
         disable_tqdm=a.smoke,
     )
-    trainer = phalanx.Trainer(model, args, train_dataset=train_set, eval_dataset=eval_set,
-                              compute_loss_func=next_byte_loss)  # fmt: skip
+    trainer = phalanx.Trainer(
+        model, args, train_dataset=train_set, eval_dataset=eval_set, compute_loss_func=next_byte_loss
+    )
     out = trainer.train()
     metrics = trainer.evaluate()
 
     engine = trainer.engine
-    engine.print(f"TinyGPT in {engine.topology.pp_size} pipeline stages, {out.global_step} steps of {a.batch_size} "
-                 f"sequences x {a.block_size} bytes")  # fmt: skip
+    engine.print(
+        f"TinyGPT in {engine.topology.pp_size} pipeline stages, {out.global_step} steps of {a.batch_size} "
+        f"sequences x {a.block_size} bytes"
+    )
     losses = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
     for step, loss in losses:
         engine.print(f"step {step:4d}  loss {loss:.4f}")
-    engine.print(f"train loss {out.training_loss:.4f}  eval loss {metrics['eval_loss']:.4f} ({len(eval_set)} held-out "
-                 "sequences)")  # fmt: skip
-    print("result " + json.dumps({"rank": engine.rank, "losses": losses, "eval_loss": metrics["eval_loss"]}), flush=True)
+    engine.print(
+        f"train loss {out.training_loss:.4f}  eval loss {metrics['eval_loss']:.4f} ({len(eval_set)} held-out sequences)"
+    )
+    print(
+        "result " + json.dumps({"rank": engine.rank, "losses": losses, "eval_loss": metrics["eval_loss"]}), flush=True
+    )
 
 
 if __name__ == "__main__":

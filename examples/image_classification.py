@@ -28,12 +28,17 @@ import phalanx
 def make_images(n: int, classes: int, seed: int) -> TensorDataset:
     """``n`` noisy, shifted copies of ``classes`` low-frequency colour templates, with their class labels."""
     g = torch.Generator().manual_seed(seed)
-    templates = F.interpolate(torch.randn(classes, 3, 4, 4, generator=torch.Generator().manual_seed(1234)),
-                              size=(32, 32), mode="bilinear", align_corners=False)  # fmt: skip
+    templates = F.interpolate(
+        torch.randn(classes, 3, 4, 4, generator=torch.Generator().manual_seed(1234)),
+        size=(32, 32),
+        mode="bilinear",
+        align_corners=False,
+    )
     labels = torch.randint(0, classes, (n,), generator=g)
     shifts = torch.randint(-4, 5, (n, 2), generator=g)
-    images = torch.stack([torch.roll(templates[c], (int(dy), int(dx)), dims=(1, 2))
-                          for c, (dy, dx) in zip(labels.tolist(), shifts)])  # fmt: skip
+    images = torch.stack(
+        [torch.roll(templates[c], (int(dy), int(dx)), dims=(1, 2)) for c, (dy, dx) in zip(labels.tolist(), shifts)]
+    )
     images += 3.0 * torch.randn(images.shape, generator=g)
     return TensorDataset(images, labels)
 
@@ -62,8 +67,9 @@ class SmallResNet(nn.Module):
     def __init__(self, classes: int, width: int = 16) -> None:
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
-        self.stages = nn.Sequential(BasicBlock(width, width, 1), BasicBlock(width, 2 * width, 2),
-                                    BasicBlock(2 * width, 4 * width, 2))  # fmt: skip
+        self.stages = nn.Sequential(
+            BasicBlock(width, width, 1), BasicBlock(width, 2 * width, 2), BasicBlock(2 * width, 4 * width, 2)
+        )
         self.fc = nn.Linear(4 * width, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,8 +106,10 @@ def main() -> None:
     model, optimizer, train_loader, scheduler, eval_loader = engine.prepare(
         model, optimizer, train_loader, scheduler, eval_loader
     )
-    engine.print(f"SmallResNet on {a.train_size} generated images, {a.classes} classes, {engine.world_size} rank(s), "
-                 f"global batch {a.batch_size * engine.world_size * a.accum}")  # fmt: skip
+    engine.print(
+        f"SmallResNet on {a.train_size} generated images, {a.classes} classes, {engine.world_size} rank(s), "
+        f"global batch {a.batch_size * engine.world_size * a.accum}"
+    )
 
     history = []
     for epoch in range(a.epochs):
@@ -131,10 +139,21 @@ def main() -> None:
                 targets.append(labels)
         predicted, labels = torch.cat(predictions), torch.cat(targets)
         eval_acc = (predicted == labels).float().mean().item()
-        history.append({"epoch": epoch + 1, "train_loss": train_loss, "train_acc": train_acc, "eval_acc": eval_acc,
-                        "eval_samples": len(labels), "lr": scheduler.get_last_lr()[0]})  # fmt: skip
-        engine.print(f"Epoch [{epoch + 1}/{a.epochs}], Loss: {train_loss:.4f}, Train Acc: {100 * train_acc:.2f}%, "
-                     f"Eval Acc: {100 * eval_acc:.2f}% ({len(labels)} images)", flush=True)  # fmt: skip
+        history.append(
+            {
+                "epoch": epoch + 1,
+                "train_loss": train_loss,
+                "train_acc": train_acc,
+                "eval_acc": eval_acc,
+                "eval_samples": len(labels),
+                "lr": scheduler.get_last_lr()[0],
+            }
+        )
+        engine.print(
+            f"Epoch [{epoch + 1}/{a.epochs}], Loss: {train_loss:.4f}, Train Acc: {100 * train_acc:.2f}%, "
+            f"Eval Acc: {100 * eval_acc:.2f}% ({len(labels)} images)",
+            flush=True,
+        )
 
     # The parameters only: BatchNorm's running statistics are broadcast from rank 0 before each training forward
     # (as DistributedDataParallel does), so after the last one each rank holds its own update of them.

@@ -28,7 +28,8 @@ POSITIVE = ["good", "great", "clean", "friendly", "quiet", "lovely", "excellent"
 NEGATIVE = ["bad", "dirty", "rude", "noisy", "awful", "terrible", "cramped", "smelly", "broken", "cold", "slow",
             "expensive", "poor", "stale", "unhelpful"]  # fmt: skip
 NEUTRAL = ["the", "room", "was", "and", "staff", "hotel", "breakfast", "bed", "view", "very", "really", "our", "a",
-           "stay", "location", "bathroom", "service", "food", "with", "night", "it", "quite", "lobby", "pool"]  # fmt: skip
+           "stay", "location", "bathroom", "service", "food", "with", "night", "it", "quite", "lobby",
+           "pool"]  # fmt: skip
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "not"]
 PAD, UNK, CLS = 0, 1, 2
 
@@ -95,8 +96,16 @@ class TinyBertClassifier(nn.Module):
     """A BERT-shaped encoder (token + position embeddings, post-norm encoder layers) with BERT's pooler on the
     [CLS] position and a linear head. Like a transformers model, it returns ``loss`` when given ``labels``."""
 
-    def __init__(self, vocab_size: int, hidden: int = 64, layers: int = 2, heads: int = 2, ffn: int = 128,
-                 max_len: int = 64, num_labels: int = 2) -> None:  # fmt: skip
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden: int = 64,
+        layers: int = 2,
+        heads: int = 2,
+        ffn: int = 128,
+        max_len: int = 64,
+        num_labels: int = 2,
+    ) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab_size, hidden, padding_idx=PAD)
         self.pos = nn.Embedding(max_len, hidden)
@@ -108,8 +117,9 @@ class TinyBertClassifier(nn.Module):
         self.pooler = nn.Linear(hidden, hidden)
         self.classifier = nn.Linear(hidden, num_labels)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         x = self.norm(self.tok(input_ids) + self.pos(positions))
         padding = attention_mask == 0 if attention_mask is not None else None
@@ -125,8 +135,16 @@ class TinyBertClassifier(nn.Module):
 def hf_model(vocab_size: int) -> nn.Module:
     from transformers import BertConfig, BertForSequenceClassification
 
-    config = BertConfig(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=128, max_position_embeddings=64, num_labels=2, pad_token_id=PAD)  # fmt: skip
+    config = BertConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        num_labels=2,
+        pad_token_id=PAD,
+    )
     return BertForSequenceClassification(config)
 
 
@@ -179,8 +197,14 @@ def main() -> None:
         disable_tqdm=a.smoke,
         seed=a.seed,
     )
-    trainer = phalanx.Trainer(model=model, args=args, train_dataset=train_set, eval_dataset=eval_set,
-                              data_collator=pad_collator, compute_metrics=compute_metrics)  # fmt: skip
+    trainer = phalanx.Trainer(
+        model=model,
+        args=args,
+        train_dataset=train_set,
+        eval_dataset=eval_set,
+        data_collator=pad_collator,
+        compute_metrics=compute_metrics,
+    )
     out = trainer.train()
     per_epoch = [h for h in trainer.state.log_history if "eval_f1" in h]
     final = trainer.evaluate()  # of the best epoch's weights, loaded again at the end (load_best_model_at_end)
@@ -188,13 +212,23 @@ def main() -> None:
     engine = trainer.engine
     engine.print(f"train loss {out.training_loss:.4f} over {out.global_step} steps")
     for h in per_epoch:
-        engine.print(f"epoch {h['epoch']:.0f}: eval_loss {h['eval_loss']:.4f}  accuracy {h['eval_accuracy']:.4f}  "
-                     f"f1 {h['eval_f1']:.4f}")  # fmt: skip
+        engine.print(
+            f"epoch {h['epoch']:.0f}: eval_loss {h['eval_loss']:.4f}  accuracy {h['eval_accuracy']:.4f}  "
+            f"f1 {h['eval_f1']:.4f}"
+        )
     engine.print(f"best checkpoint {trainer.state.best_model_checkpoint} (f1 {trainer.state.best_metric:.4f})")
-    engine.print("final eval " + json.dumps({k: round(v, 6) for k, v in final.items()
-                                              if k in ("eval_loss", "eval_accuracy", "eval_f1")}))  # fmt: skip
-    record = {"rank": engine.rank, "steps": out.global_step, "train_loss": out.training_loss,
-              "epoch_f1": [h["eval_f1"] for h in per_epoch], "best_metric": trainer.state.best_metric, **final}  # fmt: skip
+    engine.print(
+        "final eval "
+        + json.dumps({k: round(v, 6) for k, v in final.items() if k in ("eval_loss", "eval_accuracy", "eval_f1")})
+    )
+    record = {
+        "rank": engine.rank,
+        "steps": out.global_step,
+        "train_loss": out.training_loss,
+        "epoch_f1": [h["eval_f1"] for h in per_epoch],
+        "best_metric": trainer.state.best_metric,
+        **final,
+    }
     print("result " + json.dumps(record), flush=True)  # every rank: the test checks that they agree
 
 

@@ -4,6 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+.venv/bin/ruff format --check --quiet . || { echo "ruff format --check failed: run .venv/bin/ruff format ." >&2; exit 1; }
+.venv/bin/ruff check --quiet .
 .venv/bin/python -m mypy src/phalanx
 set +e
 .venv/bin/python -m pytest -q --durations=15 "$@"  # the slowest tests, to keep the suite well under CI's 30 minutes

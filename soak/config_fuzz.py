@@ -31,8 +31,8 @@ from typing import Any
 
 import yaml
 
-from phalanx.launch import cli
 from phalanx.config.settings import engine_fields
+from phalanx.launch import cli
 
 BAD_TEXT = ["banana", "-3", "1e999", "", "[1, 2]", "0x10", "true", "None", "ddp;rm -rf /", "é"]
 ACCELERATE_TYPES = ["NO", "MULTI_CPU", "MULTI_GPU", "DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA", "TPU"]
@@ -60,7 +60,9 @@ def good_value(rng: random.Random, name: str, typ: Any, choices: Any) -> Any:
 def bad_value(rng: random.Random, name: str, typ: Any, choices: Any) -> Any:
     text = str(typ)
     if "int" in text or "float" in text:
-        return rng.choice([-rng.randint(1, 5), "banana", 0 if name != "seed" else "x", "1e999" if "int" in text else "abc"])
+        return rng.choice(
+            [-rng.randint(1, 5), "banana", 0 if name != "seed" else "x", "1e999" if "int" in text else "abc"]
+        )
     if "bool" in text:
         return rng.choice(["maybe", "2", "yes please"])
     if choices or name in ("strategy", "precision"):
@@ -105,21 +107,39 @@ def make_case(rng: random.Random, tmp: Path, i: int) -> dict[str, Any]:
         case.setdefault("yaml", {})["launch"] = {k: v for k, v in launch.items() if v is not None}
     dialect = rng.random()
     if dialect < 0.15:
-        acc = {"compute_environment": "LOCAL_MACHINE", "distributed_type": rng.choice(ACCELERATE_TYPES),
-               "num_processes": rng.choice([1, 2, 3, 4]), "mixed_precision": rng.choice(["no", "bf16", "fp16", "fp8"]),
-               "num_machines": rng.choice([1, 2]), "machine_rank": 0}  # fmt: skip
+        acc = {
+            "compute_environment": "LOCAL_MACHINE",
+            "distributed_type": rng.choice(ACCELERATE_TYPES),
+            "num_processes": rng.choice([1, 2, 3, 4]),
+            "mixed_precision": rng.choice(["no", "bf16", "fp16", "fp8"]),
+            "num_machines": rng.choice([1, 2]),
+            "machine_rank": 0,
+        }
         if rng.random() < 0.3:
-            acc["deepspeed_config"] = {"zero_stage": rng.choice([0, 1, 2, 3, 4]), "gradient_accumulation_steps": rng.choice([1, 2, "x"])}
+            acc["deepspeed_config"] = {
+                "zero_stage": rng.choice([0, 1, 2, 3, 4]),
+                "gradient_accumulation_steps": rng.choice([1, 2, "x"]),
+            }
         path = tmp / f"acc{i}.yaml"
         path.write_text(yaml.safe_dump(acc))
         case["argv"] += ["--config_file" if rng.random() < 0.5 else "--config", str(path)]
         case.pop("yaml", None)
     elif dialect < 0.3:
-        ds = {"train_micro_batch_size_per_gpu": rng.choice([1, 4, "auto", 0]), "gradient_accumulation_steps": rng.choice([1, 2, "auto"]),
-              "zero_optimization": {"stage": rng.choice([0, 1, 2, 3, 5]), "offload_optimizer": {"device": rng.choice(["cpu", "nvme", "none", "gpu"])}},
-              "bf16": {"enabled": rng.choice([True, False, "auto"])}, "gradient_clipping": rng.choice([1.0, "auto", -1])}  # fmt: skip
+        ds = {
+            "train_micro_batch_size_per_gpu": rng.choice([1, 4, "auto", 0]),
+            "gradient_accumulation_steps": rng.choice([1, 2, "auto"]),
+            "zero_optimization": {
+                "stage": rng.choice([0, 1, 2, 3, 5]),
+                "offload_optimizer": {"device": rng.choice(["cpu", "nvme", "none", "gpu"])},
+            },
+            "bf16": {"enabled": rng.choice([True, False, "auto"])},
+            "gradient_clipping": rng.choice([1.0, "auto", -1]),
+        }
         if rng.random() < 0.3:
-            ds["optimizer"] = {"type": rng.choice(["AdamW", "SGD", "Lamb", "Nope"]), "params": {"lr": rng.choice([1e-3, "auto", "fast"])}}
+            ds["optimizer"] = {
+                "type": rng.choice(["AdamW", "SGD", "Lamb", "Nope"]),
+                "params": {"lr": rng.choice([1e-3, "auto", "fast"])},
+            }
         path = tmp / f"ds{i}.json"
         path.write_text(json.dumps(ds))
         case["argv"] += ["--deepspeed", str(path)]
@@ -173,7 +193,9 @@ def main() -> int:
             outcome, text = run_case(case)
             counts[outcome] += 1
             if len(examples.setdefault(outcome, [])) < args.show:
-                examples[outcome].append(f"argv={case['argv'][1:]} env={case['env']} bad={case['bad']}\n    {text.strip()[-600:]}")
+                examples[outcome].append(
+                    f"argv={case['argv'][1:]} env={case['env']} bad={case['bad']}\n    {text.strip()[-600:]}"
+                )
     for outcome in ("ran", "clear error", "other error", "traceback"):
         print(f"{outcome:12} {counts[outcome]:5}")
         for ex in examples.get(outcome, []) if outcome != "ran" else []:

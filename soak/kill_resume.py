@@ -31,10 +31,26 @@ def launch(tmp: Path, name: str, kill: tuple[int, int], restarts: int) -> tuple[
     env = {**os.environ, "PHALANX_DEVICE": "cpu", "PHALANX_STRATEGY": "ddp"}
     start = time.monotonic()
     proc = subprocess.run(
-        [*PHALANX, "launch", "-n", "2", "--max-restarts", str(restarts), "--resume-from", str(tmp / f"{name}-ckpt"),
-         "job.py", str(kill[0]), str(kill[1]), str(tmp / f"{name}.safetensors")],
-        cwd=tmp, capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
+        [
+            *PHALANX,
+            "launch",
+            "-n",
+            "2",
+            "--max-restarts",
+            str(restarts),
+            "--resume-from",
+            str(tmp / f"{name}-ckpt"),
+            "job.py",
+            str(kill[0]),
+            str(kill[1]),
+            str(tmp / f"{name}.safetensors"),
+        ],
+        cwd=tmp,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     return proc, time.monotonic() - start
 
 
@@ -63,7 +79,10 @@ def main() -> int:
                 same = all(torch.equal(got[k], v) for k, v in ref.items())
                 verdict = "bitwise equal" if same else "DIFFERENT"
             failures += verdict != "bitwise equal"
-            print(f"run {run}: rank {rank} killed at step {step}: {took:.1f} s, {verdict}; {summary.removeprefix('phalanx launch: ')[:160]}")
+            print(
+                f"run {run}: rank {rank} killed at step {step}: {took:.1f} s, {verdict}; "
+                f"{summary.removeprefix('phalanx launch: ')[:160]}"
+            )
     print(f"{args.runs} runs: {args.runs - failures} bitwise equal to the uninterrupted run, {failures} not")
     return 1 if failures else 0
 

@@ -54,7 +54,12 @@ def make_optimizer(kind: str, params) -> torch.optim.Optimizer:  # type: ignore[
 
 
 def reference_run(
-    model_cls: type[nn.Module], steps: int, global_batch: int, opt: str = "adamw", init_seed: int = 100, data_seed: int = 0
+    model_cls: type[nn.Module],
+    steps: int,
+    global_batch: int,
+    opt: str = "adamw",
+    init_seed: int = 100,
+    data_seed: int = 0,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Plain single-process torch: full global batches in the documented order, no phalanx involved."""
     torch.manual_seed(init_seed)
@@ -117,7 +122,9 @@ def grouped_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD([{"params": mats}, {"params": rest, "lr": 0.1, "momentum": 0.5}], lr=0.05, momentum=0.9)
 
 
-def tied_reference_run(steps: int, global_batch: int, opt: str, init_seed: int = 100) -> tuple[list[float], dict[str, torch.Tensor]]:
+def tied_reference_run(
+    steps: int, global_batch: int, opt: str, init_seed: int = 100
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Plain single-process torch on TiedNet: full global batches in the documented order."""
     torch.manual_seed(init_seed)
     model = TiedNet()
@@ -156,7 +163,9 @@ class Carry(nn.Module):
         super().__init__()
         self.fc = nn.Linear(d, d)
 
-    def forward(self, xs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self, xs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         a, b, mask = xs
         return torch.tanh(self.fc(a)), b, mask
 
@@ -185,7 +194,14 @@ class Residual(nn.Module):
 def pipe_model() -> nn.Sequential:
     """8 blocks with odd sizes: a parameter-free block, tuple boundaries (blocks 2 to 4) and residual blocks."""
     return nn.Sequential(
-        nn.Linear(D_IN, 24), nn.Tanh(), Fork(24, 20), Carry(20), Join(20, 16), Residual(16), Residual(16), nn.Linear(16, N_OUT)
+        nn.Linear(D_IN, 24),
+        nn.Tanh(),
+        Fork(24, 20),
+        Carry(20),
+        Join(20, 16),
+        Residual(16),
+        Residual(16),
+        nn.Linear(16, N_OUT),
     )
 
 

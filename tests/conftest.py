@@ -9,12 +9,12 @@ tests/test_zero_memory.py: 168-171 MiB forked, 164-166 MiB fresh), with the form
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 import phalanx
-
 
 START_METHOD = os.environ.get("PHALANX_TEST_START_METHOD", "forkserver" if os.name == "posix" else "spawn")
 
@@ -24,9 +24,16 @@ def run_ranks(monkeypatch: pytest.MonkeyPatch) -> Callable[..., list[Any]]:
     # Multi-rank tests run on gloo and the CPU everywhere, GPU machines included (tests/test_cuda.py covers CUDA).
     monkeypatch.setenv("PHALANX_DEVICE", "cpu")
 
-    def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180,
-            start_method: str | None = None) -> list[Any]:
-        return phalanx.spawn(fn, nprocs=world_size, args=args, threads_per_proc=1, timeout=timeout,
-                             start_method=start_method or START_METHOD)
+    def run(
+        fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180, start_method: str | None = None
+    ) -> list[Any]:
+        return phalanx.spawn(
+            fn,
+            nprocs=world_size,
+            args=args,
+            threads_per_proc=1,
+            timeout=timeout,
+            start_method=start_method or START_METHOD,
+        )
 
     return run

@@ -17,12 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from _common import Indices, OddNet, global_order, make_data
 from torch import nn
 from torch.utils.data import DataLoader
 
 import phalanx
-
-from _common import Indices, OddNet, global_order, make_data
 
 
 # ------------------------------------------------------------------------------------ accumulate(*models)
@@ -61,8 +60,10 @@ def test_accumulate_takes_the_prepared_models_and_accumulates_as_before():
 def test_accumulate_names_a_model_that_was_never_prepared():
     engine = phalanx.Engine(grad_accum_steps=2)
     model = engine.prepare(OddNet())
-    with pytest.raises(ValueError, match=r"got a Linear \(argument 1\) that engine.prepare did not return"), \
-            engine.accumulate(model, nn.Linear(2, 2)):  # fmt: skip
+    with (
+        pytest.raises(ValueError, match=r"got a Linear \(argument 1\) that engine.prepare did not return"),
+        engine.accumulate(model, nn.Linear(2, 2)),
+    ):
         pass
     with engine.accumulate(model):  # the refusal left no window half open
         pass
@@ -113,10 +114,15 @@ def _world_and_collectives(root: str) -> dict:
     engine = phalanx.Engine()
     r = engine.rank
     out: dict = {
-        "names": (engine.num_processes, engine.process_index, engine.local_process_index, engine.is_local_main_process,
-                  str(engine.device)),
+        "names": (
+            engine.num_processes,
+            engine.process_index,
+            engine.local_process_index,
+            engine.is_local_main_process,
+            str(engine.device),
+        ),
         "ranks": (engine.world_size, engine.rank, engine.local_rank),
-    }  # fmt: skip
+    }
     varlen = torch.arange(r + 1) + 10 * r  # lengths 1, 2, 3
     nested = {"a": [torch.full((2, 3), float(r)), (torch.tensor(float(r)),)], "p": Pair(torch.tensor([r]), varlen)}
     out["varlen"] = engine.gather(varlen)

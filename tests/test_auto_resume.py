@@ -54,15 +54,33 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _launch(tmp_path: Path, name: str, strategy: str, nprocs: int, kill: tuple[int, int], restarts: int) -> subprocess.CompletedProcess:
+def _launch(
+    tmp_path: Path, name: str, strategy: str, nprocs: int, kill: tuple[int, int], restarts: int
+) -> subprocess.CompletedProcess:
     (tmp_path / "job.py").write_text(SCRIPT)
     ckpt = tmp_path / f"{name}-ckpt"
     env = {**os.environ, "PHALANX_DEVICE": "cpu", "PHALANX_STRATEGY": strategy}
     return subprocess.run(
-        [*PHALANX, "launch", "-n", str(nprocs), "--max-restarts", str(restarts), "--resume-from", str(ckpt), "job.py",
-         str(kill[0]), str(kill[1]), str(tmp_path / f"{name}.safetensors")],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
+        [
+            *PHALANX,
+            "launch",
+            "-n",
+            str(nprocs),
+            "--max-restarts",
+            str(restarts),
+            "--resume-from",
+            str(ckpt),
+            "job.py",
+            str(kill[0]),
+            str(kill[1]),
+            str(tmp_path / f"{name}.safetensors"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
 
 
 @pytest.mark.parametrize(("strategy", "nprocs", "kill"), [("ddp", 2, (1, 10)), ("zero2", 3, (0, 18))])
@@ -131,12 +149,30 @@ def test_the_trainer_resumes_from_its_output_dir_bitwise(tmp_path):
     for name, kill, restarts in (("straight", -1, 0), ("resumed", 10, 1)):
         out_dir = tmp_path / f"{name}-out"
         runs[name] = subprocess.run(
-            [*PHALANX, "launch", "-n", "2", "--max-restarts", str(restarts), "--resume-from", str(out_dir), "train.py",
-             str(kill), str(out_dir), str(tmp_path / f"{name}.safetensors")],
-            cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env,
-        )  # fmt: skip
+            [
+                *PHALANX,
+                "launch",
+                "-n",
+                "2",
+                "--max-restarts",
+                str(restarts),
+                "--resume-from",
+                str(out_dir),
+                "train.py",
+                str(kill),
+                str(out_dir),
+                str(tmp_path / f"{name}.safetensors"),
+            ],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
         assert runs[name].returncode == 0, runs[name].stderr[-3000:]
-    assert "restart 1 resumed from checkpoint-8 (global step 8)" in runs["resumed"].stderr, runs["resumed"].stderr[-3000:]
+    assert "restart 1 resumed from checkpoint-8 (global step 8)" in runs["resumed"].stderr, runs["resumed"].stderr[
+        -3000:
+    ]
     assert re.findall(r"steps (\d+)", runs["resumed"].stdout) == ["24", "24"]  # 96 / (4 x 2) x 2 epochs
     a, b = load_file(tmp_path / "straight.safetensors"), load_file(tmp_path / "resumed.safetensors")
     for k in a:
@@ -147,8 +183,12 @@ def test_a_trainer_resume_dir_other_than_its_output_dir_is_refused(tmp_path, mon
     import phalanx
 
     monkeypatch.setenv("PHALANX_RESUME_FROM", str(tmp_path / "elsewhere"))
-    with pytest.raises(ValueError, match=r"the Trainer saves its checkpoints in output_dir=.*pass --resume-from with the output_dir"):
-        phalanx.Trainer(torch.nn.Linear(2, 2), phalanx.TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[]))
+    with pytest.raises(
+        ValueError, match=r"the Trainer saves its checkpoints in output_dir=.*pass --resume-from with the output_dir"
+    ):
+        phalanx.Trainer(
+            torch.nn.Linear(2, 2), phalanx.TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[])
+        )
 
 
 def test_a_backward_before_everything_the_checkpoint_holds_is_prepared_is_refused(tmp_path):
@@ -162,14 +202,18 @@ def test_a_backward_before_everything_the_checkpoint_holds_is_prepared_is_refuse
     engine = phalanx.Engine(resume_from=str(tmp_path))
     model, opt, sched = engine.prepare(*parts())
     engine.backward(model(torch.ones(2, 3)).sum())
-    opt.step(); sched.step(); opt.zero_grad()  # fmt: skip
+    opt.step()
+    sched.step()
+    opt.zero_grad()
     engine.save_state(tmp_path / "step-1")
     saved = {k: v.clone() for k, v in engine.get_state_dict(model).items()}
 
     again = phalanx.Engine(resume_from=str(tmp_path))
     model2, opt2, _ = parts()
     model2, opt2 = again.prepare(model2, opt2)  # the scheduler is missing: nothing can be loaded yet
-    with pytest.raises(RuntimeError, match=r"step-1 holds state for objects not prepared yet \(1 more LR scheduler\(s\)\)"):
+    with pytest.raises(
+        RuntimeError, match=r"step-1 holds state for objects not prepared yet \(1 more LR scheduler\(s\)\)"
+    ):
         again.backward(model2(torch.ones(2, 3)).sum())
     third = phalanx.Engine(resume_from=str(tmp_path))
     model3, opt3, sched3 = third.prepare(*parts())  # everything at once: loaded here, before the loop
@@ -219,9 +263,24 @@ def test_an_elastic_job_that_loses_a_node_finishes_on_the_other(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PHALANX_DEVICE": "cpu"}
-    argv = [*PHALANX, "launch", "--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{port}", "-n", "1", "--max-restarts",
-            "1", "--resume-from", "ckpt", "job.py"]  # fmt: skip
-    survivor = subprocess.Popen([*argv, "a.safetensors"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    argv = [
+        *PHALANX,
+        "launch",
+        "--nnodes",
+        "1:2",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "-n",
+        "1",
+        "--max-restarts",
+        "1",
+        "--resume-from",
+        "ckpt",
+        "job.py",
+    ]
+    survivor = subprocess.Popen(
+        [*argv, "a.safetensors"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     # The node at the endpoint hosts torchrun's c10d rendezvous store, and the job cannot outlive it: it must be the
     # survivor. Start the other node once it listens.
     deadline = time.monotonic() + 60
@@ -231,8 +290,14 @@ def test_an_elastic_job_that_loses_a_node_finishes_on_the_other(tmp_path):
             break
         except OSError:
             time.sleep(0.2)
-    lost = subprocess.Popen([*argv, "b.safetensors"], cwd=tmp_path, env={**env, "LOSE_THIS_NODE": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    lost = subprocess.Popen(
+        [*argv, "b.safetensors"],
+        cwd=tmp_path,
+        env={**env, "LOSE_THIS_NODE": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         out, err = survivor.communicate(timeout=240)
         lost.communicate(timeout=30)
@@ -247,8 +312,14 @@ def test_an_elastic_job_that_loses_a_node_finishes_on_the_other(tmp_path):
     # The reference: the smaller world continuing from that checkpoint, never interrupted.
     (tmp_path / "ref").mkdir()
     shutil.copytree(tmp_path / "ckpt" / "step-4", tmp_path / "ref" / "step-4")
-    ref = subprocess.run([*PHALANX, "launch", "-n", "1", "--resume-from", "ref", "job.py", "ref.safetensors"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    ref = subprocess.run(
+        [*PHALANX, "launch", "-n", "1", "--resume-from", "ref", "job.py", "ref.safetensors"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert ref.returncode == 0, ref.stderr[-3000:]
     a, b = load_file(tmp_path / "a.safetensors"), load_file(tmp_path / "ref.safetensors")
     for k in a:

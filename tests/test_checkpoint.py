@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from _common import VOCAB, TiedNet, grouped_optimizer, make_data, make_tokens, pipe_loss, pipe_model
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import phalanx
 import phalanx.launch.cli
-from _common import VOCAB, TiedNet, grouped_optimizer, make_data, make_tokens, pipe_loss, pipe_model
 from phalanx.checkpoint import Checkpoint, CheckpointError, latest_checkpoint
 from phalanx.launch import SpawnError
 
@@ -89,7 +89,9 @@ def _setup(strategy: str, global_batch: int, n_samples: int, model_cls=DropNet, 
     return engine, model, loader, tally
 
 
-def _train_until(engine, model, loader, tally, until: int, save_at: int | None = None, root: str = "") -> tuple[list[float], list[int]]:
+def _train_until(
+    engine, model, loader, tally, until: int, save_at: int | None = None, root: str = ""
+) -> tuple[list[float], list[int]]:
     """Train until ``engine.global_step == until`` (stopping mid-epoch; a pass begun again would start the epoch
     over, so a run that goes on after saving saves inside the loop); losses and global sample ids."""
     losses, ids = [], []
@@ -175,8 +177,12 @@ def test_resharding_zero3_on_4_ranks_to_ddp_zero2_zero1(run_ranks, tmp_path):
     straight = run_ranks(_reshard_save, 4, str(tmp_path / "ck"))[0]
     for strategy, world in (("ddp", 1), ("zero2", 3), ("zero1", 2)):
         res = run_ranks(_reshard_resume, world, str(tmp_path / "ck"), strategy)[0]
-        torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(straight["losses"][5:]), **TOL,
-                                   msg=lambda m: f"{strategy} on {world}: {m}")  # fmt: skip
+        torch.testing.assert_close(
+            torch.tensor(res["losses"]),
+            torch.tensor(straight["losses"][5:]),
+            **TOL,
+            msg=lambda m: f"{strategy} on {world}: {m}",  # noqa: B023 - called in this iteration
+        )
         assert res["ids"] == straight["ids"][5 * GLOBAL :], f"{strategy} on {world}: the sample order did not continue"
         assert res["count"] == 10  # the registered object counted every step of the whole run
 
@@ -210,7 +216,12 @@ def test_pipeline_checkpoint_loads_under_other_splits_and_ddp(run_ranks, tmp_pat
         (4, "pipeline", {**zero1, "pp_partition": "5"}),  # each stage's optimizer state sharded over 2 replicas
     ):
         for res in run_ranks(_pipe_run, world, root, False, strategy, options):
-            torch.testing.assert_close(torch.tensor(res), torch.tensor(straight[5:]), **TOL, msg=lambda m: f"{strategy} {options}: {m}")
+            torch.testing.assert_close(
+                torch.tensor(res),
+                torch.tensor(straight[5:]),
+                **TOL,
+                msg=lambda m: f"{strategy} {options}: {m}",  # noqa: B023 - called in this iteration
+            )
     # And the other way: saved with sharded stage optimizers, resumed with whole ones on another split.
     root = str(tmp_path / "pp-zero1")
     sharded = run_ranks(_pipe_run, 4, root, True, "pipeline", zero1)[0]
@@ -523,7 +534,9 @@ def test_latest_checkpoint_sees_a_save_interrupted_between_its_renames(tmp_path)
     """Between the two renames of a save over an older checkpoint, only .NAME.old holds a complete checkpoint."""
     for name, saved_at in (("step-1", 1.0), (".step-2.old", 2.0), (".step-3.partial", 3.0)):
         (tmp_path / name).mkdir()
-        (tmp_path / name / "manifest.json").write_text(json.dumps({"format": "phalanx-checkpoint", "saved_at": saved_at}))
+        (tmp_path / name / "manifest.json").write_text(
+            json.dumps({"format": "phalanx-checkpoint", "saved_at": saved_at})
+        )
     assert latest_checkpoint(tmp_path) == tmp_path / ".step-2.old"  # never the staging directory
     with pytest.raises(CheckpointError, match=r"interrupted and the previous checkpoint is at .*\.step-2\.old"):
         Checkpoint(tmp_path / "step-2")

@@ -8,8 +8,8 @@ import pytest
 
 import phalanx
 from phalanx.config.settings import ConfigError, resolve_config
-from phalanx.runtime.world import detect_world, first_slurm_host
 from phalanx.runtime.topology import Topology, TopologyError
+from phalanx.runtime.world import detect_world, first_slurm_host
 
 
 def test_layers_defaults_file_env_cli(tmp_path: Path):
@@ -73,21 +73,43 @@ def test_engine_rejects_unknown_option():
 
 
 def test_world_from_torchrun_env():
-    w = detect_world({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-                      "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"})
+    w = detect_world(
+        {
+            "RANK": "3",
+            "WORLD_SIZE": "8",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "10.0.0.1",
+            "MASTER_PORT": "29500",
+        }
+    )
     assert (w.rank, w.world_size, w.local_rank, w.source, w.init_method) == (3, 8, 1, "torchrun", "env://")
 
 
 def test_world_from_slurm_env():
-    w = detect_world({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
-                      "SLURM_STEP_NODELIST": "gpu[07-08],cpu1", "SLURM_JOB_ID": "123456"})
+    w = detect_world(
+        {
+            "SLURM_PROCID": "5",
+            "SLURM_NTASKS": "8",
+            "SLURM_LOCALID": "1",
+            "SLURM_STEP_ID": "0",
+            "SLURM_STEP_NODELIST": "gpu[07-08],cpu1",
+            "SLURM_JOB_ID": "123456",
+        }
+    )
     assert (w.rank, w.world_size, w.local_rank, w.source) == (5, 8, 1, "slurm")
     assert w.init_method == "tcp://gpu07:18456"
 
 
 def test_world_from_open_mpi_env():
-    w = detect_world({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "2",
-                      "OMPI_COMM_WORLD_LOCAL_SIZE": "4"})
+    w = detect_world(
+        {
+            "OMPI_COMM_WORLD_RANK": "2",
+            "OMPI_COMM_WORLD_SIZE": "4",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+        }
+    )
     assert (w.rank, w.world_size, w.local_rank, w.source, w.init_method) == (2, 4, 2, "mpi", "tcp://127.0.0.1:29500")
     with pytest.raises(ValueError, match="MASTER_ADDR is not set"):
         detect_world({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"})

@@ -63,7 +63,7 @@ def test_zero_on_one_gpu_with_offload_and_accumulation_matches_torch(strategy, o
     if offload == "cpu":
         assert all(p.device.type == "cpu" and p.is_pinned() for g in optimizer.param_groups for p in g["params"])
     data = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)).cuda()
-    for step in range(4):
+    for _step in range(4):
         for half in (data[:4], data[4:]):
             with engine.accumulate():
                 engine.backward(model(half).square().mean())
@@ -122,11 +122,26 @@ def _trainer_run(tmp: str, bf16: bool) -> tuple[phalanx.Trainer, dict[str, torch
     x, y = torch.randn(96, 8, generator=g), torch.randint(0, 3, (96,), generator=g)
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 3))
-    args = phalanx.TrainingArguments(output_dir=tmp, per_device_train_batch_size=16, num_train_epochs=3, logging_steps=2,
-                                     learning_rate=1e-2, lr_scheduler_type="constant", save_strategy="no", report_to=[],
-                                     disable_tqdm=True, seed=0, bf16=bf16)  # fmt: skip
-    trainer = phalanx.Trainer(model, args, train_dataset=TensorDataset(x, y), eval_dataset=TensorDataset(x[:10], y[:10]),
-                              compute_loss_func=lambda out, labels, num_items_in_batch=None: torch.nn.functional.cross_entropy(out, labels))  # fmt: skip
+    args = phalanx.TrainingArguments(
+        output_dir=tmp,
+        per_device_train_batch_size=16,
+        num_train_epochs=3,
+        logging_steps=2,
+        learning_rate=1e-2,
+        lr_scheduler_type="constant",
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+        bf16=bf16,
+    )
+    trainer = phalanx.Trainer(
+        model,
+        args,
+        train_dataset=TensorDataset(x, y),
+        eval_dataset=TensorDataset(x[:10], y[:10]),
+        compute_loss_func=lambda out, labels, num_items_in_batch=None: torch.nn.functional.cross_entropy(out, labels),
+    )
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return trainer, trainer.engine.get_state_dict(trainer.model), losses
@@ -189,8 +204,12 @@ def test_load_and_dispatch_over_the_gpu_host_memory_and_disk(tmp_path):
         empty = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)) for _ in range(6)])
     block = 2 * (256 * 256 + 256) * 4
     streaming = 2 * (256 * 256 + 256) * 4
-    placed = phalanx.load_and_dispatch(empty, tmp_path / "w.safetensors", no_split_module_classes=["Sequential"],
-                                       max_memory={0: 2 * block + streaming + 1000, "cpu": 2 * block + 1000})  # fmt: skip
+    placed = phalanx.load_and_dispatch(
+        empty,
+        tmp_path / "w.safetensors",
+        no_split_module_classes=["Sequential"],
+        max_memory={0: 2 * block + streaming + 1000, "cpu": 2 * block + 1000},
+    )
     assert list(placed.hf_device_map.values()) == [0, 0, "cpu", "cpu", "disk", "disk"]
     with torch.inference_mode():
         got = placed(x)  # a CPU input: the output comes back to the CPU

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _common import BNNet, OddNet, make_data, make_optimizer, reference_run
 from torch.utils.data import DataLoader, TensorDataset
 
 import phalanx
 from phalanx.launch import SpawnError
-from _common import BNNet, OddNet, make_data, make_optimizer, reference_run
 
 STEPS, GLOBAL_BATCH = 20, 12  # 12 splits evenly over 1, 2, 3 and 4 ranks
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -38,7 +38,12 @@ def _train_ddp(model_name: str, opt: str, steps: int, global_batch: int, options
             optimizer.step()
             optimizer.zero_grad()
         losses.append(engine.reduce(loss.detach(), "mean").item())
-    return {"losses": losses, "state": engine.get_state_dict(model), "desc": engine.strategy.describe(), "views": grad_is_view}
+    return {
+        "losses": losses,
+        "state": engine.get_state_dict(model),
+        "desc": engine.strategy.describe(),
+        "views": grad_is_view,
+    }
 
 
 # SGD with momentum is sensitive to the gradient's scale; Adam is nearly blind to it, so it runs once too.
@@ -47,7 +52,9 @@ def test_ddp_matches_single_process(run_ranks, world_size, opt):
     ref_losses, ref_state = reference_run(OddNet, STEPS, GLOBAL_BATCH, opt)
     results = run_ranks(_train_ddp, world_size, "odd", opt, STEPS, GLOBAL_BATCH, {})
     for rank, res in enumerate(results):
-        torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(ref_losses), **TOL, msg=f"losses, rank {rank}")
+        torch.testing.assert_close(
+            torch.tensor(res["losses"]), torch.tensor(ref_losses), **TOL, msg=f"losses, rank {rank}"
+        )
         for k in ref_state:
             torch.testing.assert_close(res["state"][k], ref_state[k], **TOL, msg=f"{k}, rank {rank}")
 

@@ -156,8 +156,10 @@ SCHEDULES: dict[str, tuple[dict[str, Any], Callable[[int], float]]] = {
         lambda k: 0.001 if k < 0 else 0.001 + 0.009 * (math.log(k + 1) / LOG10 if k < 10 else 1.0),
     ),
     "warmup-linear": (
-        {"type": "WarmupLR", "params": {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01, "warmup_num_steps": 10,
-                                        "warmup_type": "linear"}},
+        {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01, "warmup_num_steps": 10, "warmup_type": "linear"},
+        },
         lambda k: 0.001 if k < 0 else 0.001 + 0.009 * min(1.0, k / 10),
     ),
     "warmup-default-max": (  # warmup_max_lr left out: the optimizer's lr (0.05)
@@ -165,8 +167,16 @@ SCHEDULES: dict[str, tuple[dict[str, Any], Callable[[int], float]]] = {
         lambda k: 0.0 if k < 0 else 0.05 * min(1.0, k / 10),
     ),
     "warmup-decay": (
-        {"type": "WarmupDecayLR", "params": {"total_num_steps": 40, "warmup_min_lr": 0.001, "warmup_max_lr": 0.01,
-                                             "warmup_num_steps": 10, "warmup_type": "linear"}},
+        {
+            "type": "WarmupDecayLR",
+            "params": {
+                "total_num_steps": 40,
+                "warmup_min_lr": 0.001,
+                "warmup_max_lr": 0.01,
+                "warmup_num_steps": 10,
+                "warmup_type": "linear",
+            },
+        },
         lambda k: 0.001 if k < 0 else 0.001 + 0.009 * (k / 10 if k < 10 else max(0.0, (40 - k) / 30)),
     ),
     "warmup-decay-log": (
@@ -174,30 +184,68 @@ SCHEDULES: dict[str, tuple[dict[str, Any], Callable[[int], float]]] = {
         lambda k: 0.0 if k < 0 else 0.001 * (math.log(k + 1) / LOG10 if k < 10 else max(0.0, (30 - k) / 20)),
     ),
     "warmup-cosine": (
-        {"type": "WarmupCosineLR", "params": {"total_num_steps": 40, "warmup_min_ratio": 0.1, "cos_min_ratio": 0.01,
-                                              "warmup_num_steps": 10, "warmup_type": "linear"}},
+        {
+            "type": "WarmupCosineLR",
+            "params": {
+                "total_num_steps": 40,
+                "warmup_min_ratio": 0.1,
+                "cos_min_ratio": 0.01,
+                "warmup_num_steps": 10,
+                "warmup_type": "linear",
+            },
+        },
         _cosine,
     ),
     "one-cycle": (
-        {"type": "OneCycle", "params": {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 10,
-                                        "decay_lr_rate": 0.5, "decay_step_size": 5}},
+        {
+            "type": "OneCycle",
+            "params": {
+                "cycle_min_lr": 0.01,
+                "cycle_max_lr": 0.1,
+                "cycle_first_step_size": 10,
+                "decay_lr_rate": 0.5,
+                "decay_step_size": 5,
+            },
+        },
         _one_cycle,
     ),
     "one-cycle-stairs": (  # 10 up in 2 stairs of 5, 5 down in 1 stair, no decay
-        {"type": "OneCycle", "params": {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 10,
-                                        "cycle_second_step_size": 5, "cycle_first_stair_count": 2,
-                                        "cycle_second_stair_count": 1}},
-        lambda k: 0.01 if k >= 15 else 0.01 + 0.09 * (
-            math.floor((k + 1) % 15 * 2 / 10) / 2 if (k + 1) % 15 <= 10 else math.floor((15 - (k + 1) % 15) / 5)),
+        {
+            "type": "OneCycle",
+            "params": {
+                "cycle_min_lr": 0.01,
+                "cycle_max_lr": 0.1,
+                "cycle_first_step_size": 10,
+                "cycle_second_step_size": 5,
+                "cycle_first_stair_count": 2,
+                "cycle_second_stair_count": 1,
+            },
+        },
+        lambda k: (
+            0.01
+            if k >= 15
+            else 0.01
+            + 0.09
+            * (math.floor((k + 1) % 15 * 2 / 10) / 2 if (k + 1) % 15 <= 10 else math.floor((15 - (k + 1) % 15) / 5))
+        ),
     ),
     "range-test": (
-        {"type": "LRRangeTest", "params": {"lr_range_test_min_lr": 0.01, "lr_range_test_step_size": 5,
-                                           "lr_range_test_step_rate": 2.0}},
+        {
+            "type": "LRRangeTest",
+            "params": {"lr_range_test_min_lr": 0.01, "lr_range_test_step_size": 5, "lr_range_test_step_rate": 2.0},
+        },
         lambda k: 0.01 * (1 + 2.0 * (k + 1) / 5),
     ),
     "range-test-stairs": (
-        {"type": "LRRangeTest", "params": {"lr_range_test_min_lr": 0.01, "lr_range_test_step_size": 5,
-                                           "lr_range_test_step_rate": 2.0, "lr_range_test_staircase": True}},
+        {
+            "type": "LRRangeTest",
+            "params": {
+                "lr_range_test_min_lr": 0.01,
+                "lr_range_test_step_size": 5,
+                "lr_range_test_step_rate": 2.0,
+                "lr_range_test_staircase": True,
+            },
+        },
         lambda k: 0.01 * (1 + 2.0 * math.floor((k + 1) / 5)),
     ),
 }
@@ -226,8 +274,10 @@ def test_warmup_cosine_starts_at_zero_and_ends_at_the_floor() -> None:
 
 def test_one_cycle_cycles_beta1_and_sets_beta2_to_0_99() -> None:
     optimizer = _optimizer(kind="adam")
-    schedule = build_scheduler({"type": "OneCycle", "params": {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1,
-                                                               "cycle_first_step_size": 10}}, optimizer)
+    schedule = build_scheduler(
+        {"type": "OneCycle", "params": {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 10}},
+        optimizer,
+    )
     betas = []
     for _ in range(30):
         betas.append(optimizer.param_groups[0]["betas"])
@@ -251,8 +301,15 @@ def test_one_cycle_leaves_sgd_momentum_alone() -> None:
 
 def test_per_group_values() -> None:
     optimizer = _optimizer(groups=2)
-    block = {"type": "WarmupLR", "params": {"warmup_min_lr": [0.0, 0.001], "warmup_max_lr": [0.01, 0.1],
-                                            "warmup_num_steps": 4, "warmup_type": "linear"}}
+    block = {
+        "type": "WarmupLR",
+        "params": {
+            "warmup_min_lr": [0.0, 0.001],
+            "warmup_max_lr": [0.01, 0.1],
+            "warmup_num_steps": 4,
+            "warmup_type": "linear",
+        },
+    }
     lrs = _lrs(optimizer, build_scheduler(block, optimizer), steps=8)
     assert lrs[0] == [0.0, 0.001]
     assert lrs[3] == pytest.approx([0.01 * 2 / 4, 0.001 + 0.099 * 2 / 4])
@@ -278,8 +335,10 @@ def test_state_dict_is_json_and_resumes_the_sequence() -> None:
 
 
 def test_last_batch_iteration_starts_mid_schedule() -> None:
-    block = {"type": "WarmupLR", "params": {"warmup_max_lr": 0.01, "warmup_num_steps": 10, "warmup_type": "linear",
-                                            "last_batch_iteration": 4}}
+    block = {
+        "type": "WarmupLR",
+        "params": {"warmup_max_lr": 0.01, "warmup_num_steps": 10, "warmup_type": "linear", "last_batch_iteration": 4},
+    }
     optimizer = _optimizer()
     lrs = _lrs(optimizer, build_scheduler(block, optimizer), steps=10)
     assert lrs[0][0] == pytest.approx(0.01 * 4 / 10) and lrs[1][0] == pytest.approx(0.01 * 5 / 10)
@@ -290,28 +349,48 @@ def test_last_batch_iteration_starts_mid_schedule() -> None:
 
 OPTIMIZERS: dict[str, tuple[dict[str, Any], Callable[[Any], torch.optim.Optimizer]]] = {
     # DeepSpeed's "Adam" is AdamW (decoupled decay) unless adam_w_mode is false.
-    "adam-default-w-mode": ({"type": "Adam", "params": {"lr": 0.01, "weight_decay": 0.1}},
-                            lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1)),
-    "adam-l2": ({"type": "Adam", "params": {"lr": 0.01, "weight_decay": 0.1, "adam_w_mode": False}},
-                lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=0.1)),
-    "adam-lowercase-betas": ({"type": "adam", "params": {"lr": 0.02, "betas": [0.8, 0.95], "eps": 1e-6}},
-                             lambda p: torch.optim.AdamW(p, lr=0.02, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.0)),
+    "adam-default-w-mode": (
+        {"type": "Adam", "params": {"lr": 0.01, "weight_decay": 0.1}},
+        lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
+    ),
+    "adam-l2": (
+        {"type": "Adam", "params": {"lr": 0.01, "weight_decay": 0.1, "adam_w_mode": False}},
+        lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=0.1),
+    ),
+    "adam-lowercase-betas": (
+        {"type": "adam", "params": {"lr": 0.02, "betas": [0.8, 0.95], "eps": 1e-6}},
+        lambda p: torch.optim.AdamW(p, lr=0.02, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.0),
+    ),
     # "AdamW" is decoupled whatever adam_w_mode says.
-    "adamw-ignores-w-mode": ({"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.2, "adam_w_mode": False}},
-                             lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.2)),
+    "adamw-ignores-w-mode": (
+        {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.2, "adam_w_mode": False}},
+        lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.2),
+    ),
     # FusedAdam's weight decay defaults to 0, not torch AdamW's 0.01 ...
-    "adamw-no-decay": ({"type": "AdamW", "params": {"lr": 0.01}},
-                       lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.0)),
+    "adamw-no-decay": (
+        {"type": "AdamW", "params": {"lr": 0.01}},
+        lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.0),
+    ),
     # ... but with torch_adam DeepSpeed calls torch's AdamW, whose default is 0.01.
-    "adamw-torch-adam": ({"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}},
-                         lambda p: torch.optim.AdamW(p, lr=0.01)),
-    "adam-torch-amsgrad": ({"type": "Adam", "params": {"lr": 0.01, "torch_adam": True, "adam_w_mode": False,
-                                                       "amsgrad": True, "weight_decay": 0.05}},
-                           lambda p: torch.optim.Adam(p, lr=0.01, amsgrad=True, weight_decay=0.05)),
-    "sgd-momentum": ({"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}},
-                     lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)),
-    "adagrad": ({"type": "Adagrad", "params": {"lr": 0.1, "lr_decay": 0.01}},
-                lambda p: torch.optim.Adagrad(p, lr=0.1, lr_decay=0.01)),
+    "adamw-torch-adam": (
+        {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}},
+        lambda p: torch.optim.AdamW(p, lr=0.01),
+    ),
+    "adam-torch-amsgrad": (
+        {
+            "type": "Adam",
+            "params": {"lr": 0.01, "torch_adam": True, "adam_w_mode": False, "amsgrad": True, "weight_decay": 0.05},
+        },
+        lambda p: torch.optim.Adam(p, lr=0.01, amsgrad=True, weight_decay=0.05),
+    ),
+    "sgd-momentum": (
+        {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}},
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+    ),
+    "adagrad": (
+        {"type": "Adagrad", "params": {"lr": 0.1, "lr_decay": 0.01}},
+        lambda p: torch.optim.Adagrad(p, lr=0.1, lr_decay=0.01),
+    ),
 }
 
 
@@ -335,8 +414,9 @@ def test_the_weight_decay_default_matters() -> None:
 
 def test_auto_values_fill_the_optimizer() -> None:
     block = {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "betas": "auto"}}
-    optimizer = build_optimizer(block, _model().parameters(),
-                                auto_values={"lr": 3e-4, "weight_decay": 0.01, "betas": [0.9, 0.95]})
+    optimizer = build_optimizer(
+        block, _model().parameters(), auto_values={"lr": 3e-4, "weight_decay": 0.01, "betas": [0.9, 0.95]}
+    )
     assert optimizer.defaults["lr"] == 3e-4 and optimizer.defaults["weight_decay"] == 0.01
     assert optimizer.defaults["betas"] == (0.9, 0.95)
     notes = describe_blocks(block, auto_values={"lr": 3e-4, "weight_decay": 0.01, "betas": [0.9, 0.95]})
@@ -346,8 +426,15 @@ def test_auto_values_fill_the_optimizer() -> None:
 
 
 def test_auto_values_fill_the_schedule() -> None:
-    block = {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto", "warmup_max_lr": "auto",
-                                                 "warmup_min_lr": "auto", "warmup_num_steps": "auto"}}
+    block = {
+        "type": "WarmupDecayLR",
+        "params": {
+            "total_num_steps": "auto",
+            "warmup_max_lr": "auto",
+            "warmup_min_lr": "auto",
+            "warmup_num_steps": "auto",
+        },
+    }
     auto = {"lr": 0.02, "warmup_min_lr": 0.0, "warmup_num_steps": 5}
     optimizer = _optimizer()
     schedule = build_scheduler(block, optimizer, total_num_steps=25, auto_values=auto)
@@ -383,14 +470,20 @@ def test_describe_shows_what_adam_means() -> None:
     "block, auto, words",
     [
         ({"type": "AdamX", "params": {}}, None, ["unknown optimizer.type 'AdamX'", "did you mean 'Adam"]),
-        ({"type": "AdamW", "params": {"weight_decy": 0.1}}, None,
-         ["optimizer.params.weight_decy", "did you mean 'weight_decay'", "FusedAdam takes"]),
+        (
+            {"type": "AdamW", "params": {"weight_decy": 0.1}},
+            None,
+            ["optimizer.params.weight_decy", "did you mean 'weight_decay'", "FusedAdam takes"],
+        ),
         ({"type": "SGD", "params": {"lr": 0.1, "momentun": 0.9}}, None, ["momentun", "did you mean 'momentum'"]),
-        ({"type": "Adam", "params": {"lr": "auto"}}, {"weight_decay": 0.0},
-         ["optimizer.params.lr is \"auto\"", "auto_values={'lr': ...}"]),
-        ({"type": "Adam", "params": {"lr": "auto"}}, None, ["optimizer.params.lr is \"auto\""]),
+        (
+            {"type": "Adam", "params": {"lr": "auto"}},
+            {"weight_decay": 0.0},
+            ['optimizer.params.lr is "auto"', "auto_values={'lr': ...}"],
+        ),
+        ({"type": "Adam", "params": {"lr": "auto"}}, None, ['optimizer.params.lr is "auto"']),
         ({"type": "Lamb", "params": {"lr": 0.01}}, None, ["'Lamb' is not supported", "FusedLamb"]),
-        ({"type": "Adam", "params": {"amsgrad": True}}, None, ["amsgrad", "\"torch_adam\": true"]),
+        ({"type": "Adam", "params": {"amsgrad": True}}, None, ["amsgrad", '"torch_adam": true']),
         ({"type": "Adam", "params": {"max_grad_norm": 1.0}}, None, ["max_grad_norm", "gradient_clipping"]),
         ({"type": "Adam", "params": {"lr": "3e-4"}}, None, ["invalid optimizer.params.lr: got '3e-4'", "number"]),
         ({"type": "Adam", "params": {"betas": [0.9]}}, None, ["optimizer.params.betas", "2 numbers"]),
@@ -408,21 +501,31 @@ def test_optimizer_errors(block: dict[str, Any], auto: dict[str, Any] | None, wo
 @pytest.mark.parametrize(
     "block, words",
     [
-        ({"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}},
-         ["scheduler.params.total_num_steps is missing", "WarmupDecayLR needs it", "pass total_num_steps"]),
-        ({"type": "WarmupCosineLR", "params": {"total_num_steps": "auto"}},
-         ["scheduler.params.total_num_steps is \"auto\""]),
-        ({"type": "WarmupLinearLR", "params": {}},
-         ["unknown scheduler.type 'WarmupLinearLR'", "did you mean", "WarmupLR, WarmupDecayLR"]),
-        ({"type": "WarmupLR", "params": {"warmup_steps": 10}},
-         ["scheduler.params.warmup_steps", "did you mean 'warmup_num_steps'"]),
-        ({"type": "WarmupLR", "params": {"warmup_type": "cosine"}}, ["warmup_type", "'cosine'", "\"linear\""]),
+        (
+            {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}},
+            ["scheduler.params.total_num_steps is missing", "WarmupDecayLR needs it", "pass total_num_steps"],
+        ),
+        (
+            {"type": "WarmupCosineLR", "params": {"total_num_steps": "auto"}},
+            ['scheduler.params.total_num_steps is "auto"'],
+        ),
+        (
+            {"type": "WarmupLinearLR", "params": {}},
+            ["unknown scheduler.type 'WarmupLinearLR'", "did you mean", "WarmupLR, WarmupDecayLR"],
+        ),
+        (
+            {"type": "WarmupLR", "params": {"warmup_steps": 10}},
+            ["scheduler.params.warmup_steps", "did you mean 'warmup_num_steps'"],
+        ),
+        ({"type": "WarmupLR", "params": {"warmup_type": "cosine"}}, ["warmup_type", "'cosine'", '"linear"']),
         ({"type": "WarmupLR", "params": {"warmup_num_steps": 100.0}}, ["warmup_num_steps", "100.0", "whole number"]),
         ({"type": "WarmupLR", "params": {"warmup_max_lr": [0.1, 0.2]}}, ["2 values for 1 param groups"]),
         ({"type": "WarmupLR", "params": {"warmup_max_lr": "0.1"}}, ["warmup_max_lr", "'0.1'", "number"]),
         ({"type": "OneCycle", "params": {"cycle_max_lr": 0.1}}, ["cycle_min_lr is missing"]),
-        ({"type": "OneCycle", "params": {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 0}},
-         ["cycle_first_step_size", "positive"]),
+        (
+            {"type": "OneCycle", "params": {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 0}},
+            ["cycle_first_step_size", "positive"],
+        ),
         ({"type": "LRRangeTest", "params": {"lr_range_test_step_size": 0}}, ["lr_range_test_step_size"]),
     ],
 )
@@ -496,9 +599,11 @@ def _fused_adam_is_built() -> bool:
 def test_fused_adam_matches_deepspeed(case: str) -> None:
     engine, _ = _deepspeed()
     if not _fused_adam_is_built():
-        pytest.skip("DeepSpeed's FusedAdam CPU op is not built; build it once (about 3 min on 2 cores) with "
-                    "DS_ACCELERATOR=cpu python -c 'from deepspeed.ops.op_builder import FusedAdamBuilder as B; "
-                    "B().load()'")
+        pytest.skip(
+            "DeepSpeed's FusedAdam CPU op is not built; build it once (about 3 min on 2 cores) with "
+            "DS_ACCELERATOR=cpu python -c 'from deepspeed.ops.op_builder import FusedAdamBuilder as B; "
+            "B().load()'"
+        )
     block = OPTIMIZERS[case][0]
     built = engine({"optimizer": block}).build_optimizer(_model().parameters())
     assert type(built).__name__ == "FusedAdam"

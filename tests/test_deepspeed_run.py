@@ -54,10 +54,18 @@ def _train(engine_kwargs: dict, blocks: bool, micro: int = 4) -> dict:
         lrs.append(optimizer.param_groups[0]["lr"])
     state = {k: v.clone() for k, v in engine.get_state_dict(model).items()}
     moved = any(not torch.equal(initial[k], state[k]) for k in initial)
-    return {"losses": losses, "lrs": lrs, "state": state, "moved": moved, "strategy": engine.strategy.name,
-            "offload": engine.config.offload, "accum": engine.config.grad_accum_steps, "type": type(
-                engine.unwrap_optimizer(optimizer) if hasattr(engine, "unwrap_optimizer") else optimizer.optimizer
-            ).__name__}  # fmt: skip
+    return {
+        "losses": losses,
+        "lrs": lrs,
+        "state": state,
+        "moved": moved,
+        "strategy": engine.strategy.name,
+        "offload": engine.config.offload,
+        "accum": engine.config.grad_accum_steps,
+        "type": type(
+            engine.unwrap_optimizer(optimizer) if hasattr(engine, "unwrap_optimizer") else optimizer.optimizer
+        ).__name__,
+    }
 
 
 def _compare(a: dict, b: dict) -> None:
@@ -82,8 +90,13 @@ def test_json_blocks_build_the_optimizer_and_schedule(run_ranks, tmp_path):
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     via_json = run_ranks(_train, 2, {"config_file": str(tmp_path / "ds.json")}, True)
     # train 16 = micro 4 x accumulation 2 x 2 ranks; gradient_clipping 1.0 clips at each optimizer step.
-    native_kwargs = {"strategy": "zero3", "offload": "disk", "offload_dir": str(tmp_path / "native"),
-                     "grad_accum_steps": 2, "max_grad_norm": 1.0}  # fmt: skip
+    native_kwargs = {
+        "strategy": "zero3",
+        "offload": "disk",
+        "offload_dir": str(tmp_path / "native"),
+        "grad_accum_steps": 2,
+        "max_grad_norm": 1.0,
+    }
     native = run_ranks(_train, 2, native_kwargs, False)
     assert (via_json[0]["strategy"], via_json[0]["offload"], via_json[0]["accum"]) == ("zero3", "disk", 2)
     # DeepSpeed's linear warm-up over 3 steps: iteration i (the i-th step, from 0) runs at 0.001 * i / 3.

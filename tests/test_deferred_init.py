@@ -10,11 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _common import N_FEATURES, BNNet, TiedNet, make_data, make_tokens
 from torch import nn
 
 import phalanx
-
-from _common import BNNet, N_FEATURES, TiedNet, make_data, make_tokens
 
 
 def _build(cls: type[nn.Module], meta: bool) -> nn.Module:
@@ -62,7 +61,17 @@ def _reference(cls: type[nn.Module]) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     "strategy,world",
-    [("ddp", 1), ("ddp", 2), ("zero1", 3), ("zero2", 2), ("zero2", 4), ("zero3", 1), ("zero3", 2), ("zero3", 3), ("zero3", 4)],
+    [
+        ("ddp", 1),
+        ("ddp", 2),
+        ("zero1", 3),
+        ("zero2", 2),
+        ("zero2", 4),
+        ("zero3", 1),
+        ("zero3", 2),
+        ("zero3", 3),
+        ("zero3", 4),
+    ],
 )
 @pytest.mark.parametrize("cls", [TiedNet, BNNet])
 def test_a_meta_built_model_equals_a_normally_built_one_bitwise(run_ranks, strategy, world, cls):

@@ -46,8 +46,16 @@ def test_seed004_single_node_yaml_is_two_ddp_processes():
     assert (cfg.launch.nproc_per_node, cfg.launch.nnodes) == (2, 1)
     assert _origin(cfg, "launch.nproc_per_node").endswith("(accelerate num_processes)")
     assert _origin(cfg, "precision").endswith("(accelerate mixed_precision)")
-    assert {"compute_environment", "downcast_bf16", "tpu_env", "tpu_use_cluster", "tpu_use_sudo", "same_network",
-            "gpu_ids", "rdzv_backend"} <= _ignored(cfg)  # fmt: skip
+    assert {
+        "compute_environment",
+        "downcast_bf16",
+        "tpu_env",
+        "tpu_use_cluster",
+        "tpu_use_sudo",
+        "same_network",
+        "gpu_ids",
+        "rdzv_backend",
+    } <= _ignored(cfg)
 
 
 def test_seed004_multi_node_yaml_divides_the_total_over_the_machines(tmp_path):
@@ -65,8 +73,11 @@ def test_seed004_deepspeed_yaml_is_zero3_with_accumulation(tmp_path):
     assert (cfg.launch.nproc_per_node, cfg.launch.nnodes) == (2, 2)
     assert _origin(cfg, "strategy").endswith("(accelerate deepspeed_config.zero_stage)")
     assert _origin(cfg, "grad_accum_steps").endswith("(accelerate deepspeed_config.gradient_accumulation_steps)")
-    assert {"deepspeed_config.zero3_init_flag", "deepspeed_config.zero3_save_16bit_model",
-            "deepspeed_config.deepspeed_multinode_launcher"} <= _ignored(cfg)  # fmt: skip
+    assert {
+        "deepspeed_config.zero3_init_flag",
+        "deepspeed_config.zero3_save_16bit_model",
+        "deepspeed_config.deepspeed_multinode_launcher",
+    } <= _ignored(cfg)
 
 
 @pytest.mark.parametrize("name", ["seed004_multi_node.yaml", "seed004_deepspeed_zero3.yaml"])
@@ -112,7 +123,8 @@ def test_accelerate_total_processes_must_divide_over_machines(tmp_path):
 
 def test_accelerate_fsdp2_maps_onto_zero3(tmp_path):
     text = _BASE + (
-        "distributed_type: FSDP\nmixed_precision: bf16\nfsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: true\n"
+        "distributed_type: FSDP\nmixed_precision: bf16\nfsdp_config:\n  fsdp_version: 2\n"
+        "  fsdp_reshard_after_forward: true\n"
         "  fsdp_offload_params: true\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
         "  fsdp_transformer_layer_cls_to_wrap: Block\n  fsdp_state_dict_type: SHARDED_STATE_DICT\n"
     )
@@ -130,13 +142,18 @@ def test_accelerate_fsdp1_shard_grad_op_is_zero2(tmp_path):
 def test_accelerate_multi_cpu_and_use_cpu_pin_the_device(tmp_path):
     cfg = resolve_config(file=_write(tmp_path, "a.yaml", _BASE + "distributed_type: MULTI_CPU\n"), env={})
     assert cfg.engine.device == "cpu"
-    cfg = resolve_config(file=_write(tmp_path, "b.yaml", _BASE + "distributed_type: MULTI_GPU\nuse_cpu: true\n"), env={})
+    cfg = resolve_config(
+        file=_write(tmp_path, "b.yaml", _BASE + "distributed_type: MULTI_GPU\nuse_cpu: true\n"), env={}
+    )
     assert cfg.engine.device == "cpu"
 
 
 def test_accelerate_yaml_naming_a_deepspeed_json(tmp_path):
     (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 1}, "gradient_accumulation_steps": 2}))
-    text = _BASE + "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: ds.json\n  zero3_init_flag: false\n"
+    text = (
+        _BASE
+        + "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: ds.json\n  zero3_init_flag: false\n"
+    )
     cfg = resolve_config(file=_write(tmp_path, "a.yaml", text), env={})
     assert (cfg.engine.strategy, cfg.engine.grad_accum_steps) == ("zero1", 2)
     assert "deepspeed_config_file: zero_optimization.stage" in _origin(cfg, "strategy")
@@ -151,10 +168,21 @@ def test_the_cli_overrides_an_accelerate_file(tmp_path):
 def test_hf_style_json_with_auto_values_and_offload():
     cfg = resolve_config(file=DATA / "deepspeed" / "hf_auto_offload.json", env={}, cli={"launch.nproc_per_node": 2})
     e = cfg.engine
-    assert (e.strategy, e.offload, e.precision, e.grad_accum_steps, e.max_grad_norm) == ("zero2", "cpu", "fp32", 1, None)
+    assert (e.strategy, e.offload, e.precision, e.grad_accum_steps, e.max_grad_norm) == (
+        "zero2",
+        "cpu",
+        "fp32",
+        1,
+        None,
+    )
     assert (e.micro_batch_size, e.global_batch_size, e.bucket_mb) == (None, None, 25.0)  # auto: the loader decides
-    assert {"train_batch_size", "train_micro_batch_size_per_gpu", "zero_optimization.overlap_comm",
-            "zero_optimization.contiguous_gradients", "steps_per_print"} <= _ignored(cfg)  # fmt: skip
+    assert {
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "zero_optimization.overlap_comm",
+        "zero_optimization.contiguous_gradients",
+        "steps_per_print",
+    } <= _ignored(cfg)
 
 
 def test_json_with_blocks_and_nvme_offload():
@@ -205,8 +233,16 @@ def test_loss_scaling_outside_fp16_is_an_error():
     [
         ({"train_batch_sise": 8}, "unknown key 'train_batch_sise'; did you mean 'train_batch_size'"),
         ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "needs ZeRO stage 3"),
-        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "nvme"}}},
-         "to one place"),
+        (
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_param": {"device": "cpu"},
+                    "offload_optimizer": {"device": "nvme"},
+                }
+            },
+            "to one place",
+        ),
         ({"zero_optimization": {"stage": 4}}, "ZeRO stages are 0, 1, 2 and 3"),
         ({"zero_optimization": {"stage": 2, "overlap_com": True}}, "did you mean 'overlap_comm'"),
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "enable one of them"),

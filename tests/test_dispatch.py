@@ -83,8 +83,16 @@ def test_the_plan_fills_the_host_then_disk_keeps_blocks_whole_and_ties_together(
     model = _empty()
     budget = 50 * 64 * 4 + 2 * BLOCK_BYTES + 100 + STREAMING  # the embedding, two blocks, and room to stream
     plan = plan_device_map(model, max_memory={"cpu": budget}, no_split_module_classes=["Block"])
-    assert plan == {"emb": "cpu", "blocks.0": "cpu", "blocks.1": "cpu", "blocks.2": "disk", "blocks.3": "disk",
-                    "blocks.4": "disk", "blocks.5": "disk", "head": "cpu"}  # fmt: skip
+    assert plan == {
+        "emb": "cpu",
+        "blocks.0": "cpu",
+        "blocks.1": "cpu",
+        "blocks.2": "disk",
+        "blocks.3": "disk",
+        "blocks.4": "disk",
+        "blocks.5": "disk",
+        "head": "cpu",
+    }
     # head holds the embedding's weight: it goes where that weight already is, whatever the budget left.
     assert plan_device_map(model, max_memory={"cpu": "1GB"}) == {"": "cpu"}
     # Without no_split, a block that does not fit is split into its layers.
@@ -93,15 +101,27 @@ def test_the_plan_fills_the_host_then_disk_keeps_blocks_whole_and_ties_together(
 
 
 def test_a_part_that_fits_nowhere_is_named_with_its_size():
-    with pytest.raises(DispatchError, match=r"blocks.0 \(Block, 32.8 KiB\) fits on no device \(budgets: cpu: 19.5 KiB\).*offload_dir"):
+    with pytest.raises(
+        DispatchError, match=r"blocks.0 \(Block, 32.8 KiB\) fits on no device \(budgets: cpu: 19.5 KiB\).*offload_dir"
+    ):
         plan_device_map(_empty(), max_memory={"cpu": 20000}, no_split_module_classes=["Block"], offload=False)
 
 
 def test_a_device_map_that_misses_a_module_or_names_a_wrong_one_is_refused():
     model = _empty()
     with pytest.raises(DispatchError, match=r"does not place blocks.5: add their modules"):
-        check_device_map(model, {"emb": "cpu", "blocks.0": "cpu", "blocks.1": "cpu", "blocks.2": "cpu", "blocks.3": "cpu",
-                                 "blocks.4": "disk", "head": "cpu"})  # fmt: skip
+        check_device_map(
+            model,
+            {
+                "emb": "cpu",
+                "blocks.0": "cpu",
+                "blocks.1": "cpu",
+                "blocks.2": "cpu",
+                "blocks.3": "cpu",
+                "blocks.4": "disk",
+                "head": "cpu",
+            },
+        )
     with pytest.raises(DispatchError, match=r"names \['blocks.9'\], which the model does not have"):
         check_device_map(model, {"": "cpu", "blocks.9": "disk"})
     with pytest.raises(DispatchError, match=r"unknown devices"):
@@ -121,7 +141,10 @@ def test_load_and_dispatch_gives_the_plain_outputs_bitwise(tmp_path, source):
     elif source == "sharded":
         path = tmp_path
         names = sorted(state)
-        halves = {"model-00001-of-00002.safetensors": names[: len(names) // 2], "model-00002-of-00002.safetensors": names[len(names) // 2 :]}
+        halves = {
+            "model-00001-of-00002.safetensors": names[: len(names) // 2],
+            "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+        }
         for file, keys in halves.items():
             save_file({k: state[k] for k in keys}, tmp_path / file)
         index = {"metadata": {}, "weight_map": {k: f for f, keys in halves.items() for k in keys}}
@@ -132,8 +155,12 @@ def test_load_and_dispatch_gives_the_plain_outputs_bitwise(tmp_path, source):
         path = engine.save_state(tmp_path / "ckpt")
     budget = 50000 + STREAMING
     model = phalanx.load_and_dispatch(_empty(), path, max_memory={"cpu": budget}, no_split_module_classes=["Block"])
-    assert model.hf_device_map == {"emb": "cpu", "blocks.0": "cpu", **{f"blocks.{i}": "disk" for i in range(1, 6)},
-                                   "head": "cpu"}  # fmt: skip
+    assert model.hf_device_map == {
+        "emb": "cpu",
+        "blocks.0": "cpu",
+        **{f"blocks.{i}": "disk" for i in range(1, 6)},
+        "head": "cpu",
+    }
     with torch.inference_mode():
         assert torch.equal(model(ids), want)
         assert torch.equal(model(ids), want)  # again: the disk weights were released and are read back
@@ -145,9 +172,22 @@ def test_dispatch_of_a_model_in_memory_offloads_to_a_directory(tmp_path):
     with pytest.raises(DispatchError, match=r"blocks.0 \(Block, 32.8 KiB\) fits on no device .*pass offload_dir"):
         phalanx.dispatch(_reference()[0], max_memory={"cpu": 40000}, no_split_module_classes=["Block"])
     with pytest.raises(DispatchError, match=r"puts 5 tensor\(s\) on disk \(blocks.5.scale, ...\): pass offload_dir"):
-        phalanx.dispatch(_reference()[0], {"emb": "cpu", "blocks.0": "cpu", "blocks.1": "cpu", "blocks.2": "cpu",
-                                           "blocks.3": "cpu", "blocks.4": "cpu", "blocks.5": "disk", "head": "cpu"})  # fmt: skip
-    model = phalanx.dispatch(ref, max_memory={"cpu": 50000 + STREAMING}, no_split_module_classes=["Block"], offload_dir=tmp_path)
+        phalanx.dispatch(
+            _reference()[0],
+            {
+                "emb": "cpu",
+                "blocks.0": "cpu",
+                "blocks.1": "cpu",
+                "blocks.2": "cpu",
+                "blocks.3": "cpu",
+                "blocks.4": "cpu",
+                "blocks.5": "disk",
+                "head": "cpu",
+            },
+        )
+    model = phalanx.dispatch(
+        ref, max_memory={"cpu": 50000 + STREAMING}, no_split_module_classes=["Block"], offload_dir=tmp_path
+    )
     assert model.hf_device_map["blocks.0"] == "cpu" and model.hf_device_map["blocks.5"] == "disk"
     assert (tmp_path / "offloaded.safetensors").is_file()
     with torch.no_grad():
@@ -191,7 +231,8 @@ RSS_SCRIPT = textwrap.dedent(
             model = build()
         want = torch.load(path + "/out.pt", weights_only=True)
         with torch.inference_mode():
-            torch.relu(torch.nn.functional.linear(x, torch.zeros(8, 1024), torch.zeros(8))) + x[:, :8]  # the kernels, warm
+            # the kernels, warm
+            torch.relu(torch.nn.functional.linear(x, torch.zeros(8, 1024), torch.zeros(8))) + x[:, :8]
         base = hwm()
         model = phalanx.load_and_dispatch(model, path + "/model.safetensors", max_memory={"cpu": "60MB"},
                                           no_split_module_classes=["Block"])
@@ -208,7 +249,9 @@ def test_a_200_mb_model_runs_in_a_60_mb_host_budget(tmp_path):
     script = tmp_path / "rss.py"
     script.write_text(RSS_SCRIPT)
     subprocess.run([sys.executable, str(script), "write", str(tmp_path)], check=True, timeout=300)
-    proc = subprocess.run([sys.executable, str(script), "run", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(script), "run", str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["equal"] and got["disk"] >= 17  # 60 MB hold 7 of the 24 blocks
@@ -239,16 +282,24 @@ def test_a_transformers_model_generates_the_same_tokens_from_disk(tmp_path):
 
 def test_dispatch_plan_prints_the_map_and_the_bytes_per_device_before_loading(tmp_path):
     ref, _, _ = _reference()
-    save_file({k: v.contiguous() for k, v in ref.state_dict().items() if k != "head.weight"}, tmp_path / "w.safetensors")
+    save_file(
+        {k: v.contiguous() for k, v in ref.state_dict().items() if k != "head.weight"}, tmp_path / "w.safetensors"
+    )
     cli = [sys.executable, "-m", "phalanx", "dispatch-plan"]
-    proc = subprocess.run([*cli, str(tmp_path / "w.safetensors"), "--max-memory", "cpu=60000"], capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [*cli, str(tmp_path / "w.safetensors"), "--max-memory", "cpu=60000"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].startswith(f"dispatch plan for {tmp_path / 'w.safetensors'} (safetensors weights, ")
     assert any(line.split() == ["blocks.5", "disk"] for line in lines), proc.stdout
     assert lines[-1].startswith("bytes per device: cpu ") and "(budget 58.6 KiB), disk " in lines[-1]
-    bad = subprocess.run([*cli, str(tmp_path / "w.safetensors"), "--max-memory", "cpu"], capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [*cli, str(tmp_path / "w.safetensors"), "--max-memory", "cpu"], capture_output=True, text=True, timeout=120
+    )
     assert bad.returncode == 2 and "--max-memory 'cpu': write DEVICE=SIZE, e.g. cpu=2GiB" in bad.stderr
 
 
@@ -275,20 +326,30 @@ def test_split_between_processes_gives_each_rank_its_share_as_accelerate_does(ru
 
 def test_a_host_budget_too_small_to_run_the_largest_layer_is_named():
     # Streaming from disk holds the layer running and the next one: 2 x 16.2 KiB here.
-    with pytest.raises(DispatchError, match=r"max_memory\['cpu'\]=19.5 KiB is too small to run the model from disk: its "
-                       r"largest layer, blocks.0.a \(16.2 KiB\).* at least 32.5 KiB \(33280 bytes\)"):  # fmt: skip
+    with pytest.raises(
+        DispatchError,
+        match=r"max_memory\['cpu'\]=19.5 KiB is too small to run the model from disk: its "
+        r"largest layer, blocks.0.a \(16.2 KiB\).* at least 32.5 KiB \(33280 bytes\)",
+    ):
         phalanx.load_and_dispatch(_empty(), "unused", max_memory={"cpu": 20000})
 
 
 def test_dtype_loads_and_streams_the_weights_in_that_dtype(tmp_path):
     ref, ids, _ = _reference()
-    save_file({k: v.contiguous() for k, v in ref.state_dict().items() if k != "head.weight"}, tmp_path / "w.safetensors")
+    save_file(
+        {k: v.contiguous() for k, v in ref.state_dict().items() if k != "head.weight"}, tmp_path / "w.safetensors"
+    )
     with torch.inference_mode():
         want = ref.to(torch.bfloat16)(ids)
     # Sizes count in bf16: a budget that holds two fp32 blocks holds four bf16 ones.
     budget = 50 * 64 * 2 + 4 * BLOCK_BYTES // 2 + 100 + STREAMING // 2
-    model = phalanx.load_and_dispatch(_empty(), tmp_path / "w.safetensors", max_memory={"cpu": budget},
-                                      no_split_module_classes=["Block"], dtype=torch.bfloat16)  # fmt: skip
+    model = phalanx.load_and_dispatch(
+        _empty(),
+        tmp_path / "w.safetensors",
+        max_memory={"cpu": budget},
+        no_split_module_classes=["Block"],
+        dtype=torch.bfloat16,
+    )
     assert [model.hf_device_map[f"blocks.{i}"] for i in range(6)] == ["cpu"] * 4 + ["disk"] * 2
     with torch.inference_mode():
         got = model(ids)

@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from _common import Indices, OddNet, global_order, make_data, reference_run
 from torch.utils.data import DataLoader, TensorDataset
 
 import phalanx
-from _common import Indices, OddNet, global_order, make_data, reference_run
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -40,10 +40,7 @@ def test_accumulation_split_does_not_change_the_result(run_ranks):
     Each split matches the others, and every one matches plain single-process torch taking the 6 global
     batches of 16 whole, in the documented order of seed 3 (rtol = atol = 1e-5). Without the torch reference a
     fault common to all three (accum 4 x 1 rank is phalanx too) would pass."""
-    runs = {
-        (accum, world): run_ranks(_accumulate, world, accum, 4, 6)
-        for accum, world in [(4, 1), (2, 2), (1, 4)]
-    }
+    runs = {(accum, world): run_ranks(_accumulate, world, accum, 4, 6) for accum, world in [(4, 1), (2, 2), (1, 4)]}
     _, ref_state = reference_run(OddNet, steps=6, global_batch=16, opt="sgd", init_seed=100, data_seed=3)
     base = runs[(4, 1)][0]
     assert base["steps"] == 6
@@ -54,7 +51,9 @@ def test_accumulation_split_does_not_change_the_result(run_ranks):
                 torch.testing.assert_close(res["state"][k], base["state"][k], **TOL, msg=f"{k} for accum,world={key}")
             assert set(res["state"]) == set(ref_state)
             for k in ref_state:
-                torch.testing.assert_close(res["state"][k], ref_state[k], **TOL, msg=f"{k} for accum,world={key} vs torch")
+                torch.testing.assert_close(
+                    res["state"][k], ref_state[k], **TOL, msg=f"{k} for accum,world={key} vs torch"
+                )
 
 
 # ------------------------------------------------------------------------- token normalisation
@@ -193,7 +192,7 @@ def _uneven_training(n: int) -> int:
     x = torch.arange(n, dtype=torch.float32).unsqueeze(1)
     model, optimizer, loader = engine.prepare(model, optimizer, DataLoader(TensorDataset(x, x), batch_size=4))
     steps = 0
-    for epoch in range(2):
+    for _epoch in range(2):
         for xb, yb in loader:
             with engine.accumulate():
                 engine.backward(F.mse_loss(model(xb), yb))
@@ -431,8 +430,12 @@ def _two_optimizers_fp16_clip() -> dict:
         opt.step()
         sched.step()
         opt.zero_grad()
-    return {"grad_b": grad_b.item(), "lrs": [sched_a.get_last_lr()[0], sched_b.get_last_lr()[0]],
-            "scale": (scale0, engine.precision.loss_scale), "skipped": engine.step_was_skipped}
+    return {
+        "grad_b": grad_b.item(),
+        "lrs": [sched_a.get_last_lr()[0], sched_b.get_last_lr()[0]],
+        "scale": (scale0, engine.precision.loss_scale),
+        "skipped": engine.step_was_skipped,
+    }
 
 
 def _existing_process_group() -> tuple[int, int, float]:

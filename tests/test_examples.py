@@ -21,8 +21,13 @@ def _launch(script: str, cwd: Path, *args: str) -> tuple[subprocess.CompletedPro
     env = {**os.environ, "PHALANX_DEVICE": "cpu"}
     proc = subprocess.run(
         [sys.executable, "-m", "phalanx", "launch", "-n", "2", str(EXAMPLES / script), "--smoke", *args],
-        cwd=cwd, capture_output=True, text=True, timeout=180, env=env, check=False,
-    )  # fmt: skip
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     # Both ranks write to the one stdout, so a rank's line may land in the middle of the other's: decode each
     # "result {...}" wherever it starts.

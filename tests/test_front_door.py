@@ -9,13 +9,12 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from _common import OddNet, make_data
 from torch import nn
 
 import phalanx
 from phalanx.config.settings import ENV_CONFIG_JSON, resolve_config
 from phalanx.launch import SpawnError
-
-from _common import OddNet, make_data
 
 
 def test_an_engine_argument_overriding_the_launcher_is_reported():
@@ -185,9 +184,8 @@ def _zero3_saves(root: str) -> dict:
 
 
 def test_zero3_state_dict_of_the_unwrapped_model_is_refused_with_the_fix(run_ranks, tmp_path):
-    from safetensors.torch import load_file
-
     from _common import TiedNet
+    from safetensors.torch import load_file
 
     results = run_ranks(_zero3_saves, 2, str(tmp_path))
     shapes = {k: v.shape for k, v in TiedNet().state_dict().items()}
@@ -235,10 +233,9 @@ def _save_model_dir(strategy: str, root: str, with_config: bool) -> dict:
 
 @pytest.mark.parametrize("strategy,with_config", [("ddp", True), ("zero3", True), ("zero3", False)])
 def test_save_model_writes_a_directory_that_loads_back(run_ranks, tmp_path, strategy, with_config):
+    from _common import TiedNet
     from safetensors import safe_open
     from safetensors.torch import load_file
-
-    from _common import TiedNet
 
     out = run_ranks(_save_model_dir, 2, strategy, str(tmp_path), with_config)[0]
     assert out["path"] == str(tmp_path / "model.safetensors")

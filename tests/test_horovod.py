@@ -71,15 +71,20 @@ def _train(opt: str, steps: int, global_batch: int, passes: int = 1, op: str = "
             optimizer.step()
         losses.append(hvd.allreduce(step_loss).item())
     return {
-        "losses": losses, "state": {k: v.clone() for k, v in model.state_dict().items()},
-        "fp16_exact": fp16_exact, "differs": differs_before_last_pass, "size": hvd.size(),
-    }  # fmt: skip
+        "losses": losses,
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "fp16_exact": fp16_exact,
+        "differs": differs_before_last_pass,
+        "size": hvd.size(),
+    }
 
 
 def _check_against_reference(results: list[dict], opt: str, tol: dict) -> None:
     ref_losses, ref_state = reference_run(OddNet, STEPS, GLOBAL_BATCH, opt)
     for rank, res in enumerate(results):
-        torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(ref_losses), **tol, msg=f"losses, rank {rank}")
+        torch.testing.assert_close(
+            torch.tensor(res["losses"]), torch.tensor(ref_losses), **tol, msg=f"losses, rank {rank}"
+        )
         for k in ref_state:
             torch.testing.assert_close(res["state"][k], ref_state[k], **tol, msg=f"{k}, rank {rank}")
 
@@ -115,13 +120,17 @@ def _collectives() -> dict:
     rank, size = hvd.rank(), hvd.size()
     value = torch.tensor([float(rank + 1), 10.0 * (rank + 1)])
     out = {
-        "average": hvd.allreduce(value), "sum": hvd.allreduce(value, op=hvd.Sum), "old_sum": hvd.allreduce(value, average=False),
-        "min": hvd.allreduce(value, op=hvd.Min), "max": hvd.allreduce(value, op=hvd.Max),
-        "product": hvd.allreduce(value, op=hvd.Product), "input_kept": value.clone(),
+        "average": hvd.allreduce(value),
+        "sum": hvd.allreduce(value, op=hvd.Sum),
+        "old_sum": hvd.allreduce(value, average=False),
+        "min": hvd.allreduce(value, op=hvd.Min),
+        "max": hvd.allreduce(value, op=hvd.Max),
+        "product": hvd.allreduce(value, op=hvd.Product),
+        "input_kept": value.clone(),
         "scaled": hvd.allreduce(value, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5),
         "int_average": hvd.allreduce(torch.tensor([rank + 1, 2 * rank + 1])),
         "fp16": hvd.allreduce(value, compression=hvd.Compression.fp16),
-    }  # fmt: skip
+    }
     in_place = value.clone()
     out["in_place_is_same"] = hvd.allreduce_(in_place, op=hvd.Sum) is in_place
     out["in_place"] = in_place
@@ -162,7 +171,9 @@ def test_collectives_values_and_gradients(run_ranks):
         assert torch.equal(res["int_average"], torch.tensor([2, 3]))
         assert res["fp16"].dtype == torch.float32 and torch.equal(res["fp16"], torch.tensor([2.0, 20.0]))
         assert res["in_place_is_same"] and torch.equal(res["in_place"], torch.tensor([6.0, 60.0]))
-        assert torch.equal(res["gather"], torch.tensor([[0.0, 0.0], [1.0, 1.0], [1.0, 1.0], [2.0, 2.0], [2.0, 2.0], [2.0, 2.0]]))
+        assert torch.equal(
+            res["gather"], torch.tensor([[0.0, 0.0], [1.0, 1.0], [1.0, 1.0], [2.0, 2.0], [2.0, 2.0], [2.0, 2.0]])
+        )
         assert torch.equal(res["broadcast"], torch.tensor([1, 1]))
         assert torch.equal(res["broadcast_"], torch.tensor([2.0]))
         assert res["object"] == {"from": 2, "items": [2, 2, 2]}
@@ -187,8 +198,9 @@ def _optimizer_state_broadcast() -> dict:
     hvd.broadcast_optimizer_state(fresh, root_rank=0)
     out: dict = {
         "untouched": all(torch.equal(before[k], v) for k, v in model.state_dict().items()),
-        "fresh_state": len(fresh.state), "lr": fresh.param_groups[0]["lr"],
-    }  # fmt: skip
+        "fresh_state": len(fresh.state),
+        "lr": fresh.param_groups[0]["lr"],
+    }
     # Now only the root has state (a local step), the others are fresh: they receive the root's tensors as they are.
     stepped = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     if rank == 0:

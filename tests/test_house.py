@@ -2,7 +2,8 @@
 
 - No import cycle anywhere in src/phalanx. Every explicit import counts, also one inside a function (an import
   moved into a function to dodge a cycle is still a cycle); imports under ``if TYPE_CHECKING:`` do not run and
-  do not count, nor do those under ``if __name__ == "__main__":``, which runs only as a program. Strategies loaded by name through the registry (``importlib``) are not edges.
+  do not count, nor do those under ``if __name__ == "__main__":``, which runs only as a program. Strategies loaded
+  by name through the registry (``importlib``) are not edges.
 - The layers form a ladder (``LADDER``, written out in docs/architecture.md): a module imports its own package and
   the floors below it, never a floor above it or a sibling package on its own floor.
 - No module over 800 lines: a backstop, not a target. Modules are cut by idea, not by a line count.
@@ -54,9 +55,11 @@ def _modules() -> dict[str, Path]:
 def _is_main_block(test: ast.expr) -> bool:
     """``if __name__ == "__main__":`` runs only when the file is the program, never on import."""
     return (
-        isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
+        isinstance(test, ast.Compare)
+        and isinstance(test.left, ast.Name)
+        and test.left.id == "__name__"
         and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in test.comparators)
-    )  # fmt: skip
+    )
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -83,7 +86,9 @@ def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             if base in modules:
                 found.add(base)
             for alias in node.names:
@@ -172,7 +177,11 @@ def _against_the_ladder(graph: dict[str, set[str]]) -> list[str]:
 
 def test_every_top_level_entry_is_on_the_ladder():
     placed = {name for floor in LADDER for name in floor} | {m.split(".")[1] for m in BASEMENT | ROOF if "." in m}
-    entries = {p.stem if p.suffix == ".py" else p.name for p in SRC.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
+    entries = {
+        p.stem if p.suffix == ".py" else p.name
+        for p in SRC.iterdir()
+        if p.suffix == ".py" or (p / "__init__.py").exists()
+    }
     assert entries - {"__init__"} - placed == set(), "put each new package on the ladder (LADDER, docs/architecture.md)"
     assert placed - entries == set(), "the ladder names packages that are gone"
 
@@ -224,9 +233,11 @@ def test_config_names_no_strategy():
     docstrings = {
         id(node.body[0].value)
         for node in ast.walk(tree)
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and node.body
-        and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
-    }  # fmt: skip
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
     names = set(strategy_names())
     literals = [
         node.value
@@ -234,12 +245,14 @@ def test_config_names_no_strategy():
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
     ]
     named = [s for s in literals if s in names or any(s.startswith(n) for n in ("zero", "pipeline", "pp_"))]
-    assert named == [], "config/settings.py must compose the strategies' option groups, not name strategies or their knobs"
+    assert named == [], (
+        "config/settings.py must compose the strategies' option groups, not name strategies or their knobs"
+    )
 
 
 def test_help_and_errors_list_the_real_strategies_and_their_knobs():
-    from phalanx.config.settings import ConfigError, EngineConfig
     from phalanx.config.registry import strategy_names
+    from phalanx.config.settings import ConfigError, EngineConfig
 
     names = strategy_names()
     assert {"ddp", "zero1", "zero2", "zero3", "pipeline"} <= set(names)
@@ -270,19 +283,29 @@ _UNWATCHED = {
 
 def _direct_collectives(tree: ast.AST) -> list[tuple[str, int]]:
     return [
-        (node.func.attr, node.lineno) for node in ast.walk(tree)
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _C10D
-        and isinstance(node.func.value, ast.Name) and node.func.value.id == "dist"
-    ]  # fmt: skip
+        (node.func.attr, node.lineno)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in _C10D
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "dist"
+    ]
 
 
 def test_every_collective_goes_through_the_log():
     found = {
-        name: [(op, line) for op, line in _direct_collectives(ast.parse(path.read_text())) if op not in _UNWATCHED.get(name, set())]
+        name: [
+            (op, line)
+            for op, line in _direct_collectives(ast.parse(path.read_text()))
+            if op not in _UNWATCHED.get(name, set())
+        ]
         for name, path in _modules().items()
     }
     found = {k: v for k, v in found.items() if v}
-    assert found == {}, "call these through phalanx.runtime.collective_log.watched(dist.<op>, ...), or the watchdog cannot see them"
+    assert found == {}, (
+        "call these through phalanx.runtime.collective_log.watched(dist.<op>, ...), or the watchdog cannot see them"
+    )
 
 
 def test_the_collective_check_finds_a_direct_call():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -61,7 +61,11 @@ def test_launch_runs_two_ranks_with_the_config_handed_down(script, tmp_path):
     env.update(PHALANX_DEVICE="cpu", PHALANX_STRATEGY="no-such-strategy")
     proc = subprocess.run(
         [*PHALANX, "launch", "--config", str(config), "--strategy", "ddp", str(script)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr
     threads = max(1, (os.cpu_count() or 1) // 2)  # the launcher shares the cores among the processes
@@ -72,7 +76,10 @@ def test_launch_runs_two_ranks_with_the_config_handed_down(script, tmp_path):
 def test_python_dash_m_phalanx_launch_works(script, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "phalanx.launch", "-n", "2", str(script)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert "rank 1 of 2" in proc.stdout
@@ -250,7 +257,8 @@ LISTEN_CHECK = LISTENING + textwrap.dedent(
     engine.prepare(torch.nn.Linear(2, 2))
     engine.wait()
     addrs = listening(os.getpid()) + listening(os.getppid())
-    print(f"rank {engine.rank} listens on {len(addrs)} sockets; non-loopback: {[a for a in addrs if a not in LOOPBACK]}", flush=True)
+    print(f"rank {engine.rank} listens on {len(addrs)} sockets; "
+          f"non-loopback: {[a for a in addrs if a not in LOOPBACK]}", flush=True)
     engine.wait()
     """
 )
@@ -274,9 +282,32 @@ def test_demo_runs_end_to_end_on_two_ranks(tmp_path, strategy):
     # Under zero3 every forward is a collective: the rank-0 sample must not run the prepared model alone.
     # Under pipeline the demo trains TinyGPT as nn.Sequential blocks in two stages, with engine.train_step.
     metrics = tmp_path / "metrics.jsonl"
-    proc = _run(["demo", "-n", "2", "--strategy", strategy, "--", "--steps", "20", "--layers", "1", "--eval-batches", "1",
-                 "--sample-bytes", "16", "--max-bytes", "200000", "--log-every", "1", "--metrics-jsonl", str(metrics)],
-                tmp_path, timeout=300)
+    proc = _run(
+        [
+            "demo",
+            "-n",
+            "2",
+            "--strategy",
+            strategy,
+            "--",
+            "--steps",
+            "20",
+            "--layers",
+            "1",
+            "--eval-batches",
+            "1",
+            "--sample-bytes",
+            "16",
+            "--max-bytes",
+            "200000",
+            "--log-every",
+            "1",
+            "--metrics-jsonl",
+            str(metrics),
+        ],
+        tmp_path,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "phalanx demo summary" in out and "world size          2" in out and f"strategy            {strategy}" in out
@@ -327,8 +358,9 @@ TWO_NODES = LISTENING + textwrap.dedent(
     rank_sum = torch.tensor(float(engine.rank))
     dist.all_reduce(rank_sum)
     addrs = listening(os.getpid()) + listening(os.getppid())
-    result = {**env, "strategy": engine.config.strategy, "rank_sum": rank_sum.item(), "params": [t.tolist() for t in everyone],
-              "listens": len(addrs), "non_loopback": [a for a in addrs if a not in LOOPBACK]}
+    result = {**env, "strategy": engine.config.strategy, "rank_sum": rank_sum.item(),
+              "params": [t.tolist() for t in everyone], "listens": len(addrs),
+              "non_loopback": [a for a in addrs if a not in LOOPBACK]}
     sys.stdout.write("RESULT " + json.dumps(result) + " END\\n")  # one write: the ranks share the pipe
     sys.stdout.flush()
     engine.wait()
@@ -360,10 +392,16 @@ def _two_launchers(argvs: list[list[str]], tmp_path: Path) -> tuple[list[str], l
     env = {**os.environ, "PHALANX_DEVICE": "cpu"}
     env.pop("OMP_NUM_THREADS", None)
     launchers = [
-        subprocess.Popen([*PHALANX, "launch", *argv], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=env)
+        subprocess.Popen(
+            [*PHALANX, "launch", *argv],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         for argv in argvs
-    ]  # fmt: skip
+    ]
     outputs = []
     try:
         for p in launchers:
@@ -383,10 +421,23 @@ def test_two_launchers_on_loopback_form_one_job_of_four_ranks(tmp_path):
     path.write_text(TWO_NODES)
     port = _free_port()
     argvs = [
-        ["--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port), "-n", "2",
-         "--strategy", "ddp", str(path)]
+        [
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "-n",
+            "2",
+            "--strategy",
+            "ddp",
+            str(path),
+        ]
         for node in (0, 1)
-    ]  # fmt: skip
+    ]
     errors, results = _two_launchers(argvs, tmp_path)
     for err in errors:
         notes = [line for line in err.splitlines() if "loopback" in line]
@@ -452,9 +503,14 @@ def test_a_signal_stops_every_rank_with_one_line(tmp_path, sig, code, said):
     path.write_text(LOOP)
     # Its own process group, as a terminal's foreground job: Ctrl-C there sends SIGINT to the whole group.
     launcher = subprocess.Popen(
-        [*PHALANX, "launch", "-n", "2", str(path), str(tmp_path)], cwd=tmp_path, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, env={**os.environ, "PHALANX_DEVICE": "cpu"}, start_new_session=True,
-    )  # fmt: skip
+        [*PHALANX, "launch", "-n", "2", str(path), str(tmp_path)],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PHALANX_DEVICE": "cpu"},
+        start_new_session=True,
+    )
     pids: list[int] = []
     try:
         deadline = time.monotonic() + 120
@@ -487,11 +543,27 @@ def test_ctrl_c_while_a_node_waits_for_the_other(tmp_path, node_rank):
     path = tmp_path / "loop.py"
     path.write_text(LOOP)
     launcher = subprocess.Popen(
-        [*PHALANX, "launch", "--nnodes", "2", "--node-rank", str(node_rank), "--master-port", str(_free_port()),
-         "-n", "2", str(path), str(tmp_path)],
-        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PHALANX_DEVICE": "cpu"}, start_new_session=True,
-    )  # fmt: skip
+        [
+            *PHALANX,
+            "launch",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node_rank),
+            "--master-port",
+            str(_free_port()),
+            "-n",
+            "2",
+            str(path),
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PHALANX_DEVICE": "cpu"},
+        start_new_session=True,
+    )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(launcher.stderr), daemon=True)  # type: ignore[arg-type]
     reader.start()
@@ -528,7 +600,12 @@ def test_seed004_single_node_accelerate_yaml_runs(script, tmp_path):
 def test_seed004_multi_node_accelerate_yaml_runs_as_two_launchers(tmp_path):
     # The blog's 2-machine config (num_processes 4 over num_machines 2), with node 0's address made 127.0.0.1.
     port = _free_port()
-    text = (SEED004 / "seed004_multi_node.yaml").read_text().replace("主机器的ip", "127.0.0.1").replace("端口号", str(port))
+    text = (
+        (SEED004 / "seed004_multi_node.yaml")
+        .read_text()
+        .replace("主机器的ip", "127.0.0.1")
+        .replace("端口号", str(port))
+    )
     configs = []
     for node in (0, 1):
         configs.append(tmp_path / f"node{node}.yaml")

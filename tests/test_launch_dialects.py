@@ -55,21 +55,60 @@ def _error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
     "flags, expected",
     [
         # torchrun
-        (["--nproc_per_node", "3", "--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.5",
-          "--master_port", "29400", "--max_restarts", "2"],
-         {"launch.nproc_per_node": "3", "launch.nnodes": "2", "launch.node_rank": "1",
-          "launch.master_addr": "'10.0.0.5'", "launch.master_port": "29400", "launch.max_restarts": "2"}),
+        (
+            [
+                "--nproc_per_node",
+                "3",
+                "--nnodes",
+                "2",
+                "--node_rank",
+                "1",
+                "--master_addr",
+                "10.0.0.5",
+                "--master_port",
+                "29400",
+                "--max_restarts",
+                "2",
+            ],
+            {
+                "launch.nproc_per_node": "3",
+                "launch.nnodes": "2",
+                "launch.node_rank": "1",
+                "launch.master_addr": "'10.0.0.5'",
+                "launch.master_port": "29400",
+                "launch.max_restarts": "2",
+            },
+        ),
         (["--nproc-per-node", "2", "--standalone"], {"launch.nproc_per_node": "2", "launch.nnodes": "1"}),
         (["--nproc_per_node", "cpu"], {"launch.nproc_per_node": str(os.cpu_count())}),
         (["--rdzv_endpoint", "10.0.0.5:29400", "--nnodes", "2"], {"launch.rdzv_endpoint": "'10.0.0.5:29400'"}),
         # Accelerate: --num_processes counts every machine's processes
-        (["--num_processes", "4", "--num_machines", "2", "--machine_rank", "1", "--main_process_ip", "10.0.0.5",
-          "--main_process_port", "29400"],
-         {"launch.nproc_per_node": "2", "launch.nnodes": "2", "launch.node_rank": "1",
-          "launch.master_addr": "'10.0.0.5'", "launch.master_port": "29400"}),
+        (
+            [
+                "--num_processes",
+                "4",
+                "--num_machines",
+                "2",
+                "--machine_rank",
+                "1",
+                "--main_process_ip",
+                "10.0.0.5",
+                "--main_process_port",
+                "29400",
+            ],
+            {
+                "launch.nproc_per_node": "2",
+                "launch.nnodes": "2",
+                "launch.node_rank": "1",
+                "launch.master_addr": "'10.0.0.5'",
+                "launch.master_port": "29400",
+            },
+        ),
         (["--num_processes", "3"], {"launch.nproc_per_node": "3", "launch.nnodes": "1"}),
-        (["--num_processes", "4", "--num_machines", "2", "-n", "2", "--master-port", "29400"],
-         {"launch.nproc_per_node": "2"}),
+        (
+            ["--num_processes", "4", "--num_machines", "2", "-n", "2", "--master-port", "29400"],
+            {"launch.nproc_per_node": "2"},
+        ),
         (["--mixed_precision", "bf16"], {"precision": "'bf16-mixed'"}),
         (["--mixed_precision", "fp16"], {"precision": "'fp16-mixed'"}),
         (["--mixed_precision", "no", "--precision", "fp32"], {"precision": "'fp32'"}),
@@ -81,12 +120,16 @@ def _error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
         (["--use_deepspeed", "--strategy", "zero3"], {"strategy": "'zero3'"}),
         (["--cpu", "--multi_gpu"], {"device": "'cpu'"}),
         # the underscore spelling of every engine flag
-        (["--grad_accum_steps", "3", "--max_grad_norm", "1.5", "--timeout_s", "60"],
-         {"grad_accum_steps": "3", "max_grad_norm": "1.5", "timeout_s": "60.0"}),
-        (["--strategy", "zero3", "--zero3_prefetch", "false", "--bucket_mb", "5"],
-         {"zero3_prefetch": "False", "bucket_mb": "5.0"}),
+        (
+            ["--grad_accum_steps", "3", "--max_grad_norm", "1.5", "--timeout_s", "60"],
+            {"grad_accum_steps": "3", "max_grad_norm": "1.5", "timeout_s": "60.0"},
+        ),
+        (
+            ["--strategy", "zero3", "--zero3_prefetch", "false", "--bucket_mb", "5"],
+            {"zero3_prefetch": "False", "bucket_mb": "5.0"},
+        ),
     ],
-)  # fmt: skip
+)
 def test_dialect_flags_set_the_phalanx_setting(capsys, flags, expected):
     table = _config(capsys, *flags)
     for key, value in expected.items():
@@ -106,7 +149,9 @@ def test_num_processes_counts_the_machines_in_the_config_file(capsys, tmp_path):
     config = tmp_path / "phalanx.yaml"
     config.write_text("launch:\n  nnodes: 2\n  master_port: 29400\n")
     assert _config(capsys, "--config", str(config), "--num_processes", "6")["launch.nproc_per_node"] == ("3", "cli")
-    assert _config(capsys, "--config", str(config), "--num_processes", "6", "-n", "3")["launch.nproc_per_node"][0] == "3"
+    assert (
+        _config(capsys, "--config", str(config), "--num_processes", "6", "-n", "3")["launch.nproc_per_node"][0] == "3"
+    )
     err = _error(capsys, "config", "--config", str(config), "--num_processes", "6", "-n", "6")
     assert "--num_processes 6 over nnodes=2 means 3 processes per node, and -n/--nproc-per-node says 6" in err
 
@@ -128,16 +173,22 @@ def test_deepspeed_config_file_is_deepspeed(capsys, tmp_path):
         (["--precision", "fp32", "--mixed_precision", "bf16"], ["--precision fp32", "--mixed_precision bf16"]),
         (["--strategy", "zero2", "--zero_stage", "3"], ["--strategy zero2", "--zero_stage 3"]),
         (["-n", "2", "--nproc_per_node", "3"], ["--nproc-per-node 2", "--nproc_per_node 3"]),
-        (["--grad-accum-steps", "2", "--gradient_accumulation_steps", "4"],
-         ["--grad-accum-steps 2", "--gradient_accumulation_steps 4"]),
+        (
+            ["--grad-accum-steps", "2", "--gradient_accumulation_steps", "4"],
+            ["--grad-accum-steps 2", "--gradient_accumulation_steps 4"],
+        ),
         (["--grad-accum-steps", "2", "--grad_accum_steps", "3"], ["--grad-accum-steps 2", "--grad_accum_steps 3"]),
-        (["--master-port", "29400", "--main_process_port", "29401"],
-         ["--master-port 29400", "--main_process_port 29401"]),
+        (
+            ["--master-port", "29400", "--main_process_port", "29401"],
+            ["--master-port 29400", "--main_process_port 29401"],
+        ),
         (["--config", "a.yaml", "--config_file", "b.yaml"], ["--config a.yaml", "--config_file b.yaml"]),
         (["--device", "cuda", "--cpu"], ["--device cuda", "--cpu"]),
         (["--num_processes", "4", "-n", "3"], ["--num_processes 4", "4 processes per node", "says 3"]),
-        (["--num_processes", "3", "--num_machines", "2", "--master-port", "29400"],
-         ["--num_processes 3", "nnodes=2", "use --num_processes 2 or 4"]),
+        (
+            ["--num_processes", "3", "--num_machines", "2", "--master-port", "29400"],
+            ["--num_processes 3", "nnodes=2", "use --num_processes 2 or 4"],
+        ),
         (["--num_processes", "two"], ["--num_processes", "'two'"]),
         (["--zero_stage", "4"], ["--zero_stage", "'4'", "0, 1, 2 and 3"]),
         (["--mixed_precision", "fp8"], ["fp8", "bf16"]),
@@ -145,7 +196,7 @@ def test_deepspeed_config_file_is_deepspeed(capsys, tmp_path):
         (["--nproc_per_node", "many"], ["--nproc_per_node", "'many'"]),
         (["--standalone", "--nnodes", "2", "--master-port", "29400"], ["--standalone", "nnodes=2"]),
     ],
-)  # fmt: skip
+)
 def test_disagreeing_or_bad_flags_are_one_line_naming_both(capsys, flags, said):
     err = _error(capsys, "config", *flags)
     assert err.startswith("phalanx config: config error: "), err
@@ -184,8 +235,17 @@ def test_launch_help_lists_the_choices_and_the_dialects(capsys):
 
     assert f"[{', '.join(strategy_names())}] (default ddp)" in out
     assert f"[{', '.join(PRECISIONS)}] (default fp32)" in out
-    for flag in ("--nproc_per_node", "--num_processes", "--mixed_precision {no,fp16,bf16}", "--zero_stage {0,1,2,3}",
-                 "--use_deepspeed", "--config_file", "--deepspeed_config_file", "--cpu", "--multi_gpu"):  # fmt: skip
+    for flag in (
+        "--nproc_per_node",
+        "--num_processes",
+        "--mixed_precision {no,fp16,bf16}",
+        "--zero_stage {0,1,2,3}",
+        "--use_deepspeed",
+        "--config_file",
+        "--deepspeed_config_file",
+        "--cpu",
+        "--multi_gpu",
+    ):
         assert flag in out, flag
     assert "no=fp32, fp16=fp16-mixed, bf16=bf16-mixed" in out and "0=ddp, 1=zero1, 2=zero2, 3=zero3" in out
 
@@ -223,10 +283,30 @@ def test_accelerate_flags_reach_the_ranks_and_a_flag_after_the_script_goes_to_th
     script = tmp_path / "report.py"
     script.write_text(REPORT)
     proc = subprocess.run(
-        [*PHALANX, "launch", "--num_processes", "2", "--mixed_precision", "bf16", "--gradient_accumulation_steps", "2",
-         "--use_deepspeed", "--zero_stage", "1", "--cpu", str(script), "--strategy", "zero3", "--lr", "1"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+        [
+            *PHALANX,
+            "launch",
+            "--num_processes",
+            "2",
+            "--mixed_precision",
+            "bf16",
+            "--gradient_accumulation_steps",
+            "2",
+            "--use_deepspeed",
+            "--zero_stage",
+            "1",
+            "--cpu",
+            str(script),
+            "--strategy",
+            "zero3",
+            "--lr",
+            "1",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr
     reports = _reports(proc.stdout)
     assert [r["rank"] for r in reports] == [0, 1], proc.stdout
@@ -260,8 +340,12 @@ def test_horovodrun_is_launch(tmp_path):
     script.write_text(REPORT)
     proc = subprocess.run(
         [*PHALANX, "horovodrun", "-np", "2", "-H", "localhost:2", str(script), "--epochs", "1"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=180, env={**os.environ, "PHALANX_DEVICE": "cpu"},
-    )  # fmt: skip
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "PHALANX_DEVICE": "cpu"},
+    )
     assert proc.returncode == 0, proc.stderr
     reports = _reports(proc.stdout)
     assert [(r["rank"], r["world"], r["argv"]) for r in reports] == [(r, 2, ["--epochs", "1"]) for r in (0, 1)]

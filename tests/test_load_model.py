@@ -10,11 +10,10 @@ import pytest
 import safetensors.torch
 import torch
 import torch.nn.functional as F
+from _common import TiedNet, make_tokens, pipe_model
 
 import phalanx
 from phalanx.checkpoint.format import CheckpointError
-
-from _common import TiedNet, make_tokens, pipe_model
 
 
 def _train(engine: phalanx.Engine, model, optimizer, steps: int, seed: int) -> None:  # type: ignore[no-untyped-def]

@@ -31,7 +31,11 @@ def test_the_schedule_matches_deepspeed_when_installed(tmp_path, monkeypatch):
     )
     ours = _ScaleSchedule(LossScaling(init=8.0, window=2, hysteresis=2, min=2.0))
     theirs = loss_scaler.DynamicLossScaler(
-        init_scale=8.0, scale_window=2, min_scale=2.0, delayed_shift=2, consecutive_hysteresis=False,
+        init_scale=8.0,
+        scale_window=2,
+        min_scale=2.0,
+        delayed_shift=2,
+        consecutive_hysteresis=False,
         raise_error_at_min_scale=False,  # DeepSpeed would stop the run at the minimum; we keep skipping
     )
     for overflow in OVERFLOWS * 3:

@@ -6,12 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _common import OddNet, make_data
 
 import phalanx
 from phalanx.checkpoint.format import CheckpointError
 from phalanx.engine.nonfinite import NonFiniteError
-
-from _common import OddNet, make_data
 
 BAD_STEP = 3
 
@@ -70,7 +69,9 @@ def test_raise_names_the_step_the_rank_and_the_parameter_on_every_rank(run_ranks
         assert f"non-finite values at optimizer step {BAD_STEP} on" in msg
         assert out["unchanged"], "the weights changed at the poisoned step"
         if where == "loss":
-            assert "rank 1 (loss and gradients)" in msg  # the loss is rank 1's own; the reduced gradients are everyone's
+            assert (
+                "rank 1 (loss and gradients)" in msg
+            )  # the loss is rank 1's own; the reduced gradients are everyone's
         else:
             # A gradient is named where it is held after the reduction: every replica under ddp, its shard's owner
             # under zero2.
@@ -120,7 +121,7 @@ def _pipeline_run(clip: bool) -> str | None:
     engine = phalanx.Engine(strategy="pipeline", pp_size=2, seed=0, max_grad_norm=1.0 if clip else None)
     torch.manual_seed(7)
     model = engine.prepare(pipe_model())
-    opt = engine.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    engine.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
     if engine.rank == 1:  # the last stage poisons one of its gradients
         next(model.parameters()).register_hook(lambda g: g * float("inf"))
     x, y = make_data(8)

@@ -11,10 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-
-import phalanx
 from _common import (
     Residual,
     grouped_optimizer,
@@ -24,9 +20,13 @@ from _common import (
     pipe_model,
     pipe_reference_run,
 )
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import phalanx
 from phalanx.config.settings import ConfigError, EngineConfig
-from phalanx.launch import SpawnError
 from phalanx.config.strategy_options import parse_partition
+from phalanx.launch import SpawnError
 from phalanx.strategies.pipeline.partition import partition_blocks
 
 STEPS, GLOBAL_BATCH = 10, 16
@@ -104,7 +104,9 @@ def test_pipeline_matches_single_process(run_ranks, world_size, pp_size, partiti
     for rank, per_rank in enumerate(results):
         for (sched, m), res in per_rank.items():
             where = f"{sched}, m={m}, rank {rank} of pp={pp_size} x dp={dp_size}"
-            torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(ref_losses), **TOL, msg=f"losses, {where}")
+            torch.testing.assert_close(
+                torch.tensor(res["losses"]), torch.tensor(ref_losses), **TOL, msg=f"losses, {where}"
+            )
             assert set(res["state"]) == set(ref_state)
             for k in ref_state:
                 torch.testing.assert_close(res["state"][k], ref_state[k], **TOL, msg=f"{k}, {where}")
@@ -138,8 +140,10 @@ def _boundary_sizes(stages: list[list[str]]) -> tuple[list[int], list[int]]:
 
 
 def _sum_loss_with_clip() -> dict:
-    return {sched: _train(pp_size=2, pp_schedule=sched, pp_microbatches=4, loss_fn=pipe_loss_sum, max_grad_norm=0.3)
-            for sched in ("gpipe", "1f1b")}  # fmt: skip
+    return {
+        sched: _train(pp_size=2, pp_schedule=sched, pp_microbatches=4, loss_fn=pipe_loss_sum, max_grad_norm=0.3)
+        for sched in ("gpipe", "1f1b")
+    }
 
 
 def test_pipeline_summed_loss_and_clipping(run_ranks):
@@ -154,7 +158,9 @@ def test_pipeline_summed_loss_and_clipping(run_ranks):
 
 # ------------------------------------------------------------------------------ zero1 across the replicas
 def _zero1_runs() -> dict:
-    runs = {sched: _train(pp_size=2, pp_schedule=sched, pp_microbatches=4, pp_zero_stage=1) for sched in ("gpipe", "1f1b")}
+    runs = {
+        sched: _train(pp_size=2, pp_schedule=sched, pp_microbatches=4, pp_zero_stage=1) for sched in ("gpipe", "1f1b")
+    }
     # The time partition splits at the first step, after the optimizer was prepared: it is sharded then.
     runs["time"] = _train(pp_size=2, pp_microbatches=4, pp_zero_stage=1, pp_partition="time")
     runs["clip"] = _train(pp_size=2, pp_microbatches=4, pp_zero_stage=1, loss_fn=pipe_loss_sum, max_grad_norm=0.3)
@@ -172,7 +178,9 @@ def test_pipeline_zero1_matches_single_process(run_ranks):
             where = f"{run}, rank {rank} of pp=2 x dp=2, pp_zero_stage=1"
             assert res["desc"]["pp_zero_stage"] == 1
             if run != "clip":
-                torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(ref_losses), **TOL, msg=f"losses, {where}")
+                torch.testing.assert_close(
+                    torch.tensor(res["losses"]), torch.tensor(ref_losses), **TOL, msg=f"losses, {where}"
+                )
             expected = clip_state if run == "clip" else ref_state
             for k in expected:
                 torch.testing.assert_close(res["state"][k], expected[k], **TOL, msg=f"{k}, {where}")
@@ -186,7 +194,9 @@ def test_pipeline_zero1_matches_single_process(run_ranks):
 
 
 def _frozen_stage_zero1(entries) -> dict:
-    engine = phalanx.Engine(strategy="pipeline", pp_size=2, pp_zero_stage=1, pp_partition="3", pp_microbatches=4, seed=0)
+    engine = phalanx.Engine(
+        strategy="pipeline", pp_size=2, pp_zero_stage=1, pp_partition="3", pp_microbatches=4, seed=0
+    )
     torch.manual_seed(100 if entries is None else 999)  # a load must bring back every tensor, the frozen stage's too
     model = pipe_model()
     for block in list(model)[:3]:
@@ -215,7 +225,9 @@ def _whole(entries) -> list:
     out = []
     for key, es in parts.items():
         es.sort(key=lambda e: e.start)
-        assert [e.start for e in es] == [0] + [e.stop for e in es[:-1]] and es[-1].stop == es[0].data.new_empty(es[0].shape).numel(), key
+        assert [e.start for e in es] == [0] + [e.stop for e in es[:-1]] and es[-1].stop == es[0].data.new_empty(
+            es[0].shape
+        ).numel(), key
         out.append(ShardEntry(key, es[0].shape, 0, es[-1].stop, torch.cat([e.data.reshape(-1) for e in es])))
     return out
 
@@ -231,7 +243,7 @@ def test_pipeline_zero1_with_a_frozen_stage(run_ranks):
         for k, v in ref_state.items():
             torch.testing.assert_close(res["state"][k], v, **TOL, msg=f"{k}, rank {rank} against torch")
     entries = _whole([e for res in first for e in res["entries"]])
-    assert {e.key[len("model/"):] for e in entries if e.key.startswith("model/")} == set(first[0]["state"])
+    assert {e.key[len("model/") :] for e in entries if e.key.startswith("model/")} == set(first[0]["state"])
     assert not any(e.key.startswith("optim/0.") for e in entries)  # the frozen stage has no optimizer state
     # Loaded after step 1 into other initial weights, step 2 continues as the first run's step 2.
     for res in run_ranks(_frozen_stage_zero1, 4, entries):
@@ -274,7 +286,10 @@ def _against_torch_pipelining(schedule: str) -> dict:
             losses.append(torch.stack(mb_losses).mean().item())
         optimizer.step()
         optimizer.zero_grad()
-    return {"ours": ours, "theirs": {"losses": losses, "state": {k: v.detach().clone() for k, v in mine.state_dict().items()}}}
+    return {
+        "ours": ours,
+        "theirs": {"losses": losses, "state": {k: v.detach().clone() for k, v in mine.state_dict().items()}},
+    }
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -375,14 +390,18 @@ def test_forward_outside_train_step_returns_output_on_every_stage(run_ranks):
 
 
 def _meta_built(pp_size: int) -> dict:
-    engine = phalanx.Engine(strategy="pipeline", pp_size=pp_size, pp_partition="3" if pp_size == 2 else "parameters", seed=7)
+    engine = phalanx.Engine(
+        strategy="pipeline", pp_size=pp_size, pp_partition="3" if pp_size == 2 else "parameters", seed=7
+    )
     with torch.device("meta"):
         model = pipe_model()
     whole = model
     model = engine.prepare(model)
     return {
         "state": engine.get_state_dict(model),
-        "meta_elsewhere": all(p.is_meta for n, p in whole.named_parameters() if n not in dict(model.named_parameters())),
+        "meta_elsewhere": all(
+            p.is_meta for n, p in whole.named_parameters() if n not in dict(model.named_parameters())
+        ),
         "local_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta),
     }
 
@@ -426,7 +445,8 @@ def _time_partition() -> dict:
     return {
         "desc": engine.strategy.describe(),
         "losses": losses,
-        "in_optimizer": {id(p) for g in optimizer.param_groups for p in g["params"]} == {id(p) for p in model.parameters()},
+        "in_optimizer": {id(p) for g in optimizer.param_groups for p in g["params"]}
+        == {id(p) for p in model.parameters()},
         "held": len(list(model.parameters())),
     }
 
@@ -478,7 +498,9 @@ def _precision_runs() -> dict:
         model, optimizer = engine.prepare(model, optimizer)
         x, y = make_data(6 * GLOBAL_BATCH)
         losses = [
-            engine.train_step((x[i * GLOBAL_BATCH : (i + 1) * GLOBAL_BATCH], y[i * GLOBAL_BATCH : (i + 1) * GLOBAL_BATCH]), pipe_loss).item()
+            engine.train_step(
+                (x[i * GLOBAL_BATCH : (i + 1) * GLOBAL_BATCH], y[i * GLOBAL_BATCH : (i + 1) * GLOBAL_BATCH]), pipe_loss
+            ).item()
             for i in range(6)
         ]
         out[precision] = {"losses": losses, "scale": engine.precision.loss_scale, "report": engine.precision_report()}
@@ -492,7 +514,9 @@ def test_pipeline_mixed_precision(run_ranks):
         # Every stage reports the same loss, and the fp16 loss scale moved identically on both stages.
         assert results[0][precision]["losses"] == results[1][precision]["losses"]
         assert results[0][precision]["scale"] == results[1][precision]["scale"]
-        torch.testing.assert_close(torch.tensor(results[0][precision]["losses"]), torch.tensor(ref), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(
+            torch.tensor(results[0][precision]["losses"]), torch.tensor(ref), rtol=2e-2, atol=2e-2
+        )
     assert results[0]["fp16-mixed"]["report"]["loss_scaling"] == "dynamic"
 
 
@@ -504,7 +528,10 @@ def _save_after(steps: int) -> dict:
     optimizer = grouped_optimizer("adamw", model)
     model, optimizer = engine.prepare(model, optimizer)
     x, y = make_data((steps + 1) * GLOBAL_BATCH)
-    batches = [(x[i * GLOBAL_BATCH : (i + 1) * GLOBAL_BATCH], y[i * GLOBAL_BATCH : (i + 1) * GLOBAL_BATCH]) for i in range(steps + 1)]
+    batches = [
+        (x[i * GLOBAL_BATCH : (i + 1) * GLOBAL_BATCH], y[i * GLOBAL_BATCH : (i + 1) * GLOBAL_BATCH])
+        for i in range(steps + 1)
+    ]
     for b in batches[:steps]:
         engine.train_step(b, pipe_loss)
     entries = [e._replace(data=e.data.clone()) for e in engine.strategy.sharded_state(model, optimizer.optimizer)]
@@ -552,12 +579,12 @@ def test_pipeline_state_hooks_reshard(run_ranks):
     entries = [e for res in saved for e in res["entries"]]
     keys = [e.key for e in entries]
     assert len(keys) == len(set(keys))  # every tensor given once, by the stage that holds it
-    assert {k[len("model/"):] for k in keys if k.startswith("model/")} == set(saved[0]["state"])
+    assert {k[len("model/") :] for k in keys if k.startswith("model/")} == set(saved[0]["state"])
     for strategy, world, options in (("pipeline", 3, {"pp_partition": "2,6", "pp_microbatches": 2}), ("ddp", 1, {})):
         for res in run_ranks(_load_and_continue, world, entries, 3, strategy, options):
             assert abs(res["last"] - saved[0]["last"]) < 1e-5, (strategy, res["last"], saved[0]["last"])
             for k, v in saved[0]["state"].items():
-                torch.testing.assert_close(res["state"][k], v, **TOL, msg=lambda m: f"{k} under {strategy}: {m}")
+                torch.testing.assert_close(res["state"][k], v, **TOL, msg=lambda m: f"{k} under {strategy}: {m}")  # noqa: B023 - called in this iteration
 
 
 # --------------------------------------------------------------------------------------------- bad input
@@ -628,7 +655,7 @@ def _failing_stage() -> None:
     for step in range(3):
 
         def loss_fn(m, b):
-            if step == 2 and engine.strategy.is_last:
+            if step == 2 and engine.strategy.is_last:  # noqa: B023 - called in this iteration
                 raise ValueError("a bug in the last stage's loss")
             return pipe_loss(m, b)
 

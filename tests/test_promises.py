@@ -25,10 +25,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from _common import OddNet, make_data, make_optimizer
 from torch.utils.data import DataLoader, TensorDataset
 
 import phalanx
-from _common import OddNet, make_data, make_optimizer
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

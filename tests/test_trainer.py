@@ -37,15 +37,28 @@ def _model() -> nn.Module:
 
 
 def _args(tmp: str, **kw) -> phalanx.TrainingArguments:
-    base = dict(output_dir=tmp, learning_rate=0.01, lr_scheduler_type="constant", num_train_epochs=1, logging_steps=1,
-                save_strategy="no", eval_strategy="no", disable_tqdm=True, report_to=[], seed=0)  # fmt: skip
+    base = dict(
+        output_dir=tmp,
+        learning_rate=0.01,
+        lr_scheduler_type="constant",
+        num_train_epochs=1,
+        logging_steps=1,
+        save_strategy="no",
+        eval_strategy="no",
+        disable_tqdm=True,
+        report_to=[],
+        seed=0,
+    )
     return phalanx.TrainingArguments(**{**base, **kw})
 
 
 def _train(tmp: str, per_device: int, accum: int, strategy: str = "ddp") -> dict:
-    trainer = phalanx.Trainer(_model(), _args(tmp, per_device_train_batch_size=per_device,
-                                              gradient_accumulation_steps=accum, strategy=strategy),
-                              train_dataset=_data(), compute_loss_func=_loss)  # fmt: skip
+    trainer = phalanx.Trainer(
+        _model(),
+        _args(tmp, per_device_train_batch_size=per_device, gradient_accumulation_steps=accum, strategy=strategy),
+        train_dataset=_data(),
+        compute_loss_func=_loss,
+    )
     out = trainer.train()
     state = {k: v.clone() for k, v in trainer.engine.get_state_dict(trainer.model).items()}
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -89,14 +102,35 @@ def _train_best(tmp: str, strategy: str, per_device: int = 16) -> dict:
     epoch, and load the best weights at the end."""
     scores = iter([0.9, 0.5])
     steps = _Steps()
-    args = _args(tmp, per_device_train_batch_size=per_device, num_train_epochs=2, logging_steps=2, eval_strategy="epoch",
-                 save_strategy="epoch", load_best_model_at_end=True, metric_for_best_model="acc", strategy=strategy)  # fmt: skip
-    trainer = phalanx.Trainer(_model(), args, train_dataset=_data(), eval_dataset=_data(8, seed=5), compute_loss_func=_loss,
-                              compute_metrics=lambda pred: {"acc": next(scores)}, callbacks=[steps])  # fmt: skip
+    args = _args(
+        tmp,
+        per_device_train_batch_size=per_device,
+        num_train_epochs=2,
+        logging_steps=2,
+        eval_strategy="epoch",
+        save_strategy="epoch",
+        load_best_model_at_end=True,
+        metric_for_best_model="acc",
+        strategy=strategy,
+    )
+    trainer = phalanx.Trainer(
+        _model(),
+        args,
+        train_dataset=_data(),
+        eval_dataset=_data(8, seed=5),
+        compute_loss_func=_loss,
+        compute_metrics=lambda pred: {"acc": next(scores)},
+        callbacks=[steps],
+    )
     trainer.train()
-    return {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h], "events": steps.events,
-            "state": trainer.engine.get_state_dict(trainer.model), "best": trainer.state.best_model_checkpoint,
-            "step": trainer.state.global_step, "exp_avg": trainer.optimizer.state_dict()["state"] != {}}  # fmt: skip
+    return {
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "events": steps.events,
+        "state": trainer.engine.get_state_dict(trainer.model),
+        "best": trainer.state.best_model_checkpoint,
+        "step": trainer.state.global_step,
+        "exp_avg": trainer.optimizer.state_dict()["state"] != {},
+    }
 
 
 @pytest.mark.parametrize("strategy,per_device", [("pipeline", 16), ("zero3", 8)])  # one process's batch: 16
@@ -123,7 +157,7 @@ def _window_means_differ() -> bool:
     """The check above can fail: with these data, the mean of two steps' means is not the window's mean."""
     x, y = _data().tensors
     model = _model()
-    steps = [F.cross_entropy(model(x[i:i + 16]), y[i:i + 16], ignore_index=-100) for i in (0, 16)]
+    steps = [F.cross_entropy(model(x[i : i + 16]), y[i : i + 16], ignore_index=-100) for i in (0, 16)]
     window = F.cross_entropy(model(x[:32]), y[:32], ignore_index=-100)
     return abs(torch.stack(steps).mean().item() - window.item()) > 1e-4
 
@@ -136,23 +170,34 @@ def test_per_micro_batch_normalisation_would_differ(tmp_path):
     # The check above can fail: averaging micro-batch means (HF's bug #34191) gives other parameters here.
     x, y = _data().tensors
     model = _model()
-    micro = [F.cross_entropy(model(x[i:i + 4]), y[i:i + 4], ignore_index=-100) for i in range(0, 16, 4)]
+    micro = [F.cross_entropy(model(x[i : i + 4]), y[i : i + 4], ignore_index=-100) for i in range(0, 16, 4)]
     whole = F.cross_entropy(model(x[:16]), y[:16], ignore_index=-100)
     assert abs(torch.stack(micro).mean().item() - whole.item()) > 1e-3
 
 
 def test_resume_continues_exactly_without_replaying(tmp_path):
-    straight = phalanx.Trainer(_model(), _args(str(tmp_path / "a"), per_device_train_batch_size=8, max_steps=6),
-                               train_dataset=_data(), compute_loss_func=_loss)  # fmt: skip
+    straight = phalanx.Trainer(
+        _model(),
+        _args(str(tmp_path / "a"), per_device_train_batch_size=8, max_steps=6),
+        train_dataset=_data(),
+        compute_loss_func=_loss,
+    )
     straight.train()
-    first = phalanx.Trainer(_model(), _args(str(tmp_path / "b"), per_device_train_batch_size=8, max_steps=3,
-                                            save_strategy="steps", save_steps=3),
-                            train_dataset=_data(), compute_loss_func=_loss)  # fmt: skip
+    first = phalanx.Trainer(
+        _model(),
+        _args(str(tmp_path / "b"), per_device_train_batch_size=8, max_steps=3, save_strategy="steps", save_steps=3),
+        train_dataset=_data(),
+        compute_loss_func=_loss,
+    )
     first.train()
     assert [s for s, _ in sorted_checkpoints(tmp_path / "b")] == [3]
     assert json.loads((tmp_path / "b" / "checkpoint-3" / "trainer_state.json").read_text())["global_step"] == 3
-    resumed = phalanx.Trainer(_model(), _args(str(tmp_path / "b"), per_device_train_batch_size=8, max_steps=6),
-                              train_dataset=_data(), compute_loss_func=_loss)  # fmt: skip
+    resumed = phalanx.Trainer(
+        _model(),
+        _args(str(tmp_path / "b"), per_device_train_batch_size=8, max_steps=6),
+        train_dataset=_data(),
+        compute_loss_func=_loss,
+    )
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 6
     a = straight.engine.get_state_dict(straight.model)
@@ -171,8 +216,13 @@ def _evaluate(tmp: str) -> dict:
         return {"n": float(len(pred.label_ids))}
 
     x, y = _data(7).tensors
-    trainer = phalanx.Trainer(_model(), _args(tmp, per_device_eval_batch_size=2), eval_dataset=TensorDataset(x, y.clamp(min=0)),
-                              compute_loss_func=_loss, compute_metrics=metrics)  # fmt: skip
+    trainer = phalanx.Trainer(
+        _model(),
+        _args(tmp, per_device_eval_batch_size=2),
+        eval_dataset=TensorDataset(x, y.clamp(min=0)),
+        compute_loss_func=_loss,
+        compute_metrics=metrics,
+    )
     out = trainer.evaluate()
     return {**seen, "metrics": out}
 
@@ -180,7 +230,9 @@ def _evaluate(tmp: str) -> dict:
 def test_evaluation_sees_every_sample_once_in_order(run_ranks, tmp_path):
     _, y = _data(7).tensors
     for result in run_ranks(_evaluate, 2, str(tmp_path)):
-        assert result["labels"] == y.clamp(min=0).tolist() and result["rows"] == 7  # 7 samples on 2 ranks: padding dropped
+        assert (
+            result["labels"] == y.clamp(min=0).tolist() and result["rows"] == 7
+        )  # 7 samples on 2 ranks: padding dropped
         assert result["metrics"]["eval_n"] == 7.0 and "eval_loss" in result["metrics"]
 
 
@@ -190,10 +242,24 @@ def test_rotation_keeps_the_best_and_the_newest_and_loads_the_best(tmp_path):
     def metrics(pred: phalanx.EvalPrediction) -> dict:
         return {"acc": next(scores)}
 
-    args = _args(str(tmp_path), per_device_train_batch_size=16, num_train_epochs=3, eval_strategy="epoch",
-                 save_strategy="epoch", save_total_limit=1, load_best_model_at_end=True, metric_for_best_model="acc")  # fmt: skip
-    trainer = phalanx.Trainer(_model(), args, train_dataset=_data(), eval_dataset=_data(8, seed=5),
-                              compute_loss_func=_loss, compute_metrics=metrics)  # fmt: skip
+    args = _args(
+        str(tmp_path),
+        per_device_train_batch_size=16,
+        num_train_epochs=3,
+        eval_strategy="epoch",
+        save_strategy="epoch",
+        save_total_limit=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="acc",
+    )
+    trainer = phalanx.Trainer(
+        _model(),
+        args,
+        train_dataset=_data(),
+        eval_dataset=_data(8, seed=5),
+        compute_loss_func=_loss,
+        compute_metrics=metrics,
+    )
     trainer.train()
     per_epoch = N // 16
     assert [s for s, _ in sorted_checkpoints(tmp_path)] == [per_epoch, 3 * per_epoch]
@@ -219,14 +285,28 @@ def test_save_model_and_a_model_without_a_loss(tmp_path):
 def _bert_run(tmp: str) -> dict:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                     intermediate_size=64, num_labels=2, max_position_embeddings=16)  # fmt: skip
+    config = transformers.BertConfig(
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        num_labels=2,
+        max_position_embeddings=16,
+    )
     model = transformers.BertForSequenceClassification(config)
     g = torch.Generator().manual_seed(1)
-    rows = [{"input_ids": torch.randint(1, 50, (8,), generator=g), "attention_mask": torch.ones(8, dtype=torch.long),
-             "label": int(i % 2)} for i in range(32)]  # fmt: skip
-    trainer = phalanx.Trainer(model, _args(tmp, per_device_train_batch_size=4, strategy="zero3", max_steps=3),
-                              train_dataset=rows)  # fmt: skip
+    rows = [
+        {
+            "input_ids": torch.randint(1, 50, (8,), generator=g),
+            "attention_mask": torch.ones(8, dtype=torch.long),
+            "label": int(i % 2),
+        }
+        for i in range(32)
+    ]
+    trainer = phalanx.Trainer(
+        model, _args(tmp, per_device_train_batch_size=4, strategy="zero3", max_steps=3), train_dataset=rows
+    )
     trainer.train()
     trainer.save_model(f"{tmp}/final")
     ours = {k: v.clone() for k, v in trainer.engine.get_state_dict(trainer.model).items()}
@@ -245,8 +325,12 @@ def test_phalanx_plot_reads_the_trainer_log(tmp_path):
     from phalanx.launch.cli import main
     from phalanx.trainer.plot import read_log
 
-    trainer = phalanx.Trainer(_model(), _args(str(tmp_path), per_device_train_batch_size=16, max_steps=3),
-                              train_dataset=_data(), compute_loss_func=_loss)  # fmt: skip
+    trainer = phalanx.Trainer(
+        _model(),
+        _args(str(tmp_path), per_device_train_batch_size=16, max_steps=3),
+        train_dataset=_data(),
+        compute_loss_func=_loss,
+    )
     trainer.train()
     series = read_log(tmp_path)
     assert [s for s, _ in series["loss"]] == [1, 2, 3]
@@ -265,8 +349,9 @@ def test_gradient_checkpointing_needs_a_model_that_has_it(tmp_path):
     with pytest.raises(ValueError, match="has no gradient_checkpointing_enable"):
         phalanx.Trainer(_model(), _args(str(tmp_path), gradient_checkpointing=True), train_dataset=_data())
     transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                     intermediate_size=64, num_labels=2)  # fmt: skip
+    config = transformers.BertConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, num_labels=2
+    )
     model = transformers.BertForSequenceClassification(config)
     phalanx.Trainer(model, _args(str(tmp_path), gradient_checkpointing=True))
     assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
@@ -274,37 +359,62 @@ def test_gradient_checkpointing_needs_a_model_that_has_it(tmp_path):
 
 def test_early_stopping_ends_the_run(tmp_path):
     scores = iter([0.5, 0.4, 0.3, 0.2, 0.1, 0.0])
-    args = _args(str(tmp_path), per_device_train_batch_size=16, num_train_epochs=6, eval_strategy="epoch",
-                 save_strategy="epoch", load_best_model_at_end=True, metric_for_best_model="acc")  # fmt: skip
-    trainer = phalanx.Trainer(_model(), args, train_dataset=_data(), eval_dataset=_data(8, seed=5),
-                              compute_loss_func=_loss, compute_metrics=lambda p: {"acc": next(scores)},
-                              callbacks=[phalanx.EarlyStoppingCallback(early_stopping_patience=2)])  # fmt: skip
+    args = _args(
+        str(tmp_path),
+        per_device_train_batch_size=16,
+        num_train_epochs=6,
+        eval_strategy="epoch",
+        save_strategy="epoch",
+        load_best_model_at_end=True,
+        metric_for_best_model="acc",
+    )
+    trainer = phalanx.Trainer(
+        _model(),
+        args,
+        train_dataset=_data(),
+        eval_dataset=_data(8, seed=5),
+        compute_loss_func=_loss,
+        compute_metrics=lambda p: {"acc": next(scores)},
+        callbacks=[phalanx.EarlyStoppingCallback(early_stopping_patience=2)],
+    )
     trainer.train()
     # Best at the first evaluation, then two without improvement: training stops after epoch 3 of 6.
     assert trainer.state.global_step == 3 * (N // 16)
 
 
 def test_train_loss_counts_the_steps_after_the_last_log(tmp_path):
-    trainer = phalanx.Trainer(_model(), _args(str(tmp_path), per_device_train_batch_size=16, max_steps=3, logging_steps=2),
-                              train_dataset=_data(), compute_loss_func=_loss)  # fmt: skip
+    trainer = phalanx.Trainer(
+        _model(),
+        _args(str(tmp_path), per_device_train_batch_size=16, max_steps=3, logging_steps=2),
+        train_dataset=_data(),
+        compute_loss_func=_loss,
+    )
     out = trainer.train()
     logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(logged) == 1  # step 2 only; step 3 is after the last log
-    every = phalanx.Trainer(_model(), _args(str(tmp_path / "b"), per_device_train_batch_size=16, max_steps=3),
-                            train_dataset=_data(), compute_loss_func=_loss)  # fmt: skip
+    every = phalanx.Trainer(
+        _model(),
+        _args(str(tmp_path / "b"), per_device_train_batch_size=16, max_steps=3),
+        train_dataset=_data(),
+        compute_loss_func=_loss,
+    )
     every.train()
     x, y = _data().tensors
     # The item-weighted mean of the three steps' losses: recover it from the per-step logs of the twin run.
     per_step = [h["loss"] for h in every.state.log_history if "loss" in h]
     order = [int(i) for i in torch.randperm(N, generator=torch.Generator().manual_seed(0))]
-    counts = [int((y[order[16 * s:16 * s + 16]] != -100).sum()) for s in range(3)]
-    expected = sum(l * c for l, c in zip(per_step, counts)) / sum(counts)
+    counts = [int((y[order[16 * s : 16 * s + 16]] != -100).sum()) for s in range(3)]
+    expected = sum(loss * c for loss, c in zip(per_step, counts)) / sum(counts)
     assert out.training_loss == pytest.approx(expected, rel=1e-6)
 
 
 def _first_half(tmp: str) -> int:
-    trainer = phalanx.Trainer(_model(), _args(tmp, per_device_train_batch_size=8, max_steps=3, save_strategy="steps",
-                                              save_steps=3), train_dataset=_data(), compute_loss_func=_loss)  # fmt: skip
+    trainer = phalanx.Trainer(
+        _model(),
+        _args(tmp, per_device_train_batch_size=8, max_steps=3, save_strategy="steps", save_steps=3),
+        train_dataset=_data(),
+        compute_loss_func=_loss,
+    )
     trainer.train()
     return trainer.state.global_step
 
@@ -312,11 +422,19 @@ def _first_half(tmp: str) -> int:
 def test_resume_on_another_world_size_and_strategy_continues_at_the_same_sample(run_ranks, tmp_path):
     # 2 ranks x 8 = 16 samples per step, saved at step 3; resumed on 1 rank x 16 under zero2; against 6 straight steps.
     assert run_ranks(_first_half, 2, str(tmp_path / "run")) == [3, 3]
-    resumed = phalanx.Trainer(_model(), _args(str(tmp_path / "run"), per_device_train_batch_size=16, max_steps=6,
-                                              strategy="zero2"), train_dataset=_data(), compute_loss_func=_loss)  # fmt: skip
+    resumed = phalanx.Trainer(
+        _model(),
+        _args(str(tmp_path / "run"), per_device_train_batch_size=16, max_steps=6, strategy="zero2"),
+        train_dataset=_data(),
+        compute_loss_func=_loss,
+    )
     resumed.train(resume_from_checkpoint=True)
-    straight = phalanx.Trainer(_model(), _args(str(tmp_path / "straight"), per_device_train_batch_size=16, max_steps=6),
-                               train_dataset=_data(), compute_loss_func=_loss)  # fmt: skip
+    straight = phalanx.Trainer(
+        _model(),
+        _args(str(tmp_path / "straight"), per_device_train_batch_size=16, max_steps=6),
+        train_dataset=_data(),
+        compute_loss_func=_loss,
+    )
     straight.train()
     a = resumed.engine.get_state_dict(resumed.model)
     b = straight.engine.get_state_dict(straight.model)
@@ -328,8 +446,12 @@ def test_resume_on_another_world_size_and_strategy_continues_at_the_same_sample(
 def test_predict_returns_every_row_in_order(tmp_path):
     x, y = _data(9).tensors
     labels = y.clamp(min=0)
-    trainer = phalanx.Trainer(_model(), _args(str(tmp_path), per_device_eval_batch_size=4), compute_loss_func=_loss,
-                              compute_metrics=lambda p: {"rows": float(len(p.predictions))})  # fmt: skip
+    trainer = phalanx.Trainer(
+        _model(),
+        _args(str(tmp_path), per_device_eval_batch_size=4),
+        compute_loss_func=_loss,
+        compute_metrics=lambda p: {"rows": float(len(p.predictions))},
+    )
     out = trainer.predict(TensorDataset(x, labels))
     assert out.predictions.shape == (9, CLASSES) and torch.equal(out.label_ids, labels)
     assert out.metrics["test_rows"] == 9.0 and "test_loss" in out.metrics
@@ -337,9 +459,13 @@ def test_predict_returns_every_row_in_order(tmp_path):
 
 
 def test_eval_on_start_evaluates_before_the_first_step(tmp_path):
-    trainer = phalanx.Trainer(_model(), _args(str(tmp_path), per_device_train_batch_size=16, max_steps=1,
-                                              eval_on_start=True), train_dataset=_data(), eval_dataset=_data(8, seed=5),
-                              compute_loss_func=_loss)  # fmt: skip
+    trainer = phalanx.Trainer(
+        _model(),
+        _args(str(tmp_path), per_device_train_batch_size=16, max_steps=1, eval_on_start=True),
+        train_dataset=_data(),
+        eval_dataset=_data(8, seed=5),
+        compute_loss_func=_loss,
+    )
     trainer.train()
     evals = [h for h in trainer.state.log_history if "eval_loss" in h]
     assert [h["step"] for h in evals] == [0]
@@ -347,7 +473,9 @@ def test_eval_on_start_evaluates_before_the_first_step(tmp_path):
 
 def test_optim_picks_the_fused_kernel_by_default_as_transformers(tmp_path):
     fused = phalanx.Trainer(_model(), _args(str(tmp_path)), train_dataset=_data()).create_optimizer()
-    foreach = phalanx.Trainer(_model(), _args(str(tmp_path), optim="adamw_torch"), train_dataset=_data()).create_optimizer()
+    foreach = phalanx.Trainer(
+        _model(), _args(str(tmp_path), optim="adamw_torch"), train_dataset=_data()
+    ).create_optimizer()
     assert fused.defaults["fused"] is True and not foreach.defaults["fused"]
     assert [g["weight_decay"] for g in fused.param_groups] == [0.0, 0.0]  # _args has weight_decay 0: both groups
 
@@ -358,18 +486,36 @@ def test_a_deepspeed_config_with_optimizer_and_scheduler_blocks_builds_them(tmp_
     ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
           "optimizer": {"type": "SGD", "params": {"lr": "auto", "momentum": 0.9, "weight_decay": "auto"}},
           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": "auto",
-                                                       "warmup_num_steps": "auto", "warmup_type": "linear"}}}  # fmt: skip
-    args = _args(str(tmp_path / "both"), per_device_train_batch_size=16, max_steps=4, warmup_steps=2, learning_rate=0.05,
-                 weight_decay=0.01, deepspeed=ds)  # fmt: skip
+                                                       "warmup_num_steps": "auto",
+                                                       "warmup_type": "linear"}}}  # fmt: skip
+    args = _args(
+        str(tmp_path / "both"),
+        per_device_train_batch_size=16,
+        max_steps=4,
+        warmup_steps=2,
+        learning_rate=0.05,
+        weight_decay=0.01,
+        deepspeed=ds,
+    )
     trainer = phalanx.Trainer(_model(), args, train_dataset=_data(), compute_loss_func=_loss)
     trainer.train()
     inner = trainer.optimizer.optimizer
-    assert isinstance(inner, torch.optim.SGD) and inner.defaults["momentum"] == 0.9 and inner.defaults["weight_decay"] == 0.01
+    assert (
+        isinstance(inner, torch.optim.SGD)
+        and inner.defaults["momentum"] == 0.9
+        and inner.defaults["weight_decay"] == 0.01
+    )
     assert trainer.lr_scheduler.scheduler.last_epoch == 4 and inner.param_groups[0]["lr"] == pytest.approx(0.05)
     # An optimizer block alone: the arguments' schedule (constant here) runs on the block's optimizer.
-    only = {"optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}}
-    trainer = phalanx.Trainer(_model(), _args(str(tmp_path / "opt"), per_device_train_batch_size=16, max_steps=2,
-                                              deepspeed=only), train_dataset=_data(), compute_loss_func=_loss)  # fmt: skip
+    only = {
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}
+    }
+    trainer = phalanx.Trainer(
+        _model(),
+        _args(str(tmp_path / "opt"), per_device_train_batch_size=16, max_steps=2, deepspeed=only),
+        train_dataset=_data(),
+        compute_loss_func=_loss,
+    )
     trainer.train()
     inner = trainer.optimizer.optimizer
     assert isinstance(inner, torch.optim.AdamW) and trainer.lr_scheduler.scheduler.last_epoch == 2

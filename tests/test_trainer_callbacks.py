@@ -48,8 +48,14 @@ class Run:
     state: TrainerState = field(default_factory=TrainerState)
 
 
-def simulate(args: Args, steps_per_epoch: int, epochs: int, max_steps: int | None = None,
-             metrics: list[float] | None = None, callbacks: tuple[Any, ...] = ()) -> Run:  # fmt: skip
+def simulate(
+    args: Args,
+    steps_per_epoch: int,
+    epochs: int,
+    max_steps: int | None = None,
+    metrics: list[float] | None = None,
+    callbacks: tuple[Any, ...] = (),
+) -> Run:
     """HF's training loop, reduced to its callback calls: which steps log, evaluate and save."""
     run, control = Run(), TrainerControl()
     state = run.state
@@ -143,7 +149,9 @@ class Recorder(TrainerCallback):
         self.name, self.calls, self.replace = name, calls, replace
         self.seen: list[Any] = []
 
-    def on_step_end(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> TrainerControl | None:
+    def on_step_end(
+        self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl | None:
         self.calls.append((self.name, "on_step_end"))
         self.seen.append((control, kwargs))
         return TrainerControl(should_save=True) if self.replace else None
@@ -191,7 +199,11 @@ def test_handler_add_pop_remove() -> None:
     handler = CallbackHandler([DefaultFlowCallback, ProgressCallback])
     extra = EarlyStoppingCallback()
     handler.add_callback(extra)
-    assert [type(c).__name__ for c in handler.callbacks] == ["DefaultFlowCallback", "ProgressCallback", "EarlyStoppingCallback"]
+    assert [type(c).__name__ for c in handler.callbacks] == [
+        "DefaultFlowCallback",
+        "ProgressCallback",
+        "EarlyStoppingCallback",
+    ]
     assert handler.pop_callback(extra) is extra
     assert handler.pop_callback(EarlyStoppingCallback) is None
     popped = handler.pop_callback(ProgressCallback)
@@ -219,7 +231,9 @@ def _evaluate(cb: EarlyStoppingCallback, args: Args, values: list[float]) -> lis
 
 
 def test_early_stopping_patience_and_threshold() -> None:
-    args = Args(eval_strategy="epoch", metric_for_best_model="accuracy", greater_is_better=True, load_best_model_at_end=True)
+    args = Args(
+        eval_strategy="epoch", metric_for_best_model="accuracy", greater_is_better=True, load_best_model_at_end=True
+    )
     cb = EarlyStoppingCallback(early_stopping_patience=2, early_stopping_threshold=0.1)
     # +0.05 is below the threshold (1 strike), +0.15 resets, then +0.01 twice: stop on the second.
     assert _evaluate(cb, args, [0.5, 0.55, 0.7, 0.71, 0.72]) == [False, False, False, False, True]
@@ -276,7 +290,9 @@ def test_rotation_keeps_best_and_newest() -> None:
 def test_rotation_orders_by_step_and_normalises_the_best_path() -> None:
     found = [(100, "o/checkpoint-100"), (9, "o/checkpoint-9"), (10, "o/checkpoint-10")]
     assert checkpoints_to_delete(found, 1) == ["o/checkpoint-9", "o/checkpoint-10"]  # not string order
-    assert checkpoints_to_delete(found, 1, best_checkpoint=str(Path("o/checkpoint-9").absolute()) + "/") == ["o/checkpoint-10"]
+    assert checkpoints_to_delete(found, 1, best_checkpoint=str(Path("o/checkpoint-9").absolute()) + "/") == [
+        "o/checkpoint-10"
+    ]
     with pytest.raises(ValueError, match="save_total_limit must be None .* got 0"):
         checkpoints_to_delete(found, 0)
 
@@ -298,7 +314,12 @@ def test_sorted_checkpoints_skips_incomplete_and_rotate_deletes(tmp_path: Path) 
     _fake_checkpoint(tmp_path / "best")
     (tmp_path / "checkpoint-400").write_text("not a directory")
     found = sorted_checkpoints(tmp_path)
-    assert [(s, p.name) for s, p in found] == [(3, "checkpoint-3"), (7, ".checkpoint-7.old"), (20, "checkpoint-20"), (100, "checkpoint-100")]
+    assert [(s, p.name) for s, p in found] == [
+        (3, "checkpoint-3"),
+        (7, ".checkpoint-7.old"),
+        (20, "checkpoint-20"),
+        (100, "checkpoint-100"),
+    ]
     assert sorted_checkpoints(tmp_path / "missing") == []
     deleted = rotate_checkpoints(tmp_path, 2, best_checkpoint=tmp_path / "checkpoint-3")
     assert [p.name for p in deleted] == [".checkpoint-7.old", "checkpoint-20"]
@@ -315,8 +336,12 @@ def test_rotation_matches_hf_during_training(tmp_path: Path) -> None:
         for step in range(1, 6):
             _fake_checkpoint(root / f"checkpoint-{step}")
         best_path = str(root / f"checkpoint-{best}") if best else None
-        ours = [s for s, _ in sorted_checkpoints(root) if str(root / f"checkpoint-{s}") not in
-                {str(p) for p in checkpoints_to_delete(sorted_checkpoints(root), limit, best_path)}]  # fmt: skip
+        ours = [
+            s
+            for s, _ in sorted_checkpoints(root)
+            if str(root / f"checkpoint-{s}")
+            not in {str(p) for p in checkpoints_to_delete(sorted_checkpoints(root), limit, best_path)}
+        ]
         trainer_utils.rotate_checkpoints(str(root), save_total_limit=limit, best_model_checkpoint=best_path)
         assert [s for s, _ in sorted_checkpoints(root)] == ours, (limit, best)
 
@@ -331,7 +356,10 @@ def test_jsonl_written_by_world_rank_zero_only(tmp_path: Path) -> None:
     cb.on_train_end(args, state, control)
     cb.on_log(args, state, control, logs={"eval_loss": 0.5, "eval_runtime": 1.0})  # after training: appended
     records = [json.loads(line) for line in (tmp_path / "r0" / "log.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["step_unit"], r["epoch"]) for r in records] == [(4, "optimizer_step", 0.5), (8, "optimizer_step", 0.5)]
+    assert [(r["step"], r["step_unit"], r["epoch"]) for r in records] == [
+        (4, "optimizer_step", 0.5),
+        (8, "optimizer_step", 0.5),
+    ]
     assert (records[0]["loss"], records[0]["learning_rate"], records[1]["eval_loss"]) == (0.25, 1e-3, 0.5)
     assert all("time" in r for r in records)
     # Another rank: no file, nothing opened.
@@ -345,8 +373,11 @@ def test_jsonl_written_by_world_rank_zero_only(tmp_path: Path) -> None:
 
 def test_progress_bar_on_rank_zero_only(capsys: pytest.CaptureFixture[str]) -> None:
     args, control = Args(), TrainerControl()
-    for shown, state, a in [(True, TrainerState(max_steps=4), args), (False, TrainerState(max_steps=4, is_world_process_zero=False), args),
-                            (False, TrainerState(max_steps=4), Args(disable_tqdm=True))]:  # fmt: skip
+    for shown, state, a in [
+        (True, TrainerState(max_steps=4), args),
+        (False, TrainerState(max_steps=4, is_world_process_zero=False), args),
+        (False, TrainerState(max_steps=4), Args(disable_tqdm=True)),
+    ]:
         cb = ProgressCallback()
         cb.on_train_begin(a, state, control)
         assert (cb.training_bar is not None) == shown

@@ -46,7 +46,7 @@ CASES = [
     ("inverse_sqrt", 4, None, None, {2: 0.5, 4: 1.0, 12: 1 / math.sqrt(3)}),
     ("inverse_sqrt", 4, None, {"timescale": 10}, {4: 1 / math.sqrt(1.0 + 0 / 10), 10: 1 / math.sqrt(1.6)}),
     ("inverse_sqrt", 0, None, None, {0: 1.0, 30_000: 0.5}),  # timescale defaults to 10_000 without warmup
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("name,warmup,total,kwargs,expected", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
@@ -68,14 +68,20 @@ def test_polynomial_divides_by_the_default_lr_for_every_group():
     assert lrs[10] == pytest.approx([0.01, 0.02])
 
 
-@pytest.mark.parametrize("name,warmup,total,kwargs", [c[:4] for c in CASES], ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+@pytest.mark.parametrize(
+    "name,warmup,total,kwargs", [c[:4] for c in CASES], ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)]
+)
 def test_same_lrs_as_transformers(name, warmup, total, kwargs):
     transformers = pytest.importorskip("transformers", reason="transformers is not installed (a test extra)")
     ours = get_scheduler(name, _optimizer((LR, 0.3)), warmup, total, kwargs)
     theirs = transformers.get_scheduler(name, _optimizer((LR, 0.3)), warmup, total, kwargs)
     steps = 16 if total is None else total + 4
-    torch.testing.assert_close(torch.tensor(_lrs(ours, steps), dtype=torch.float64),
-                               torch.tensor(_lrs(theirs, steps), dtype=torch.float64), rtol=1e-12, atol=0)  # fmt: skip
+    torch.testing.assert_close(
+        torch.tensor(_lrs(ours, steps), dtype=torch.float64),
+        torch.tensor(_lrs(theirs, steps), dtype=torch.float64),
+        rtol=1e-12,
+        atol=0,
+    )
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
@@ -108,7 +114,9 @@ def test_errors_name_the_value_and_the_fix():
         get_scheduler("linear", _optimizer(), 0, None)
     with pytest.raises(ConfigError, match="needs num_warmup_steps >= 0; got -2"):
         get_scheduler("cosine", _optimizer(), -2, 10)
-    with pytest.raises(ConfigError, match="lr_scheduler_kwargs key 'num_cycles' is not read by lr_scheduler_type='linear'"):
+    with pytest.raises(
+        ConfigError, match="lr_scheduler_kwargs key 'num_cycles' is not read by lr_scheduler_type='linear'"
+    ):
         get_scheduler("linear", _optimizer(), 0, 10, {"num_cycles": 2})
     with pytest.raises(ConfigError, match="needs exactly one of min_lr or min_lr_rate"):
         get_scheduler("cosine_with_min_lr", _optimizer(), 0, 10, {"min_lr": 0.01, "min_lr_rate": 0.1})
@@ -122,5 +130,7 @@ def test_warmup_steps_for_the_arguments():
     assert warmup_steps_for(TrainingArguments(warmup_steps=0.1), 1001) == 101  # rounded up, as transformers
     assert warmup_steps_for(TrainingArguments(warmup_steps=0.999), 3) == 3
     args = TrainingArguments(lr_scheduler_type="cosine", warmup_steps=0.25, lr_scheduler_kwargs={"num_cycles": 0.5})
-    scheduler = get_scheduler(args.lr_scheduler_type, _optimizer(), warmup_steps_for(args, 8), 8, args.lr_scheduler_kwargs)
+    scheduler = get_scheduler(
+        args.lr_scheduler_type, _optimizer(), warmup_steps_for(args, 8), 8, args.lr_scheduler_kwargs
+    )
     assert [round(lr[0] / LR, 6) for lr in _lrs(scheduler, 3)] == [0.0, 0.5, 1.0]

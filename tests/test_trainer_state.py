@@ -29,14 +29,29 @@ HF_DEFAULTS: dict[str, Any] = {
 
 def _filled() -> TrainerState:
     return TrainerState(
-        epoch=1.5, global_step=30, max_steps=40, logging_steps=5, eval_steps=10, save_steps=10, train_batch_size=8,
-        num_train_epochs=2, num_input_tokens_seen=12345, total_flos=6.5e12,
-        log_history=[{"loss": 0.75, "learning_rate": 1e-4, "epoch": 0.5, "step": 10},
-                     {"eval_loss": 0.5, "eval_f1": 0.8, "epoch": 1.0, "step": 20}],
-        best_metric=0.8, best_global_step=20, best_model_checkpoint="out/checkpoint-20",
-        is_local_process_zero=True, is_world_process_zero=False, trial_name="t0", trial_params={"lr": 0.1},
+        epoch=1.5,
+        global_step=30,
+        max_steps=40,
+        logging_steps=5,
+        eval_steps=10,
+        save_steps=10,
+        train_batch_size=8,
+        num_train_epochs=2,
+        num_input_tokens_seen=12345,
+        total_flos=6.5e12,
+        log_history=[
+            {"loss": 0.75, "learning_rate": 1e-4, "epoch": 0.5, "step": 10},
+            {"eval_loss": 0.5, "eval_f1": 0.8, "epoch": 1.0, "step": 20},
+        ],
+        best_metric=0.8,
+        best_global_step=20,
+        best_model_checkpoint="out/checkpoint-20",
+        is_local_process_zero=True,
+        is_world_process_zero=False,
+        trial_name="t0",
+        trial_params={"lr": 0.1},
         stateful_callbacks=[TrainerControl(should_save=True), EarlyStoppingCallback(3, 0.01)],
-    )  # fmt: skip
+    )
 
 
 def test_fields_and_defaults_are_hfs() -> None:
@@ -55,7 +70,10 @@ def test_json_round_trip_and_layout(tmp_path: Path) -> None:
     assert sorted(json.loads(text)) == sorted(HF_DEFAULTS)
     back = TrainerState.load_from_json(path)
     assert back == state
-    assert back.stateful_callbacks["EarlyStoppingCallback"]["args"] == {"early_stopping_patience": 3, "early_stopping_threshold": 0.01}
+    assert back.stateful_callbacks["EarlyStoppingCallback"]["args"] == {
+        "early_stopping_patience": 3,
+        "early_stopping_threshold": 0.01,
+    }
     assert back.stateful_callbacks["TrainerControl"]["args"]["should_save"] is True
     assert [p.name for p in tmp_path.iterdir()] == ["trainer_state.json"]  # no temporary left behind
 
@@ -104,7 +122,10 @@ def test_best_metric_bookkeeping() -> None:
     args = SimpleNamespace(metric_for_best_model="f1", greater_is_better=True, save_strategy="epoch")
     state = TrainerState(global_step=10)
     assert metric_key(args) == "eval_f1"
-    assert record_best_metric(args, state, {"eval_f1": 0.5}) and (state.best_metric, state.best_global_step) == (0.5, 10)
+    assert record_best_metric(args, state, {"eval_f1": 0.5}) and (state.best_metric, state.best_global_step) == (
+        0.5,
+        10,
+    )
     state.global_step = 20
     assert not record_best_metric(args, state, {"eval_f1": 0.4}) and state.best_global_step == 10
     assert not record_best_metric(args, state, {"eval_f1": float("nan")}) and state.best_metric == 0.5

@@ -71,7 +71,9 @@ def test_unknown_keyword_is_an_error_with_a_suggestion():
     assert isinstance(info.value, TypeError) and isinstance(info.value, ConfigError)
     with pytest.raises(TypeError, match="'bucket_mb' is an Engine knob; pass it as strategy_options="):
         TrainingArguments(bucket_mb=25)
-    with pytest.raises(TypeError, match="'fsdp' is a transformers argument that phalanx does not take; use strategy='zero3'"):
+    with pytest.raises(
+        TypeError, match="'fsdp' is a transformers argument that phalanx does not take; use strategy='zero3'"
+    ):
         TrainingArguments(fsdp=True)
 
 
@@ -100,10 +102,18 @@ def test_seed_000_arguments():
     # How seed 000 writes them, evaluation_strategy included.
     with pytest.warns(FutureWarning, match="evaluation_strategy is deprecated"):
         args = TrainingArguments(
-            output_dir="out", per_device_train_batch_size=16, per_device_eval_batch_size=32, logging_steps=10,
-            evaluation_strategy="epoch", save_strategy="epoch", save_total_limit=3, learning_rate=2e-5,
-            weight_decay=0.01, metric_for_best_model="f1", load_best_model_at_end=True,
-        )  # fmt: skip
+            output_dir="out",
+            per_device_train_batch_size=16,
+            per_device_eval_batch_size=32,
+            logging_steps=10,
+            evaluation_strategy="epoch",
+            save_strategy="epoch",
+            save_total_limit=3,
+            learning_rate=2e-5,
+            weight_decay=0.01,
+            metric_for_best_model="f1",
+            load_best_model_at_end=True,
+        )
     assert args.eval_strategy == "epoch" and args.evaluation_strategy is None
     assert args.metric_for_best_model == "f1" and args.greater_is_better is True
 
@@ -194,17 +204,24 @@ def test_choices_and_counts_are_checked():
         TrainingArguments(per_device_train_batch_size=0)
     with pytest.raises(ConfigError, match="invalid gradient_accumulation_steps: got 0"):
         TrainingArguments(gradient_accumulation_steps=0)
-    with pytest.raises(ConfigError, match=r"optim='adafactor' is not built in; .* Trainer\(optimizers=\(optimizer, None\)\)"):
+    with pytest.raises(
+        ConfigError, match=r"optim='adafactor' is not built in; .* Trainer\(optimizers=\(optimizer, None\)\)"
+    ):
         TrainingArguments(optim="adafactor")
 
 
 def test_strategy_and_its_knobs_are_checked():
     with pytest.raises(ConfigError, match="unknown strategy 'zero4'; did you mean 'zero3'?"):
         TrainingArguments(strategy="zero4")
-    with pytest.raises(ConfigError, match="strategy_options: unknown Engine knob 'bucket_md'; did you mean 'bucket_mb'?"):
+    with pytest.raises(
+        ConfigError, match="strategy_options: unknown Engine knob 'bucket_md'; did you mean 'bucket_mb'?"
+    ):
         TrainingArguments(strategy_options={"bucket_md": 10})
-    with pytest.raises(ConfigError, match=r"strategy_options\['grad_accum_steps'\] is set by the TrainingArguments "
-                                          "field gradient_accumulation_steps"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"strategy_options\['grad_accum_steps'\] is set by the TrainingArguments "
+        "field gradient_accumulation_steps",
+    ):
         TrainingArguments(strategy_options={"grad_accum_steps": 4})
     with pytest.raises(ConfigError, match="offload"):  # zero3's knob under ddp: the Engine's own rule, early
         TrainingArguments(strategy="ddp", strategy_options={"offload": "cpu"})
@@ -213,12 +230,23 @@ def test_strategy_and_its_knobs_are_checked():
 
 
 def test_engine_options_mapping(tmp_path):
-    args = TrainingArguments(str(tmp_path), bf16=True, gradient_accumulation_steps=4, max_grad_norm=0.5, seed=7,
-                             strategy="ddp", strategy_options={"bucket_mb": 4.0})  # fmt: skip
+    args = TrainingArguments(
+        str(tmp_path),
+        bf16=True,
+        gradient_accumulation_steps=4,
+        max_grad_norm=0.5,
+        seed=7,
+        strategy="ddp",
+        strategy_options={"bucket_mb": 4.0},
+    )
     assert args.engine_options() == {
-        "strategy": "ddp", "precision": "bf16-mixed", "grad_accum_steps": 4, "seed": 7, "max_grad_norm": 0.5,
+        "strategy": "ddp",
+        "precision": "bf16-mixed",
+        "grad_accum_steps": 4,
+        "seed": 7,
+        "max_grad_norm": 0.5,
         "bucket_mb": 4.0,
-    }  # fmt: skip
+    }
     plain = TrainingArguments(str(tmp_path), max_grad_norm=0).engine_options()
     assert plain == {"grad_accum_steps": 1, "seed": 42, "max_grad_norm": None}  # no strategy/precision: the launcher's
     assert TrainingArguments(fp16=True).engine_options()["precision"] == "fp16-mixed"
@@ -270,9 +298,17 @@ def test_deepspeed_values_that_contradict_the_arguments(tmp_path):
 
 
 def test_to_dict_round_trips(tmp_path):
-    args = TrainingArguments(str(tmp_path), eval_strategy="steps", eval_steps=50, lr_scheduler_type="polynomial",
-                             lr_scheduler_kwargs={"power": 2.0}, label_names=["labels"], report_to="tensorboard",
-                             strategy="zero2", strategy_options={"bucket_mb": 2.0})  # fmt: skip
+    args = TrainingArguments(
+        str(tmp_path),
+        eval_strategy="steps",
+        eval_steps=50,
+        lr_scheduler_type="polynomial",
+        lr_scheduler_kwargs={"power": 2.0},
+        label_names=["labels"],
+        report_to="tensorboard",
+        strategy="zero2",
+        strategy_options={"bucket_mb": 2.0},
+    )
     data = json.loads(args.to_json_string())
     assert data["eval_steps"] == 50 and data["report_to"] == ["tensorboard"] and data["strategy"] == "zero2"
     again = TrainingArguments(**data)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.runtime.collective_log import LOG, describe, ranks_text
-from phalanx.config.settings import EngineConfig
 from phalanx.config.options import ConfigError
+from phalanx.config.settings import EngineConfig
+from phalanx.runtime.collective_log import LOG, describe, ranks_text
 from phalanx.runtime.watchdog import HANG_EXIT_CODE, compose_hang_report, default_hang_timeout
 
 PHALANX = [sys.executable, "-m", "phalanx"]
@@ -55,15 +55,21 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _launch(tmp_path: Path, nprocs: int, mode: str, bad_rank: int = 1, **env: str) -> tuple[subprocess.CompletedProcess, float]:
+def _launch(
+    tmp_path: Path, nprocs: int, mode: str, bad_rank: int = 1, **env: str
+) -> tuple[subprocess.CompletedProcess, float]:
     path = tmp_path / "job.py"
     path.write_text(SCRIPT)
     full_env = {**os.environ, "PHALANX_DEVICE": "cpu", "PHALANX_HANG_TIMEOUT_S": str(HANG_TIMEOUT_S), **env}
     start = time.monotonic()
     proc = subprocess.run(
         [*PHALANX, "launch", "-n", str(nprocs), str(path), mode, str(bad_rank)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=180, env=full_env,
-    )  # fmt: skip
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=full_env,
+    )
     return proc, time.monotonic() - start
 
 
@@ -104,7 +110,9 @@ def test_a_rank_that_skips_a_collective_is_named_when_it_leaves_early(tmp_path):
     assert proc.returncode == HANG_EXIT_CODE, proc.stderr[-3000:]
     report = proc.stderr[proc.stderr.index("phalanx watchdog:") :]
     assert "rank 0 has waited" in report and "called from job.py:26" in report, report  # the last reduce
-    assert re.search(r"rank 1 has left: it finished the script after collective #\d+ of this group, \d+ fewer", report), report
+    assert re.search(
+        r"rank 1 has left: it finished the script after collective #\d+ of this group, \d+ fewer", report
+    ), report
     assert took < HANG_TIMEOUT_S + 30, took
 
 
@@ -123,8 +131,12 @@ def test_debug_collectives_stops_a_mismatch_before_any_bytes_move(tmp_path):
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "CollectiveMismatchError" in proc.stderr
     assert "called different collectives at the same point" in proc.stderr
-    assert re.search(r"rank 0: all_reduce #\d+ of ranks 0, 1 \(ddp bucket 0, .*called from job.py:24", proc.stderr), proc.stderr
-    assert re.search(r"rank 1: all_reduce #\d+ of ranks 0, 1 \(5 x float32.*called from job.py:23", proc.stderr), proc.stderr
+    assert re.search(r"rank 0: all_reduce #\d+ of ranks 0, 1 \(ddp bucket 0, .*called from job.py:24", proc.stderr), (
+        proc.stderr
+    )
+    assert re.search(r"rank 1: all_reduce #\d+ of ranks 0, 1 \(5 x float32.*called from job.py:23", proc.stderr), (
+        proc.stderr
+    )
     assert "finished" not in proc.stdout
 
 

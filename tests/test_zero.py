@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _common import TiedNet, grouped_optimizer, make_tokens, tied_reference_run
 from torch.utils.data import DataLoader, TensorDataset
 
 import phalanx
-from _common import TiedNet, grouped_optimizer, make_tokens, tied_reference_run
 
 STEPS, GLOBAL_BATCH = 20, 12
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -62,7 +62,9 @@ def test_zero_stages_match_single_process(run_ranks, world_size, collectives):
         for (stage, opt), res in per_rank.items():
             ref_losses, ref_state = refs[opt]
             where = f"{stage}/{opt}, rank {rank} of {world_size}"
-            torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(ref_losses), **TOL, msg=f"losses, {where}")
+            torch.testing.assert_close(
+                torch.tensor(res["losses"]), torch.tensor(ref_losses), **TOL, msg=f"losses, {where}"
+            )
             assert set(res["state"]) == set(ref_state)
             for k in ref_state:
                 torch.testing.assert_close(res["state"][k], ref_state[k], **TOL, msg=f"{k}, {where}")
@@ -115,7 +117,10 @@ def _against_zero_redundancy_optimizer() -> dict:
         lr=1e-2,
     )
     losses = _peer_loop(ddp, zro, STEPS, rank, world)
-    return {"ours": ours, "theirs": {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}}
+    return {
+        "ours": ours,
+        "theirs": {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}},
+    }
 
 
 def _against_fsdp2() -> dict:
@@ -300,7 +305,7 @@ def _memory(strategies: tuple[str, ...]) -> dict:
 
         def run() -> None:
             # Everything, model creation included, happens inside the measured window.
-            engine = phalanx.Engine(strategy=strategy, bucket_mb=0.07)  # a bucket is about one layer
+            engine = phalanx.Engine(strategy=strategy, bucket_mb=0.07)  # a bucket is about one layer  # noqa: B023 - called in this iteration
             torch.manual_seed(0)
             model = _MLP()
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -310,7 +315,7 @@ def _memory(strategies: tuple[str, ...]) -> dict:
                 engine.backward(model(x).square().mean())
                 optimizer.step()
                 optimizer.zero_grad()
-            report.update(engine.memory_report())
+            report.update(engine.memory_report())  # noqa: B023 - called in this iteration
 
         out[strategy] = {"peak": _peak_live_bytes(run), "report": report}
     return out
@@ -512,7 +517,9 @@ def test_collectives_resolve_per_backend(monkeypatch):
         monkeypatch.setattr(collectives.dist, "get_backend", lambda group=None, b=backend: b)
         assert collectives.resolve_collectives("auto", None) == auto
         assert collectives.resolve_collectives("allreduce", None) == "allreduce"
-    with pytest.raises(ValueError, match="zero_collectives='p2p' is for the gloo backend.*'nccl'.*use zero_collectives='auto'"):
+    with pytest.raises(
+        ValueError, match="zero_collectives='p2p' is for the gloo backend.*'nccl'.*use zero_collectives='auto'"
+    ):
         collectives.resolve_collectives("p2p", None)
 
 
@@ -570,7 +577,11 @@ def test_mixed_precision_and_bf16_communication(run_ranks):
         assert res["report"]["grads"] == "float32" and res["report"]["optimizer_state"] == "none yet"
         for stage in ("zero2", "zero3"):
             report = res[f"bf16_report_{stage}"]
-            assert report["params"] == "bfloat16" and report["optimizer_state"] == "float32" and report["grads"] == "float32"
+            assert (
+                report["params"] == "bfloat16"
+                and report["optimizer_state"] == "float32"
+                and report["grads"] == "float32"
+            )
             memory = res[f"bf16_memory_{stage}"]
             # p = 2 bytes; K = 4 (fp32 master) + 8 (Adam's two moments): the mixed-precision rows of the table.
             assert memory["param_bytes_per_element"] == 2 and memory["state_bytes_per_element"] == 12
@@ -631,7 +642,9 @@ def _round_trip(saver: str, loaders: tuple[str, ...]) -> dict:
 
     engine, model, optimizer = _prepared(saver, 100)
     _steps(engine, model, optimizer, 0, 5)
-    saved = [e._replace(data=e.data.clone()) for e in engine.strategy.sharded_state(model, optimizer)]  # views of live state
+    saved = [
+        e._replace(data=e.data.clone()) for e in engine.strategy.sharded_state(model, optimizer)
+    ]  # views of live state
     straight = _steps(engine, model, optimizer, 5, 3)
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, saved)

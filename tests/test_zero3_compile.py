@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _common import TiedNet, grouped_optimizer, make_tokens, tied_reference_run
 from torch.utils.data import DataLoader, TensorDataset
 
 import phalanx
-from _common import TiedNet, grouped_optimizer, make_tokens, tied_reference_run
 
 STEPS, GLOBAL_BATCH = 3, 12
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -109,7 +109,9 @@ def test_zero3_compiled_with_inductor_matches_uncompiled(run_ranks):
 
 
 def test_zero3_compiled_whole_or_by_unit_with_cpu_offload_matches_uncompiled(run_ranks):
-    runs = [(None, "cpu", "eager")] + [(how, "cpu", "aot_eager") for how in ("whole", "units", "unit_forward", "before")]
+    runs = [(None, "cpu", "eager")] + [
+        (how, "cpu", "aot_eager") for how in ("whole", "units", "unit_forward", "before")
+    ]
     results = run_ranks(_ranks, 2, runs, True, timeout=600)
     _check(results, "cpu")
     for per_rank in results:

@@ -74,11 +74,15 @@ def _ranks_peak(strategy: str, offload: str, directory: str) -> tuple[int, int, 
     return _status("VmHWM") - base, report["expected_peak"], report["held"]["offloaded_to_disk"]
 
 
-@pytest.mark.parametrize("strategy,offload", [("zero1", "none"), ("zero2", "none"), ("zero3", "none"), ("zero3", "cpu"), ("zero3", "disk")])
+@pytest.mark.parametrize(
+    "strategy,offload", [("zero1", "none"), ("zero2", "none"), ("zero3", "none"), ("zero3", "cpu"), ("zero3", "disk")]
+)
 def test_peak_resident_memory_is_within_10_percent_of_the_expected_peak(run_ranks, tmp_path, strategy, offload):
     for peak, expected, on_disk in run_ranks(_ranks_peak, 2, strategy, offload, str(tmp_path), start_method="spawn"):
         assert expected > 0 and (on_disk > 0) == (offload == "disk")
-        assert peak <= 1.10 * expected, f"peak {peak / 2**20:.1f} MiB over the baseline; expected {expected / 2**20:.1f} MiB"
+        assert peak <= 1.10 * expected, (
+            f"peak {peak / 2**20:.1f} MiB over the baseline; expected {expected / 2**20:.1f} MiB"
+        )
         assert peak >= 0.5 * expected, "the measurement does not see the memory the strategy holds"
 
 
@@ -123,8 +127,14 @@ def _ranks_capped(directory: str) -> dict[str, object]:
     finally:
         resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
     state = engine.get_state_dict(model)
-    return {"losses": losses, "peak": peak, "grown": grown, "model_bytes": model_bytes, "whole": whole,
-            "state": state if engine.is_main_process else None}  # fmt: skip
+    return {
+        "losses": losses,
+        "peak": peak,
+        "grown": grown,
+        "model_bytes": model_bytes,
+        "whole": whole,
+        "state": state if engine.is_main_process else None,
+    }
 
 
 def test_zero3_with_disk_offload_trains_a_model_no_rank_could_hold(run_ranks, tmp_path):
@@ -141,7 +151,9 @@ def test_zero3_with_disk_offload_trains_a_model_no_rank_could_hold(run_ranks, tm
         optimizer.zero_grad()
         losses.append(loss.item())
     for r in results:
-        assert "can't allocate memory" in str(r["whole"]), f"the cap does not bind: building the model gave {r['whole']!r}"
+        assert "can't allocate memory" in str(r["whole"]), (
+            f"the cap does not bind: building the model gave {r['whole']!r}"
+        )
         assert r["peak"] < r["model_bytes"], f"a rank's peak ({r['peak']} B) reached the model's size"
         assert r["losses"] == pytest.approx(losses, abs=1e-5)
     state = results[0]["state"]

@@ -18,9 +18,21 @@ from phalanx.trainer.callbacks import EarlyStoppingCallback, TrainerCallback
 from phalanx.trainer.state import TrainerControl, TrainerState
 from phalanx.trainer.trainer import EvalPrediction, Trainer
 
-
 __all__ = [
-    "Engine", "spawn", "checkpoint", "DummyOptim", "DummyScheduler", "TrainingArguments", "Trainer", "EvalPrediction",
-    "TrainerCallback", "EarlyStoppingCallback", "TrainerState", "TrainerControl", "dispatch", "load_and_dispatch",
-    "init_empty_weights", "__version__",
+    "Engine",
+    "spawn",
+    "checkpoint",
+    "DummyOptim",
+    "DummyScheduler",
+    "TrainingArguments",
+    "Trainer",
+    "EvalPrediction",
+    "TrainerCallback",
+    "EarlyStoppingCallback",
+    "TrainerState",
+    "TrainerControl",
+    "dispatch",
+    "load_and_dispatch",
+    "init_empty_weights",
+    "__version__",
 ]

@@ -1,7 +1,7 @@
 """The built-in demo: a small byte-level GPT trained on the Python standard library's own source.
 
-    phalanx demo                                  # 2 processes on CPU (one per GPU where there are GPUs)
-    phalanx demo -n 1 -- --steps 100 --layers 2   # demo options go after --
+phalanx demo                                  # 2 processes on CPU (one per GPU where there are GPUs)
+phalanx demo -n 1 -- --steps 100 --layers 2   # demo options go after --
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ import os
 import sys
 import sysconfig
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +47,9 @@ class _Block(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd))
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        )
         self.n_head = cfg.n_head
         self.dropout = cfg.dropout
 
@@ -123,8 +126,12 @@ class _Head(nn.Module):
 
 @torch.no_grad()
 def generate(
-    model: Callable[[torch.Tensor], torch.Tensor], block_size: int, idx: torch.Tensor, new_tokens: int,
-    temperature: float = 0.8, top_k: int = 40,
+    model: Callable[[torch.Tensor], torch.Tensor],
+    block_size: int,
+    idx: torch.Tensor,
+    new_tokens: int,
+    temperature: float = 0.8,
+    top_k: int = 40,
 ) -> torch.Tensor:
     """Sample ``new_tokens`` bytes after ``idx`` from a model that maps byte ids to logits."""
     for _ in range(new_tokens):
@@ -203,8 +210,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-bytes", type=int, default=4_000_000, help="bytes of stdlib source to load")
     p.add_argument("--log-every", type=int, default=10, help="read the loss for the progress bar every N steps")
     p.add_argument("--metrics-jsonl", default=None, metavar="PATH", help="also append metrics to this JSONL file")
-    p.add_argument("--save-dir", default=None, metavar="DIR",
-                   help="save a checkpoint to DIR/step-N every --save-every steps and at the end (the last 2 are kept)")
+    p.add_argument(
+        "--save-dir",
+        default=None,
+        metavar="DIR",
+        help="save a checkpoint to DIR/step-N every --save-every steps and at the end (the last 2 are kept)",
+    )
     p.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
     p.add_argument("--resume", action="store_true", help="resume from the newest checkpoint in --save-dir, if any")
     return p
@@ -293,7 +304,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95),
+        lr=args.lr,
+        betas=(0.9, 0.95),
     )
     warmup = args.warmup if args.warmup is not None else max(1, min(100, args.steps // 10))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(args.steps, warmup))
@@ -302,7 +314,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if resumed_from is not None:
         engine.load_state(resumed_from)  # model, optimizer, schedule, loader position and RNG, on any world size
         if engine.global_step >= args.steps:
-            parser.error(f"{resumed_from} is at step {engine.global_step}, not before --steps {args.steps}: nothing to train")
+            parser.error(
+                f"{resumed_from} is at step {engine.global_step}, not before --steps {args.steps}: nothing to train"
+            )
 
     engine.print(
         f"phalanx demo: TinyGPT {format_count(n_params)} params ({args.layers} layers, {args.heads} heads, d_model "
@@ -416,21 +430,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"  strategy            {cfg.strategy}",
         f"  world size          {engine.world_size} ({engine.device.type}, {dp} data-parallel)",
         f"  precision           {cfg.precision}",
-        f"  steps               {steps_done}" + (f" of {accum} micro-batches" if accum > 1 else "")
+        f"  steps               {steps_done}"
+        + (f" of {accum} micro-batches" if accum > 1 else "")
         + (f" ({skipped} skipped: fp16 overflow)" if skipped else ""),
         f"  tokens              {format_count(meter.total_tokens)} in {train_time:.1f} s",
         f"  tokens/s (global)   {format_count(global_tps)}",
         "  peak memory per rank",
         *mem_lines,
         f"  final train loss    {train_loss:.4f}  (mean of the last {len(recent)} micro-batches, all ranks)",
-        f"  eval loss           " + (f"{eval_loss:.4f}  (held-out tail of the corpus)" if eval_loss is not None else "skipped"),
+        "  eval loss           "
+        + (f"{eval_loss:.4f}  (held-out tail of the corpus)" if eval_loss is not None else "skipped"),
     ]
     if sample:
-        lines += ["  sample (rank 0, prompt " + repr(args.prompt) + "):", *("    | " + s.rstrip() for s in sample.splitlines())]
+        lines += [
+            "  sample (rank 0, prompt " + repr(args.prompt) + "):",
+            *("    | " + s.rstrip() for s in sample.splitlines()),
+        ]
     engine.print("\n".join(lines), flush=True)
     metrics.log(
-        summary=True, strategy=cfg.strategy, world_size=engine.world_size, precision=cfg.precision, steps=steps_done,
-        tokens_per_s=global_tps, train_loss=train_loss, eval_loss=eval_loss, peak_memory=memory,
+        summary=True,
+        strategy=cfg.strategy,
+        world_size=engine.world_size,
+        precision=cfg.precision,
+        steps=steps_done,
+        tokens_per_s=global_tps,
+        train_loss=train_loss,
+        eval_loss=eval_loss,
+        peak_memory=memory,
     )
     metrics.close()
     engine.wait()  # rank 0 generated while the others waited here: leave together

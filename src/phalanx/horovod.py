@@ -6,5 +6,5 @@
 Run with ``phalanx launch -n 2 train.py``.
 """
 
-from phalanx.compat.horovod import *
+from phalanx.compat.horovod import *  # noqa: F403 - this module is the public name of compat/horovod
 from phalanx.compat.horovod import __all__ as __all__

@@ -46,9 +46,13 @@ _python_showwarning = warnings.showwarning
 
 
 def _showwarning_through_logger(
-    message: Warning | str, category: type[Warning], filename: str, lineno: int, file: TextIO | None = None,
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
     line: str | None = None,
-) -> None:  # fmt: skip
+) -> None:
     if file is not None:  # the caller chose where it goes
         _python_showwarning(message, category, filename, lineno, file, line)
         return

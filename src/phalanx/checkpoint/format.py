@@ -14,8 +14,9 @@ import re
 import shutil
 import threading
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -29,9 +30,19 @@ MANIFEST = "manifest.json"
 SHARD_NAME = re.compile(r"shard-\d{5}-of-\d{5}\.safetensors")
 DTYPES = {
     str(d).removeprefix("torch."): d
-    for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
-              torch.int8, torch.uint8, torch.bool)
-}  # fmt: skip
+    for d in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
 SAFETENSORS_DTYPE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64",
                       "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}  # fmt: skip
 
@@ -68,8 +79,16 @@ def write_shard(directory: Path, rank: int, world: int, entries: list[ShardEntry
             data = data.clone()  # one tensor given under two keys (zero's per-piece step): safetensors refuses aliases
         spans.add(span)
         tensors[tname] = data
-        described.append({"key": e.key, "name": tname, "shape": list(e.shape),
-                          "dtype": str(e.data.dtype).removeprefix("torch."), "start": e.start, "stop": e.stop})  # fmt: skip
+        described.append(
+            {
+                "key": e.key,
+                "name": tname,
+                "shape": list(e.shape),
+                "dtype": str(e.data.dtype).removeprefix("torch."),
+                "start": e.start,
+                "stop": e.stop,
+            }
+        )
     if on_device and torch.cuda.is_available():
         torch.cuda.synchronize()
     path = directory / name
@@ -189,8 +208,12 @@ def to_json(obj: Any, path: str, tensors: dict[str, torch.Tensor] | None) -> Any
     if isinstance(obj, dict):
         if all(isinstance(k, str) and not k.startswith("__") for k in obj):
             return {k: to_json(v, f"{path}/{k}", tensors) for k, v in obj.items()}
-        return {"__items__": [[to_json(k, f"{path}/key{i}", tensors), to_json(v, f"{path}/item{i}", tensors)]
-                              for i, (k, v) in enumerate(obj.items())]}  # fmt: skip
+        return {
+            "__items__": [
+                [to_json(k, f"{path}/key{i}", tensors), to_json(v, f"{path}/item{i}", tensors)]
+                for i, (k, v) in enumerate(obj.items())
+            ]
+        }
     if type(obj).__module__ == "numpy":
         if hasattr(obj, "shape") and obj.shape != ():
             return {"__ndarray__": to_json(torch.from_numpy(obj.copy()), path, tensors)}

@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -32,7 +33,9 @@ class SafetensorsReader:
     kept instead. ``kept`` holds tensors read from the model itself (its non-persistent buffers, which no file
     holds), so that loading leaves them as they are."""
 
-    def __init__(self, where: Path, files: dict[str, Path], names: dict[str, str], kept: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self, where: Path, files: dict[str, Path], names: dict[str, str], kept: dict[str, torch.Tensor]
+    ) -> None:
         self.where, self._files, self._names, self._kept = where, files, names, kept
         self._headers: dict[Path, tuple[dict[str, Any], int]] = {}
         self._fds: dict[Path, int] = {}
@@ -49,7 +52,9 @@ class SafetensorsReader:
         if info is None:
             raise CheckpointError(f"{path} has no tensor {file_key!r}, which its index places there")
         if info.get("dtype") not in _FROM_SAFETENSORS:
-            raise CheckpointError(f"{path}: tensor {file_key!r} has dtype {info.get('dtype')!r}, which phalanx does not read")
+            raise CheckpointError(
+                f"{path}: tensor {file_key!r} has dtype {info.get('dtype')!r}, which phalanx does not read"
+            )
         return path, info
 
     def shape(self, key: str) -> tuple[int, ...]:
@@ -83,7 +88,9 @@ class SafetensorsReader:
         size = out.element_size()
         begin, end = info["data_offsets"]
         if (end - begin) != math.prod(info["shape"]) * size or stop * size > end - begin:
-            raise CheckpointError(f"{path}: tensor {self._names[name]!r} is shorter than its shape says; the file is damaged")
+            raise CheckpointError(
+                f"{path}: tensor {self._names[name]!r} is shorter than its shape says; the file is damaged"
+            )
         base = self._headers[path][1]
         if path not in self._fds:
             self._fds[path] = os.open(path, os.O_RDONLY)
@@ -105,8 +112,10 @@ def _weight_files(path: Path) -> tuple[Path, dict[str, Path]]:
         header, _ = _read_header(path)
         return path, {k: path for k in header}
     if not path.is_dir():
-        raise CheckpointError(f"engine.load_model: {path} does not exist (give a phalanx checkpoint, a .safetensors file, "
-                              "or a directory that save_model or save_pretrained wrote)")  # fmt: skip
+        raise CheckpointError(
+            f"engine.load_model: {path} does not exist (give a phalanx checkpoint, a .safetensors file, "
+            "or a directory that save_model or save_pretrained wrote)"
+        )
     index = path / INDEX
     if index.is_file():
         try:
@@ -126,11 +135,13 @@ def _weight_files(path: Path) -> tuple[Path, dict[str, Path]]:
 
 
 def _refused(path: Path) -> str:
-    pickles = [p.name for p in ([path] if path.is_file() else path.iterdir()) if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
+    pickles = [
+        p.name for p in ([path] if path.is_file() else path.iterdir()) if p.suffix in (".bin", ".pt", ".pth", ".ckpt")
+    ]
     if pickles:
         return (
-            f"engine.load_model: {path} holds {', '.join(pickles[:3])}, a pickle (torch.save) format that phalanx never "
-            "loads, since unpickling can run arbitrary code. Convert it once where you trust it: "
+            f"engine.load_model: {path} holds {', '.join(pickles[:3])}, a pickle (torch.save) format that phalanx "
+            "never loads, since unpickling can run arbitrary code. Convert it once where you trust it: "
             "safetensors.torch.save_file(torch.load(f, weights_only=True), 'model.safetensors')"
         )
     return (
@@ -139,8 +150,9 @@ def _refused(path: Path) -> str:
     )
 
 
-def open_weights(path: str | os.PathLike[str], stored: dict[str, str], buffers: dict[str, torch.Tensor],
-                 persistent: set[str]) -> tuple[SafetensorsReader, list[str], list[str]]:  # fmt: skip
+def open_weights(
+    path: str | os.PathLike[str], stored: dict[str, str], buffers: dict[str, torch.Tensor], persistent: set[str]
+) -> tuple[SafetensorsReader, list[str], list[str]]:
     """A reader of the weights at ``path`` (not a phalanx checkpoint: the caller opens those) for a model whose
     ``stored`` maps each ``state_dict()`` key to its tensor's first name; ``buffers`` are the model's buffers by first
     name, ``persistent`` the first names that ``state_dict()`` holds. Returns the reader, the names the files lack
@@ -156,13 +168,14 @@ def open_weights(path: str | os.PathLike[str], stored: dict[str, str], buffers: 
     return SafetensorsReader(where, {k: files[k] for k in names.values()}, names, kept), missing, unexpected
 
 
-def load_weights(strategy: Any, model: torch.nn.Module, path: str | os.PathLike[str], model_index: int,
-                 device: torch.device) -> None:  # fmt: skip
+def load_weights(
+    strategy: Any, model: torch.nn.Module, path: str | os.PathLike[str], model_index: int, device: torch.device
+) -> None:
     """``engine.load_model``: check on every rank, then let the strategy read this rank's slices of the weights."""
     import torch.distributed as dist
 
-    from phalanx.checkpoint.state import agree
     from phalanx.checkpoint.read import Checkpoint
+    from phalanx.checkpoint.state import agree
     from phalanx.runtime.collective_log import watched
 
     error: str | None = None
@@ -186,15 +199,20 @@ def load_weights(strategy: Any, model: torch.nn.Module, path: str | os.PathLike[
             buffers = {n: b for n, b in module.named_buffers()}
             reader, missing, unexpected = open_weights(p, stored, buffers, set(stored.values()))
             closer = reader
-        problems = [f"{n}: not in the file" for n in missing] + [f"{k}: in the file, not in the model" for k in unexpected]
+        problems = [f"{n}: not in the file" for n in missing] + [
+            f"{k}: in the file, not in the model" for k in unexpected
+        ]
         available = set(reader.keys())
         problems += [
             f"{n}: shape {list(reader.shape('model/' + n))} in the file, {list(s)} in the model"
-            for n, s in wanted.items() if f"model/{n}" in available and tuple(reader.shape("model/" + n)) != tuple(s)
-        ]  # fmt: skip
+            for n, s in wanted.items()
+            if f"model/{n}" in available and tuple(reader.shape("model/" + n)) != tuple(s)
+        ]
         if problems:
-            error = (f"{p} does not match {type(strategy.unwrap_model(model)).__name__} ({len(problems)} difference(s)): "
-                     + "; ".join(problems[:6]))  # fmt: skip
+            error = (
+                f"{p} does not match {type(strategy.unwrap_model(model)).__name__} ({len(problems)} difference(s)): "
+                + "; ".join(problems[:6])
+            )
     except CheckpointError as e:
         error = str(e)
     except Exception as e:  # noqa: BLE001 - every rank must learn of it before anything is loaded

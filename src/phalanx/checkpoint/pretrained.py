@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from phalanx.checkpoint.state import agree
 from phalanx.checkpoint.format import save_model_file
+from phalanx.checkpoint.state import agree
 
 __all__ = ["write_model_dir", "is_transformers_model"]
 
@@ -31,9 +31,13 @@ def is_transformers_model(module: nn.Module) -> bool:
 
 
 def write_model_dir(
-    state: dict[str, torch.Tensor], module: nn.Module, directory: Path, metadata: dict[str, str] | None, is_main: bool,
+    state: dict[str, torch.Tensor],
+    module: nn.Module,
+    directory: Path,
+    metadata: dict[str, str] | None,
+    is_main: bool,
     device: torch.device,
-) -> Path:  # fmt: skip
+) -> Path:
     """Rank 0 writes ``state`` (the whole state dict, tied keys sharing one tensor as in ``module.state_dict()``) for
     ``module`` into ``directory``; every rank raises if that failed (call it on all). Returns the path of
     ``model.safetensors`` (transformers writes a model over its ``max_shard_size``, 50 GB by default in version 5, as
@@ -43,7 +47,8 @@ def write_model_dir(
         raise ValueError(
             f"engine.save_model(metadata={metadata!r}) with a transformers model: its save_pretrained writes the "
             "safetensors header itself ({'format': 'pt'}); drop metadata=, or, on every rank, state = "
-            "engine.get_state_dict(model), then on the main process safetensors.torch.save_file(state, path, metadata=...)"
+            "engine.get_state_dict(model), then on the main process "
+            "safetensors.torch.save_file(state, path, metadata=...)"
         )
     path = directory / "model.safetensors"
     error = None

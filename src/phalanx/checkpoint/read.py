@@ -12,16 +12,25 @@ import os
 import struct
 import time
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
 from phalanx._version import __version__
 from phalanx.checkpoint.format import (
-    DTYPES, FORMAT, MANIFEST, SAFETENSORS_DTYPE, SHARD_NAME, VERSION, CheckpointError, from_json,
-    model_key, saved_at,
-)  # fmt: skip
+    DTYPES,
+    FORMAT,
+    MANIFEST,
+    SAFETENSORS_DTYPE,
+    SHARD_NAME,
+    VERSION,
+    CheckpointError,
+    from_json,
+    model_key,
+    saved_at,
+)
 
 __all__ = ["Checkpoint", "latest_checkpoint"]
 
@@ -48,11 +57,14 @@ class Checkpoint:
         except ValueError as e:
             raise CheckpointError(f"{manifest} is not valid JSON ({e}); the checkpoint is damaged") from None
         if not isinstance(m, dict) or m.get("format") != FORMAT:
-            raise CheckpointError(f"{manifest} is not a phalanx checkpoint manifest (format {m.get('format') if isinstance(m, dict) else None!r})")
+            raise CheckpointError(
+                f"{manifest} is not a phalanx checkpoint manifest "
+                f"(format {m.get('format') if isinstance(m, dict) else None!r})"
+            )
         if m.get("version") != VERSION:
             raise CheckpointError(
-                f"{manifest} has format version {m.get('version')!r}; this phalanx ({_phalanx_version()}) reads version "
-                f"{VERSION} (load it with the phalanx version that wrote it, {m.get('phalanx_version')!r})"
+                f"{manifest} has format version {m.get('version')!r}; this phalanx ({_phalanx_version()}) reads "
+                f"version {VERSION} (load it with the phalanx version that wrote it, {m.get('phalanx_version')!r})"
             )
         self.manifest = m
         self._headers: list[tuple[dict[str, Any], int]] = []
@@ -62,7 +74,9 @@ class Checkpoint:
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, CheckpointError):
                 raise
-            raise CheckpointError(f"{manifest} is malformed ({type(e).__name__}: {e}); the checkpoint is damaged") from None
+            raise CheckpointError(
+                f"{manifest} is malformed ({type(e).__name__}: {e}); the checkpoint is damaged"
+            ) from None
 
     def _check_files(self) -> None:
         m = self.manifest
@@ -79,7 +93,9 @@ class Checkpoint:
             self._headers.append(_read_header(p))  # first: a pickle in a shard's place is named as such
             size = p.stat().st_size
             if size != f["bytes"]:
-                raise CheckpointError(f"{p} has {size} bytes, the manifest says {f['bytes']}: the file is truncated or was replaced")
+                raise CheckpointError(
+                    f"{p} has {size} bytes, the manifest says {f['bytes']}: the file is truncated or was replaced"
+                )
         self.tensors: dict[str, dict[str, Any]] = m["tensors"]
         for key, info in self.tensors.items():
             itemsize = torch.empty((), dtype=DTYPES[info["dtype"]]).element_size()
@@ -88,11 +104,15 @@ class Checkpoint:
                 entry = header.get(run["name"])
                 expect = (SAFETENSORS_DTYPE[info["dtype"]], (run["stop"] - run["start"]) * itemsize)
                 lo, hi = entry["data_offsets"] if entry is not None else (0, -1)
-                if entry is None or (entry.get("dtype"), hi - lo) != expect or base + hi > m["files"][run["file"]]["bytes"]:
+                if (
+                    entry is None
+                    or (entry.get("dtype"), hi - lo) != expect
+                    or base + hi > m["files"][run["file"]]["bytes"]
+                ):
                     raise CheckpointError(
-                        f"{self.files[run['file']]} does not hold {key} elements [{run['start']}, {run['stop']}) as the "
-                        f"manifest says (expected {expect[0]} x {expect[1]} bytes under {run['name']!r}, found {entry}); "
-                        "the file was replaced or the checkpoint is damaged"
+                        f"{self.files[run['file']]} does not hold {key} elements [{run['start']}, {run['stop']}) "
+                        f"as the manifest says (expected {expect[0]} x {expect[1]} bytes under {run['name']!r}, "
+                        f"found {entry}); the file was replaced or the checkpoint is damaged"
                     )
 
     # ------------------------------------------------------------------ checks
@@ -116,8 +136,8 @@ class Checkpoint:
                         crc = zlib.crc32(view[base + a : base + b])
                         if crc != s["crc32"]:
                             problems.append(
-                                f"{path}: checksum mismatch in {key} elements [{s['start']}, {s['stop']}) (crc32 {crc:08x}, "
-                                f"the manifest says {s['crc32']:08x}); the file is damaged"
+                                f"{path}: checksum mismatch in {key} elements [{s['start']}, {s['stop']}) "
+                                f"(crc32 {crc:08x}, the manifest says {s['crc32']:08x}); the file is damaged"
                             )
                 finally:
                     view.release()
@@ -148,7 +168,9 @@ class Checkpoint:
             out.copy_(self.read(key, start, stop))
             return
         if out.numel() != stop - start:
-            raise ValueError(f"read_into({key!r}, {start}, {stop}) needs {stop - start} elements; out has {out.numel()}")
+            raise ValueError(
+                f"read_into({key!r}, {start}, {stop}) needs {stop - start} elements; out has {out.numel()}"
+            )
         size = out.element_size()
         dst = memoryview(out.view(torch.uint8).numpy()) if out.numel() else memoryview(b"")  # type: ignore[arg-type]
         for run in self.tensors[key]["slices"]:
@@ -194,22 +216,34 @@ class Checkpoint:
         total = sum(f["bytes"] for f in m["files"])
         lines = [
             f"checkpoint {self.path}",
-            f"  format {m['format']} v{m['version']}, saved {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(m['saved_at']))} "
+            f"  format {m['format']} v{m['version']}, "
+            f"saved {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(m['saved_at']))} "
             f"by phalanx {m['phalanx_version']} (torch {m['torch_version']})",
-            f"  saved under strategy {m['strategy']} on world size {m['world_size']} (pp {m['pp_size']} x dp {m['dp_size']})",
+            f"  saved under strategy {m['strategy']} on world size {m['world_size']} "
+            f"(pp {m['pp_size']} x dp {m['dp_size']})",
             f"  counters: {', '.join(f'{k}={v}' for k, v in m['counters'].items()) or 'none'}",
             f"  files: {len(m['files'])} shard(s), {total / 2**20:.1f} MiB",
         ]
         for i, model in enumerate(m["models"]):
             shapes = self.model_shapes(i)
             params = sum(math.prod(s) for s in shapes.values())
-            lines.append(f"  model {i}: {model['class']}, {len(model['state_dict_keys'])} state_dict keys, {params:,} elements")
+            lines.append(
+                f"  model {i}: {model['class']}, {len(model['state_dict_keys'])} state_dict keys, {params:,} elements"
+            )
         for opt in m["optimizers"]:
             hyper = opt["param_groups"][0] if opt["param_groups"] else {}
-            shown = ", ".join(f"{k}={from_json(v, None)}" for k, v in hyper.items() if k in ("lr", "weight_decay", "momentum", "betas"))
-            lines.append(f"  optimizer: {opt['class']}, {len(opt['param_groups'])} param group(s); the first has {shown}")
+            shown = ", ".join(
+                f"{k}={from_json(v, None)}"
+                for k, v in hyper.items()
+                if k in ("lr", "weight_decay", "momentum", "betas")
+            )
+            lines.append(
+                f"  optimizer: {opt['class']}, {len(opt['param_groups'])} param group(s); the first has {shown}"
+            )
         lines += [f"  scheduler {i}: last_epoch={s.get('last_epoch')}" for i, s in enumerate(m["schedulers"])]
-        lines += [f"  loader {i}: epoch {s['epoch']}, {s['samples_done']} samples into it" for i, s in enumerate(m["loaders"])]
+        lines += [
+            f"  loader {i}: epoch {s['epoch']}, {s['samples_done']} samples into it" for i, s in enumerate(m["loaders"])
+        ]
         lines += [f"  registered object {i}: {o['class']}" for i, o in enumerate(m["objects"])]
         if tensors:
             lines.append("  tensors:")
@@ -228,7 +262,7 @@ class _Reader:
         for key in ck.tensors:
             for kind, prefix in self.prefixes.items():
                 if key.startswith(prefix):
-                    self._keys[f"{kind}/{key[len(prefix):]}"] = key
+                    self._keys[f"{kind}/{key[len(prefix) :]}"] = key
 
     def keys(self) -> Iterable[str]:
         return self._keys.keys()
@@ -251,7 +285,9 @@ def _pread_exactly(fd: int, dst: memoryview, offset: int) -> None:
     while done < len(dst):
         n = os.preadv(fd, [dst[done:]], offset + done)
         if n <= 0:
-            raise CheckpointError(f"a checkpoint file ended {len(dst) - done} bytes early (read at offset {offset + done})")
+            raise CheckpointError(
+                f"a checkpoint file ended {len(dst) - done} bytes early (read at offset {offset + done})"
+            )
         done += n
 
 
@@ -292,13 +328,22 @@ def _not_a_checkpoint(path: Path) -> str:
         old = path.parent / f".{path.name}.old"
         partial = path.parent / f".{path.name}.partial"
         if (old / MANIFEST).exists():
-            return f"no checkpoint at {path}; a save there was interrupted and the previous checkpoint is at {old} (rename it back)"
+            return (
+                f"no checkpoint at {path}; a save there was interrupted and the previous checkpoint is at {old} "
+                "(rename it back)"
+            )
         if partial.exists():
-            return f"no checkpoint at {path}: a save there did not finish ({partial} is its incomplete staging directory)"
+            return (
+                f"no checkpoint at {path}: a save there did not finish ({partial} is its incomplete staging directory)"
+            )
         return f"no checkpoint at {path}: the directory does not exist"
     inner = sorted(d.name for d in path.iterdir() if (d / MANIFEST).is_file()) if path.is_dir() else []
-    hint = (f"; it holds checkpoints {', '.join(inner[:5])}: pass one of them, or phalanx.checkpoint.latest_checkpoint({str(path)!r})"
-            if inner else "")  # fmt: skip
+    hint = (
+        f"; it holds checkpoints {', '.join(inner[:5])}: pass one of them, or "
+        f"phalanx.checkpoint.latest_checkpoint({str(path)!r})"
+        if inner
+        else ""
+    )
     return f"{path} is not a phalanx checkpoint (it has no {MANIFEST}){hint}"
 
 

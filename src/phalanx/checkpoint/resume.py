@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from phalanx.checkpoint.format import MANIFEST
 from phalanx.checkpoint.read import latest_checkpoint
@@ -59,7 +59,9 @@ class Resumer:
         if latest is None:
             self.done = True
             if rank == 0:
-                get_logger().info(f"resume_from={self.directory} holds no checkpoint yet: training starts from the beginning")
+                get_logger().info(
+                    f"resume_from={self.directory} holds no checkpoint yet: training starts from the beginning"
+                )
             return
         manifest = json.loads((latest / MANIFEST).read_text())
         self.pending, self.saved = latest, {key: len(manifest[key]) for _, key in _KINDS}
@@ -75,8 +77,9 @@ class Resumer:
         return all(prepared[key] >= n for key, n in self.saved.items())
 
     def missing(self, prepared: dict[str, int]) -> str:
-        return ", ".join(f"{n - prepared[key]} more {kind}(s)" for kind, key in _KINDS
-                         if prepared[key] < (n := self.saved[key]))  # fmt: skip
+        return ", ".join(
+            f"{n - prepared[key]} more {kind}(s)" for kind, key in _KINDS if prepared[key] < (n := self.saved[key])
+        )
 
     def loaded(self, rank: int, world: int, global_step: int) -> None:
         """Say what was resumed (rank 0) and append it to the record that ``phalanx launch`` reads."""
@@ -87,11 +90,16 @@ class Resumer:
         manifest = json.loads((path / MANIFEST).read_text())
         now = time.time()
         line = {
-            "launch": os.environ.get(ENV_LAUNCH_ID), "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-            "checkpoint": path.name, "global_step": global_step, "saved_world_size": manifest["world_size"],
-            "world_size": world, "checkpoint_age_s": round(now - manifest["saved_at"], 2),
-            "startup_s": round(now - self.started, 2), "at": now,
-        }  # fmt: skip
+            "launch": os.environ.get(ENV_LAUNCH_ID),
+            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            "checkpoint": path.name,
+            "global_step": global_step,
+            "saved_world_size": manifest["world_size"],
+            "world_size": world,
+            "checkpoint_age_s": round(now - manifest["saved_at"], 2),
+            "startup_s": round(now - self.started, 2),
+            "at": now,
+        }
         get_logger().info(
             f"resume_from={self.directory}: resumed from {path.name} (global step {global_step}, saved "
             f"{line['checkpoint_age_s']:.1f} s ago on {manifest['world_size']} rank(s); now {world})"
@@ -120,12 +128,14 @@ def restart_summary(directory: str, launch_id: str, max_restarts: int) -> str | 
         return None
     parts = [
         f"restart {r['restart']} resumed from {r['checkpoint']} (global step {r['global_step']}) on {r['world_size']} "
-        f"rank(s), {r['startup_s']:.1f} s after its processes started; the checkpoint was {r['checkpoint_age_s']:.1f} s "
-        "old, so at most that much work was lost and done again"
+        f"rank(s), {r['startup_s']:.1f} s after its processes started; the checkpoint was "
+        f"{r['checkpoint_age_s']:.1f} s old, so at most that much work was lost and done again"
         for r in mine
     ]
     n = len(mine)
-    return f"phalanx launch: {n} restart{'s' if n > 1 else ''} (--max-restarts {max_restarts}): " + "; ".join(parts) + "."
+    return (
+        f"phalanx launch: {n} restart{'s' if n > 1 else ''} (--max-restarts {max_restarts}): " + "; ".join(parts) + "."
+    )
 
 
 def check_trainer_resume_dir(resume_from: str | None, output_dir: str) -> None:

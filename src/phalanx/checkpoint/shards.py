@@ -9,7 +9,8 @@ these types: both import them from here.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, NamedTuple, Protocol
+from collections.abc import Iterable
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -138,7 +139,9 @@ def load_whole_tensors(model: nn.Module, reader: StateReader, skip: set[Any] | N
         if key not in available:
             problems.append(f"{name}: not in the checkpoint")
         elif tuple(reader.shape(key)) != tuple(t.shape):
-            problems.append(f"{name}: shape {tuple(reader.shape(key))} in the checkpoint, {tuple(t.shape)} in the model")
+            problems.append(
+                f"{name}: shape {tuple(reader.shape(key))} in the checkpoint, {tuple(t.shape)} in the model"
+            )
     if problems:
         raise ValueError("the checkpoint does not match the model: " + "; ".join(problems[:5]))
     with torch.no_grad():

@@ -20,9 +20,9 @@ its file and rank 0 the manifest; a crash at any point leaves the previous check
 what they wrote as JSON bytes over the process group, never pickled.
 
 Loading never unpickles and never runs code: the manifest is JSON, and tensor files are read by the offsets in their
-own safetensors headers (a file that starts like a pickle or a ``torch.save`` zip is refused by its first bytes). Every check (format
-version, each file present with its size, every checksum, names and shapes against the model, the number of
-optimizers, schedulers, loaders and registered objects) passes on every rank before the first tensor is
+own safetensors headers (a file that starts like a pickle or a ``torch.save`` zip is refused by its first bytes). Every
+check (format version, each file present with its size, every checksum, names and shapes against the model, the
+number of optimizers, schedulers, loaders and registered objects) passes on every rank before the first tensor is
 copied: a checkpoint loads whole or not at all. Each rank reads only the runs that overlap its own shard.
 
 The file format itself (writing, reading, the JSON encoding of state) is in ``checkpoint_io.py``.
@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx.runtime.collective_log import watched
+from phalanx._version import __version__
 from phalanx.checkpoint.format import (
     FORMAT,
     MANIFEST,
@@ -61,10 +61,10 @@ from phalanx.checkpoint.format import (
     write_json_durably,
     write_shard,
 )
-from phalanx._version import __version__
 from phalanx.checkpoint.read import Checkpoint, latest_checkpoint
-from phalanx.runtime.comm import all_gather_bytes
 from phalanx.checkpoint.shards import ShardEntry
+from phalanx.runtime.collective_log import watched
+from phalanx.runtime.comm import all_gather_bytes
 from phalanx.runtime.topology import Topology
 
 if TYPE_CHECKING:
@@ -100,9 +100,13 @@ class TrainingParts:
 
 # ------------------------------------------------------------------------------------------------ save
 def save_checkpoint(
-    path: str | os.PathLike[str], parts: TrainingParts, strategy: Strategy, topology: Topology,
-    device: torch.device, keep_last: int | None = None,
-) -> Path:  # fmt: skip
+    path: str | os.PathLike[str],
+    parts: TrainingParts,
+    strategy: Strategy,
+    topology: Topology,
+    device: torch.device,
+    keep_last: int | None = None,
+) -> Path:
     """Write a checkpoint of ``parts`` to ``path``. A collective: every rank calls it, and every rank returns once
     the checkpoint is complete at ``path`` (or raises the same error)."""
     if keep_last is not None and keep_last < 1:
@@ -144,9 +148,10 @@ def save_checkpoint(
         rng = _rng_state(device)
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others would wait forever
         error = f"{type(e).__name__}: {e}"
-    reports = [json.loads(b) for b in all_gather_bytes(
-        json.dumps({"error": error, "file": written, "rng": rng}).encode(), device
-    )]  # fmt: skip
+    reports = [
+        json.loads(b)
+        for b in all_gather_bytes(json.dumps({"error": error, "file": written, "rng": rng}).encode(), device)
+    ]
     failed = [f"rank {r}: {rep['error']}" for r, rep in enumerate(reports) if rep["error"]]
     if failed:
         if rank == 0:
@@ -170,12 +175,16 @@ def save_checkpoint(
 
 def _refuse_nonfinite(entries: list[ShardEntry], target: Path) -> None:
     """A checkpoint is never written from weights or optimizer state holding a NaN or inf."""
-    bad = [e.key for e in entries if e.data.is_floating_point() and e.data.numel() and not bool(torch.isfinite(e.data).all())]
+    bad = [
+        e.key
+        for e in entries
+        if e.data.is_floating_point() and e.data.numel() and not bool(torch.isfinite(e.data).all())
+    ]
     if bad:
         raise CheckpointError(
-            f"non-finite values (NaN or inf) in {', '.join(bad[:5])}{' and more' if len(bad) > 5 else ''}: a checkpoint "
-            f"is never written from non-finite state, so {target} was left as it was. Training stepped into a NaN "
-            "(on_nonfinite='raise', the default, stops it at that step instead; was it set to 'ignore'?)"
+            f"non-finite values (NaN or inf) in {', '.join(bad[:5])}{' and more' if len(bad) > 5 else ''}: "
+            f"a checkpoint is never written from non-finite state, so {target} was left as it was. Training stepped "
+            "into a NaN (on_nonfinite='raise', the default, stops it at that step instead; was it set to 'ignore'?)"
         )
 
 
@@ -216,7 +225,9 @@ def _global_state(parts: TrainingParts, strategy: Strategy, tensors: dict[str, t
     }
 
 
-def _manifest(state: dict[str, Any], reports: list[dict[str, Any]], strategy: Strategy, topology: Topology) -> dict[str, Any]:
+def _manifest(
+    state: dict[str, Any], reports: list[dict[str, Any]], strategy: Strategy, topology: Topology
+) -> dict[str, Any]:
     files: list[dict[str, Any]] = []
     tensors: dict[str, dict[str, Any]] = {}
     for rank, rep in enumerate(reports):
@@ -228,7 +239,9 @@ def _manifest(state: dict[str, Any], reports: list[dict[str, Any]], strategy: St
         for t in f["tensors"]:
             info = tensors.setdefault(t["key"], {"shape": t["shape"], "dtype": t["dtype"], "slices": []})
             assert info["shape"] == t["shape"] and info["dtype"] == t["dtype"], (t, info)
-            info["slices"].append({"file": index, "name": t["name"], "start": t["start"], "stop": t["stop"], "crc32": t["crc32"]})
+            info["slices"].append(
+                {"file": index, "name": t["name"], "start": t["start"], "stop": t["stop"], "crc32": t["crc32"]}
+            )
     for key, info in tensors.items():
         info["slices"].sort(key=lambda s: s["start"])
         covered = 0
@@ -323,9 +336,13 @@ def _unb64(s: str) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------ load
 def load_checkpoint(
-    path: str | os.PathLike[str], parts: TrainingParts, strategy: Strategy, topology: Topology,
-    device: torch.device, verify: bool = True,
-) -> dict[str, int]:  # fmt: skip
+    path: str | os.PathLike[str],
+    parts: TrainingParts,
+    strategy: Strategy,
+    topology: Topology,
+    device: torch.device,
+    verify: bool = True,
+) -> dict[str, int]:
     """Load ``path`` into ``parts``: all checks first, on every rank, then the tensors. Returns the counters."""
     error, ck = None, None
     try:
@@ -397,8 +414,11 @@ def _compatibility(ck: Checkpoint, parts: TrainingParts, strategy: Strategy) -> 
         saved, now = ck.model_shapes(i), strategy.state_shapes(model)
         diffs = [f"{k}: missing from the checkpoint" for k in now if k not in saved]
         diffs += [f"{k}: in the checkpoint, not in the model" for k in saved if k not in now]
-        diffs += [f"{k}: shape {list(saved[k])} in the checkpoint, {list(now[k])} in the model"
-                  for k in now if k in saved and tuple(saved[k]) != tuple(now[k])]  # fmt: skip
+        diffs += [
+            f"{k}: shape {list(saved[k])} in the checkpoint, {list(now[k])} in the model"
+            for k in now
+            if k in saved and tuple(saved[k]) != tuple(now[k])
+        ]
         if diffs:
             problems.append(
                 f"model {i} ({type(strategy.unwrap_model(model)).__name__}) does not match {where} "
@@ -413,7 +433,7 @@ def _compatibility(ck: Checkpoint, parts: TrainingParts, strategy: Strategy) -> 
             problems.append(f"optimizer {j} is {type(opt).__name__}; {where} holds the state of a {saved_opt['class']}")
         elif len(opt.param_groups) != len(saved_opt["param_groups"]):
             problems.append(
-                f"optimizer {j} has {len(opt.param_groups)} param group(s); {where} holds {len(saved_opt['param_groups'])}"
+                f"optimizer {j} has {len(opt.param_groups)} param group(s); "
+                f"{where} holds {len(saved_opt['param_groups'])}"
             )
     return problems
-

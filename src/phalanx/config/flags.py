@@ -19,12 +19,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phalanx.config.dialects.flags import (
-    CONFIG_FILE, DIALECT_FLAGS, NO_SETTING, TOTAL_PROCESSES, USE_DEEPSPEED, DialectFlag,
-)  # fmt: skip
+    CONFIG_FILE,
+    DIALECT_FLAGS,
+    NO_SETTING,
+    TOTAL_PROCESSES,
+    USE_DEEPSPEED,
+    DialectFlag,
+)
 from phalanx.config.dialects.names import strategy_from_zero_stage
-from phalanx.config.settings import ConfigError, GeneralOptions, LaunchConfig, PhalanxConfig, engine_fields, resolve_config
 from phalanx.config.general import PRECISIONS
 from phalanx.config.registry import accepting, strategy_names, strategy_summaries
+from phalanx.config.settings import (
+    ConfigError,
+    GeneralOptions,
+    LaunchConfig,
+    PhalanxConfig,
+    engine_fields,
+    resolve_config,
+)
 
 __all__ = ["add_engine_flags", "add_launch_flags", "add_dialect_flags", "resolve_flags", "flag_spellings"]
 

@@ -10,8 +10,9 @@ same fields, docs and choices.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from phalanx.config.settings import EngineConfig
@@ -74,6 +75,6 @@ class Options:
         out = []
         for f in dataclasses.fields(self):
             value, is_set = getattr(self, f.name), f.metadata.get("is_set")
-            if (is_set(value) if is_set is not None else value != f.default):
+            if is_set(value) if is_set is not None else value != f.default:
                 out.append(f.name)
         return out

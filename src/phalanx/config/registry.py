@@ -12,16 +12,26 @@ import importlib
 from typing import TYPE_CHECKING, NamedTuple
 
 from phalanx.config.options import Options
-from phalanx.config.strategy_options import DataParallelOptions
-from phalanx.config.strategy_options import PipelineOptions
-from phalanx.config.strategy_options import Zero3Options, ZeroOptions, ZeroShardOptions
+from phalanx.config.strategy_options import (
+    DataParallelOptions,
+    PipelineOptions,
+    Zero3Options,
+    ZeroOptions,
+    ZeroShardOptions,
+)
 
 if TYPE_CHECKING:
     from phalanx.config.settings import EngineConfig
     from phalanx.strategies.base import Strategy
 
 __all__ = [
-    "strategy_names", "get_strategy_class", "option_groups", "accepting", "accepts", "pipeline_stages", "DEFAULT_STRATEGY",
+    "strategy_names",
+    "get_strategy_class",
+    "option_groups",
+    "accepting",
+    "accepts",
+    "pipeline_stages",
+    "DEFAULT_STRATEGY",
 ]
 
 
@@ -50,7 +60,8 @@ _REGISTRY: dict[str, _Entry] = {
         "optimizer state, gradients and parameters sharded; units gathered around their forward and backward",
     ),
     "pipeline": _Entry(
-        "phalanx.strategies.pipeline.strategy:PipelineStrategy", (DataParallelOptions, PipelineOptions, ZeroShardOptions),
+        "phalanx.strategies.pipeline.strategy:PipelineStrategy",
+        (DataParallelOptions, PipelineOptions, ZeroShardOptions),
         "the model split into stages over ranks, micro-batches pushed through by GPipe or 1F1B",
     ),
 }  # fmt: skip

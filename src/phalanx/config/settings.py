@@ -17,13 +17,13 @@ import json
 import os
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
-from phalanx.config.general import GeneralOptions
+from phalanx.config.general import PRECISIONS, GeneralOptions
 from phalanx.config.options import ConfigError, Options
-from phalanx.config.general import PRECISIONS
 from phalanx.config.registry import accepting, accepts, option_groups, pipeline_stages, strategy_names
 
 __all__ = ["ConfigError", "EngineConfig", "LaunchConfig", "PhalanxConfig", "resolve_config", "ENV_CONFIG_JSON"]
@@ -103,8 +103,8 @@ class EngineConfig(GeneralOptions):
             for f in dataclasses.fields(GeneralOptions):
                 if f.name.startswith("loss_scale") and getattr(self, f.name) != f.default:
                     raise ConfigError(
-                        f"{f.name}={getattr(self, f.name)!r} applies to precision='fp16-mixed' only (loss scaling); got "
-                        f"precision={self.precision!r} (use fp16-mixed, or leave it unset)"
+                        f"{f.name}={getattr(self, f.name)!r} applies to precision='fp16-mixed' only (loss scaling); "
+                        f"got precision={self.precision!r} (use fp16-mixed, or leave it unset)"
                     )
         for group in self._groups.values():
             group.check_fields()
@@ -156,15 +156,24 @@ class LaunchConfig:
             self.node_rank,
             f"node ranks run from 0 to nnodes-1={self.nnodes - 1}",
         )
-        _require(0 <= self.master_port <= 65535, "master_port", self.master_port, "use a port in 1..65535, or 0 for a free one")
+        _require(
+            0 <= self.master_port <= 65535,
+            "master_port",
+            self.master_port,
+            "use a port in 1..65535, or 0 for a free one",
+        )
         _require(self.max_restarts >= 0, "max_restarts", self.max_restarts, "use 0 or more")
         if self.min_nodes is not None:
-            _require(1 <= self.min_nodes <= self.nnodes, "nnodes MIN:MAX", f"{self.min_nodes}:{self.nnodes}",
-                     "use 1 <= MIN <= MAX")  # fmt: skip
+            _require(
+                1 <= self.min_nodes <= self.nnodes,
+                "nnodes MIN:MAX",
+                f"{self.min_nodes}:{self.nnodes}",
+                "use 1 <= MIN <= MAX",
+            )
             if self.rdzv_endpoint is None and self.min_nodes < self.nnodes:
                 raise ConfigError(
-                    f"nnodes={self.min_nodes}:{self.nnodes} is elastic and needs a c10d rendezvous that nodes can leave "
-                    "and join: pass --rdzv-endpoint HOST:PORT (the same on every node), or a fixed --nnodes"
+                    f"nnodes={self.min_nodes}:{self.nnodes} is elastic and needs a c10d rendezvous that nodes can "
+                    "leave and join: pass --rdzv-endpoint HOST:PORT (the same on every node), or a fixed --nnodes"
                 )
         if self.nnodes > 1 and self.master_port == 0 and self.rdzv_endpoint is None:
             raise ConfigError(
@@ -328,9 +337,9 @@ def resolve_config(
             )
         if where == "argument" and key in values and values[key] != coerced:
             out.overrides.append(
-                f"Engine({key}={coerced!r}) in the script overrides {key}={values[key]!r} from {_source(origins[key])}; "
-                f"the run uses {coerced!r}. Say it in one place: drop the argument from Engine(...), or the setting "
-                "from the launcher, file or environment"
+                f"Engine({key}={coerced!r}) in the script overrides {key}={values[key]!r} "
+                f"from {_source(origins[key])}; the run uses {coerced!r}. Say it in one place: drop the argument "
+                "from Engine(...), or the setting from the launcher, file or environment"
             )
         values[key] = coerced
         origins[key] = where
@@ -339,8 +348,11 @@ def resolve_config(
 
     def put_mapped(mapped: Any, path: str, where: str) -> None:
         for key, value, source in mapped.values:
-            origin = f"{path} ({mapped.dialect} {source})" if where in (path, str(path)) else \
-                f"{path} ({mapped.dialect} {source}, named by {_source(where)})"  # fmt: skip
+            origin = (
+                f"{path} ({mapped.dialect} {source})"
+                if where in (path, str(path))
+                else f"{path} ({mapped.dialect} {source}, named by {_source(where)})"
+            )
             put(key, value, origin, expand=False)
             from_foreign[key] = (values[key], origin)
         out.ignored.extend((f"{path}: {k}", why) for k, why in mapped.ignored)
@@ -377,7 +389,7 @@ def resolve_config(
         from_foreign.clear()
     for var, text in ({} if handed_down else env).items():
         if var.startswith(_ENV_PREFIX) and var not in _ENV_NOT_FIELDS:
-            name = var[len(_ENV_PREFIX):].lower()
+            name = var[len(_ENV_PREFIX) :].lower()
             if name in engine_types:
                 put(name, text, f"env {var}")
     layer = {"deepspeed": str(deepspeed)} if deepspeed is not None else {}
@@ -389,8 +401,11 @@ def resolve_config(
     if out.engine.global_batch_size is not None or out.engine.micro_batch_size is not None:
         from phalanx.config.dialects.batch import apply_batch_rule
 
-        world = int(env["WORLD_SIZE"]) if "WORLD_SIZE" in env else \
-            int(values.get("launch.nproc_per_node", 1)) * int(values.get("launch.nnodes", 1))  # fmt: skip
+        world = (
+            int(env["WORLD_SIZE"])
+            if "WORLD_SIZE" in env
+            else int(values.get("launch.nproc_per_node", 1)) * int(values.get("launch.nnodes", 1))
+        )
         pp = pipeline_stages(out.engine, world)
         apply_batch_rule(values, origins, world, pp)
         out.engine = EngineConfig(**{k: v for k, v in values.items() if "." not in k})

@@ -18,8 +18,16 @@ if TYPE_CHECKING:
     from phalanx.config.settings import EngineConfig
 
 __all__ = [
-    "DataParallelOptions", "ZeroShardOptions", "ZeroOptions", "Zero3Options", "PipelineOptions", "COMM_DTYPES",
-    "COLLECTIVES", "OFFLOAD", "SCHEDULES", "parse_partition",
+    "DataParallelOptions",
+    "ZeroShardOptions",
+    "ZeroOptions",
+    "Zero3Options",
+    "PipelineOptions",
+    "COMM_DTYPES",
+    "COLLECTIVES",
+    "OFFLOAD",
+    "SCHEDULES",
+    "parse_partition",
 ]
 
 
@@ -36,7 +44,8 @@ class DataParallelOptions(Options):
         fix="use a positive size such as 25",
     )
     broadcast_buffers: bool = option(
-        True, "Broadcast module buffers (e.g. BatchNorm statistics) from the first replica before each training forward."
+        True,
+        "Broadcast module buffers (e.g. BatchNorm statistics) from the first replica before each training forward.",
     )
     find_unused_parameters: bool = option(
         False, "Allow trainable parameters that get no gradient in a backward (they are reduced as zeros)."
@@ -77,7 +86,9 @@ class ZeroOptions(Options):
         choices=OFFLOAD,
         elsewhere="{key}={value!r} needs a zero strategy (zero1, zero2 or zero3); got strategy={strategy!r}",
     )
-    offload_dir: str | None = option(None, "Directory for offload: disk (like DeepSpeed's nvme_path); it must be writable.")
+    offload_dir: str | None = option(
+        None, "Directory for offload: disk (like DeepSpeed's nvme_path); it must be writable."
+    )
     offload_chunk_mb: float = option(
         64.0,
         "offload: disk steps the optimizer this many MiB of parameters at a time, so one chunk of state is resident.",
@@ -103,7 +114,9 @@ class Zero3Options(Options):
         "Comma-separated module class names gathered as one unit (like Accelerate's "
         "fsdp_transformer_layer_cls_to_wrap); default: each child module with parameters.",
     )
-    zero3_prefetch: bool = option(True, "All-gather the next unit while the current one computes (forward and backward).")
+    zero3_prefetch: bool = option(
+        True, "All-gather the next unit while the current one computes (forward and backward)."
+    )
 
 
 # ------------------------------------------------------------ pipeline
@@ -122,7 +135,8 @@ def parse_partition(spec: str) -> str | list[int]:
         ) from None
     if not cuts or any(b <= a for a, b in zip(cuts, cuts[1:])) or cuts[0] <= 0:
         raise ValueError(
-            f"pp_partition cut points must be positive and increasing (the first block of stage 1, 2, ...); got {spec!r}"
+            "pp_partition cut points must be positive and increasing (the first block of stage 1, 2, ...); "
+            f"got {spec!r}"
         )
     return cuts
 
@@ -139,7 +153,8 @@ class PipelineOptions(Options):
 
     pp_size: int | None = option(
         None,
-        "Pipeline stages; the data-parallel size is world_size / pp_size. Default: the world size (one stage per rank).",
+        "Pipeline stages; the data-parallel size is world_size / pp_size. "
+        "Default: the world size (one stage per rank).",
         check=lambda v: v >= 1,
         fix="use 1 for no pipeline",
         is_set=lambda v: v is not None and v > 1,
@@ -161,7 +176,7 @@ class PipelineOptions(Options):
     pp_partition: str = option(
         "parameters",
         "How blocks are split into stages: parameters (balanced parameter counts), uniform (balanced block counts), "
-        "time (balanced forward+backward time, measured at the first step), or cut points such as \"3,6\" (stage 1 "
+        'time (balanced forward+backward time, measured at the first step), or cut points such as "3,6" (stage 1 '
         "starts at block 3, stage 2 at block 6).",
     )
     pp_zero_stage: int = option(
@@ -186,8 +201,8 @@ class PipelineOptions(Options):
             raise ConfigError(
                 f"grad_accum_steps={config.grad_accum_steps} does not apply to strategy='pipeline': its micro-batches "
                 "already accumulate gradients within each engine.train_step (set pp_microbatches instead, e.g. "
-                f"pp_microbatches={config.grad_accum_steps * (self.pp_microbatches or 1)}, with a batch that many times "
-                "larger)"
+                f"pp_microbatches={config.grad_accum_steps * (self.pp_microbatches or 1)}, with a batch that many "
+                "times larger)"
             )
         if self.pp_zero_stage == 0:
             shard = config.options(ZeroShardOptions)

@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator, Mapping
 from numbers import Number
 from pathlib import Path
-from typing import IO, Any, Iterator, Mapping
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
 
-from phalanx.runtime.collective_log import watched
 from phalanx.checkpoint.format import save_model_file
-from phalanx.runtime.comm import REDUCE_OPS, all_gather_varlen, all_reduce
 from phalanx.engine.data import ActiveLoaders
+from phalanx.runtime.collective_log import watched
+from phalanx.runtime.comm import REDUCE_OPS, all_gather_varlen, all_reduce
 from phalanx.runtime.topology import Topology
 
 __all__ = ["gather", "gather_for_metrics", "reduce_copy", "barrier", "first_then_rest", "share", "save_object"]
@@ -64,9 +65,7 @@ def gather_for_metrics(data: Any, device: torch.device, topology: Topology, load
         watched(dist.all_gather_object, parts, data, group=topology.dp_group)
         flat = [x for part in parts for x in part]
         return flat[: loaders.trim(len(flat))]
-    raise TypeError(
-        f"gather_for_metrics takes tensors, or lists, tuples and dicts of them; got {type(data).__name__}"
-    )
+    raise TypeError(f"gather_for_metrics takes tensors, or lists, tuples and dicts of them; got {type(data).__name__}")
 
 
 def reduce_copy(tensor: torch.Tensor | Number, op: str, device: torch.device, group: Any) -> torch.Tensor:
@@ -99,7 +98,9 @@ def first_then_rest(leads: bool) -> Iterator[None]:
             barrier()
 
 
-def save_object(obj: Any, f: str | os.PathLike[str] | IO[bytes], safe_serialization: bool | None, is_main: bool) -> None:
+def save_object(
+    obj: Any, f: str | os.PathLike[str] | IO[bytes], safe_serialization: bool | None, is_main: bool
+) -> None:
     """Accelerate's ``save``: safetensors for a dict of tensors to a ``.safetensors`` name (or when asked), else
     ``torch.save``; written by the main process, checked on every process."""
     is_path = isinstance(f, (str, os.PathLike))
@@ -113,7 +114,9 @@ def save_object(obj: Any, f: str | os.PathLike[str] | IO[bytes], safe_serializat
     if use_safetensors:
         if not is_path:
             raise TypeError(f"safetensors writes to a path; engine.save got a {type(f).__name__} (pass a file name)")
-        if not (isinstance(obj, Mapping) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())):
+        if not (
+            isinstance(obj, Mapping) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
+        ):
             raise TypeError(
                 f"safetensors holds a dict of str -> tensor; engine.save got a {type(obj).__name__} for "
                 f"{os.fspath(f)!r}{_first_odd_item(obj)} (save it to a name ending in .pt for torch.save, or "  # type: ignore[arg-type]
@@ -141,11 +144,15 @@ def share(inputs: Any, rank: int, world: int, pad: bool) -> Any:
     if isinstance(inputs, dict):
         lengths = {len(v) for v in inputs.values()}
         if len(lengths) > 1:
-            raise ValueError(f"split_between_processes got a dict whose values differ in length ({sorted(lengths)}): "
-                             "every value must have one entry per item")
+            raise ValueError(
+                f"split_between_processes got a dict whose values differ in length ({sorted(lengths)}): "
+                "every value must have one entry per item"
+            )
         return {k: share(v, rank, world, pad) for k, v in inputs.items()}
     if not hasattr(inputs, "__len__") or not hasattr(inputs, "__getitem__"):
-        raise TypeError(f"split_between_processes needs a list, tuple, tensor or dict of them; got {type(inputs).__name__}")
+        raise TypeError(
+            f"split_between_processes needs a list, tuple, tensor or dict of them; got {type(inputs).__name__}"
+        )
     n = len(inputs)
     per, extra = divmod(n, world)
     start = rank * per + min(rank, extra)

@@ -13,9 +13,9 @@ the order so that every rank gets the same number of samples (no rank starves, n
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
@@ -282,4 +282,3 @@ class PreparedDataLoader(DataLoader):
         sampler.seed = int(state["seed"])
         sampler.start_batch = state["samples_done"] // g
         self._batches_done = sampler.start_batch
-

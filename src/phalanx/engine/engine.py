@@ -18,15 +18,17 @@ import contextlib
 import gc
 import os
 import weakref
+from collections.abc import Callable, Iterator
 from numbers import Number
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator
+from typing import IO, Any
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
+import phalanx.engine.collectives as collectives
 from phalanx.checkpoint.format import CheckpointError
 from phalanx.checkpoint.model_files import load_weights
 from phalanx.checkpoint.pretrained import write_model_dir
@@ -35,12 +37,16 @@ from phalanx.checkpoint.state import TrainingParts, load_checkpoint, save_checkp
 from phalanx.config.dialects.dummies import DummyOptim, DummyScheduler, realise_optimizer, realise_scheduler
 from phalanx.config.registry import get_strategy_class, pipeline_stages
 from phalanx.config.settings import EngineConfig, resolve_config
-import phalanx.engine.collectives as collectives
 from phalanx.engine.data import ActiveLoaders, PreparedDataLoader
 from phalanx.engine.guards import (
-    as_prepared, check_backward_has_a_model, check_loader_batch, check_materialised, check_not_released,
-    check_prepared_models, warn_accumulation_unused,
-)  # fmt: skip
+    as_prepared,
+    check_backward_has_a_model,
+    check_loader_batch,
+    check_materialised,
+    check_not_released,
+    check_prepared_models,
+    warn_accumulation_unused,
+)
 from phalanx.engine.nonfinite import NonFiniteGuard
 from phalanx.engine.precision import Precision, loss_scaling
 from phalanx.engine.prepared import PreparedOptimizer, PreparedScheduler, autocast_forward, kind_of
@@ -52,7 +58,12 @@ from phalanx.runtime.topology import Topology
 from phalanx.runtime.watchdog import start_watchdog
 from phalanx.runtime.world import WorldInfo, detect_world, init_distributed, pick_device, seed_everything
 from phalanx.strategies.deferred_init import (
-    DeferredInit, check_init_fn_applies, check_initialised, has_meta, mark_loaded, uninitialised,
+    DeferredInit,
+    check_init_fn_applies,
+    check_initialised,
+    has_meta,
+    mark_loaded,
+    uninitialised,
 )
 
 __all__ = ["Engine", "PreparedOptimizer", "PreparedScheduler"]  # the last two live in prepared.py
@@ -80,7 +91,9 @@ class Engine:
         config_file: str | os.PathLike[str] | None = None,
         **options: Any,
     ) -> None:
-        overrides = dict(strategy=strategy, precision=precision, grad_accum_steps=grad_accum_steps, seed=seed, **options)
+        overrides = dict(
+            strategy=strategy, precision=precision, grad_accum_steps=grad_accum_steps, seed=seed, **options
+        )
         resolved = resolve_config(file=config_file, cli=overrides, cli_origin="argument")
         self.config: EngineConfig = resolved.engine
         self._origins = resolved.origins
@@ -90,14 +103,22 @@ class Engine:
             warn_once(line)
         self.device = pick_device(self.config.device, self.world.local_rank)
         if self.config.host_mmap_threshold_mb and not set_mmap_threshold(self.config.host_mmap_threshold_mb):
-            warn_once(f"host_mmap_threshold_mb={self.config.host_mmap_threshold_mb:g} has no effect here: it sets glibc's "
-                      "mmap threshold, and this process has no glibc (Linux with glibc only); leave it unset")  # fmt: skip
+            warn_once(
+                f"host_mmap_threshold_mb={self.config.host_mmap_threshold_mb:g} has no effect here: it sets glibc's "
+                "mmap threshold, and this process has no glibc (Linux with glibc only); leave it unset"
+            )
         init_distributed(self.world, self.device, self.config.timeout_s)
         pp_size = pipeline_stages(self.config, self.world.world_size)
         self.topology = Topology(self.world.world_size, self.world.rank, pp_size)
         self.topology.build_groups(self.device.type)
-        start_watchdog(self.world.rank, self.world.world_size, self.device.type, self.config.hang_timeout_s,
-                       self.config.debug_collectives, self.topology)  # fmt: skip
+        start_watchdog(
+            self.world.rank,
+            self.world.world_size,
+            self.device.type,
+            self.config.hang_timeout_s,
+            self.config.debug_collectives,
+            self.topology,
+        )
         self._checkpointed: list[Any] = []  # register_for_checkpointing
         self._resumer = Resumer(self.config.resume_from)
         self._released: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models given up by free_memory
@@ -110,9 +131,11 @@ class Engine:
         self.precision = Precision(self.config.precision, self.device, loss_scaling(self.config))
         self._nonfinite = NonFiniteGuard(self.config.on_nonfinite, self.device, self.precision.scaler is not None)
         if self.precision.scaler is not None and self._origins.get("on_nonfinite", "default") != "default":
-            warn_once(f"on_nonfinite={self.config.on_nonfinite!r} ({self._origins['on_nonfinite']}) does not apply under "
-                      f"precision={self.config.precision!r}: its loss scaler skips every step whose gradients hold an "
-                      "inf or NaN and lowers the scale (engine.step_was_skipped tells when); use bf16-mixed for the guard")  # fmt: skip
+            warn_once(
+                f"on_nonfinite={self.config.on_nonfinite!r} ({self._origins['on_nonfinite']}) does not apply under "
+                f"precision={self.config.precision!r}: its loss scaler skips every step whose gradients hold an "
+                "inf or NaN and lowers the scale (engine.step_was_skipped tells when); use bf16-mixed for the guard"
+            )
         self.strategy = strategy_cls(self.config, self.topology, self.device, self.precision)
         shard_group = self.strategy.grad_shard_group()
         if self.strategy.shards_gradients and comm_world_size(shard_group) > 1:
@@ -124,7 +147,8 @@ class Engine:
         self._prepared_loaders: list[PreparedDataLoader] = []
         self._loaders = ActiveLoaders()
         self.global_step = 0
-        """Optimizer steps taken (of the first prepared optimizer), skipped fp16 steps included; saved in checkpoints."""
+        """Optimizer steps taken (of the first prepared optimizer), skipped fp16 steps included; saved in
+        checkpoints."""
         self.sync_gradients = True
         """Whether gradients are reduced and optimizers step on this micro-batch (Accelerate's name and meaning).
 
@@ -152,17 +176,25 @@ class Engine:
         ``param_init_fn(module)``: see ``phalanx/deferred_init.py``."""
         kinds = [kind_of(o) for o in objects]
         if param_init_fn is not None:
-            check_init_fn_applies([o for o, k in zip(objects, kinds) if k == "model"], self.strategy.name, self.strategy.materialises_meta)
+            check_init_fn_applies(
+                [o for o, k in zip(objects, kinds) if k == "model"], self.strategy.name, self.strategy.materialises_meta
+            )
         out: list[Any] = list(objects)
         for kind in ("model", "optimizer", "scheduler", "loader"):
             for i, obj in enumerate(objects):
                 if kinds[i] == kind:
-                    out[i] = self.prepare_model(obj, param_init_fn) if kind == "model" else getattr(self, f"prepare_{kind}")(obj)
+                    out[i] = (
+                        self.prepare_model(obj, param_init_fn)
+                        if kind == "model"
+                        else getattr(self, f"prepare_{kind}")(obj)
+                    )
         self._resume_if_ready()
         return out[0] if len(out) == 1 else tuple(out)
 
     def prepare_model(
-        self, model: nn.Module | list[nn.Module] | tuple[nn.Module, ...], param_init_fn: Callable[[nn.Module], Any] | None = None
+        self,
+        model: nn.Module | list[nn.Module] | tuple[nn.Module, ...],
+        param_init_fn: Callable[[nn.Module], Any] | None = None,
     ) -> nn.Module:
         if isinstance(model, (list, tuple)):
             model = nn.Sequential(*model)  # a list of blocks runs as nn.Sequential runs them
@@ -237,9 +269,7 @@ class Engine:
         if self._in_accumulate:
             raise RuntimeError("engine.accumulate() is already active; do not nest it")
         self._micro_steps += 1
-        self.sync_gradients = (
-            self._micro_steps >= self.config.grad_accum_steps or self._loaders.end_of_dataloader
-        )
+        self.sync_gradients = self._micro_steps >= self.config.grad_accum_steps or self._loaders.end_of_dataloader
         self._in_accumulate = True
         try:
             with contextlib.nullcontext() if self.sync_gradients else self.strategy.no_sync():
@@ -309,9 +339,10 @@ class Engine:
     def _refuse_manual_backward(self, what: str) -> None:
         if self.strategy.drives_backward:
             raise RuntimeError(
-                f"{what} is not available under strategy={self.strategy.name!r}: the schedule runs forward and backward "
-                "itself, micro-batch by micro-batch on every stage. Train with loss = engine.train_step(batch, loss_fn), "
-                "where loss_fn(model, batch) returns the loss of one micro-batch; it also clips, steps and zeroes"
+                f"{what} is not available under strategy={self.strategy.name!r}: the schedule runs forward and "
+                "backward itself, micro-batch by micro-batch on every stage. Train with loss = "
+                "engine.train_step(batch, loss_fn), where loss_fn(model, batch) returns the loss of one micro-batch; "
+                "it also clips, steps and zeroes"
             )
 
     def clip_grad_norm_(self, *args: Any, norm_type: float = 2.0) -> torch.Tensor | None:
@@ -344,11 +375,14 @@ class Engine:
     def _check_nonfinite(self, norm: torch.Tensor | None = None) -> bool:
         """on_nonfinite, once per round of optimizer steps: True when the step must be skipped (or raise). ``norm``:
         the global norm of every gradient, when clipping computed it (else the gradients are read once)."""
+
         def grads() -> list[torch.Tensor]:
             return [p.grad for o in self._optimizers for g in o.param_groups for p in g["params"] if p.grad is not None]
 
         return self._nonfinite.check(
-            grads, self.global_step + 1, lambda: [n for m in self._models for n in self.strategy.nonfinite_grad_names(m, 4)],
+            grads,
+            self.global_step + 1,
+            lambda: [n for m in self._models for n in self.strategy.nonfinite_grad_names(m, 4)],
             norm,
         )
 
@@ -380,7 +414,9 @@ class Engine:
             return True
         return False
 
-    def train_step(self, batch: Any, loss_fn: Callable[[nn.Module, Any], Any], optimizer_step: bool = True) -> torch.Tensor:
+    def train_step(
+        self, batch: Any, loss_fn: Callable[[nn.Module, Any], Any], optimizer_step: bool = True
+    ) -> torch.Tensor:
         """One micro-batch of training: forward, backward and, at the window's end, clip and step.
 
         ``loss_fn(model, batch)`` returns a mean loss, or a tuple ``(loss_sum, items)``. Returns the
@@ -397,8 +433,8 @@ class Engine:
         if not optimizer_step and not self.strategy.drives_backward:
             raise ValueError(
                 f"engine.train_step(optimizer_step=False) is for strategy='pipeline', where one call is a whole step; "
-                f"under strategy={self.config.strategy!r} write engine.backward(loss) inside engine.accumulate() and step "
-                "the optimizer yourself"
+                f"under strategy={self.config.strategy!r} write engine.backward(loss) inside engine.accumulate() "
+                "and step the optimizer yourself"
             )
         if len(self._models) != 1 or len(self._optimizers) != 1:
             raise RuntimeError(
@@ -575,7 +611,8 @@ class Engine:
     # ------------------------------------------------------------ checkpoints
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Save and restore ``objects`` (anything with ``state_dict()`` and ``load_state_dict()``) with
-        ``save_state``/``load_state``, in the order registered. Their state is saved from rank 0, as JSON and tensors."""
+        ``save_state``/``load_state``, in the order registered. Their state is saved from rank 0, as JSON and
+        tensors."""
         for obj in objects:
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
                 raise TypeError(
@@ -621,8 +658,13 @@ class Engine:
         self._resumer.done = True  # loaded once (by resume_from or by the script itself): never another on top
 
     def _prepared_counts(self) -> dict[str, int]:
-        return {"models": len(self._models), "optimizers": len(self._optimizers), "schedulers": len(self._schedulers),
-                "loaders": len(self._prepared_loaders), "objects": len(self._checkpointed)}
+        return {
+            "models": len(self._models),
+            "optimizers": len(self._optimizers),
+            "schedulers": len(self._schedulers),
+            "loaders": len(self._prepared_loaders),
+            "objects": len(self._checkpointed),
+        }
 
     def _resume_if_ready(self) -> None:
         """``resume_from``: load the newest checkpoint there once everything it holds is prepared (see resume.py)."""
@@ -661,8 +703,9 @@ class Engine:
         """
         if model is None:
             if len(self._models) != 1:
-                raise TypeError(f"engine.load_model(path) needs one prepared model; {len(self._models)} are prepared: "
-                                "pass model=")
+                raise TypeError(
+                    f"engine.load_model(path) needs one prepared model; {len(self._models)} are prepared: pass model="
+                )
             model = self._models[0]
         model = as_prepared(model, self._models)
         index = next((i for i, m in enumerate(self._models) if model is m or model is self.unwrap_model(m)), None)
@@ -692,7 +735,9 @@ class Engine:
                 f"save_directory); got {len(args)} argument(s) with {len(self._models)} prepared model(s)"
             )
         state = self.get_state_dict(model)
-        return write_model_dir(state, self.unwrap_model(model), Path(directory), metadata, self.is_main_process, self.device)
+        return write_model_dir(
+            state, self.unwrap_model(model), Path(directory), metadata, self.is_main_process, self.device
+        )
 
     def _parts(self) -> TrainingParts:
         return TrainingParts(

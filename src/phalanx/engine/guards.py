@@ -8,17 +8,18 @@ several ranks with no prepared model to reduce its gradients, a model whose para
 
 from __future__ import annotations
 
-from typing import Any, Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 from torch import nn
 
-from phalanx.logging import warn_once
 from phalanx.config.options import ConfigError
+from phalanx.logging import warn_once
 from phalanx.strategies.base import uncompiled
 
 __all__ = [
-    "check_loader_batch", "warn_accumulation_unused", "check_backward_has_a_model", "check_materialised", "check_prepared_models",
-    "check_not_released", "as_prepared",
+    "check_loader_batch", "warn_accumulation_unused", "check_backward_has_a_model", "check_materialised",
+    "check_prepared_models", "check_not_released", "as_prepared",
 ]  # fmt: skip
 
 
@@ -73,8 +74,8 @@ def check_prepared_models(
         if id(as_prepared(model, prepared)) not in known:
             what = type(model).__name__
             raise ValueError(
-                f"engine.accumulate got a {what} (argument {i}) that engine.prepare did not return: its gradients would "
-                f"never be reduced or stepped. Pass the model that `model = engine.prepare(model)` gave back "
+                f"engine.accumulate got a {what} (argument {i}) that engine.prepare did not return: its gradients "
+                f"would never be reduced or stepped. Pass the model that `model = engine.prepare(model)` gave back "
                 f"({len(prepared)} prepared so far), or call engine.accumulate() with no arguments"
             )
 
@@ -97,5 +98,5 @@ def check_loader_batch(loader: Any, config: Any, origins: dict[str, str]) -> Non
     raise ConfigError(
         f"micro_batch_size={wanted} (from {origin}) but the DataLoader has batch_size={got}: the loader's batch is "
         f"each rank's micro batch. Make them agree: DataLoader(..., batch_size={wanted}), or set "
-        f"train_micro_batch_size_per_gpu to \"auto\" (or {got}) in the DeepSpeed config"
+        f'train_micro_batch_size_per_gpu to "auto" (or {got}) in the DeepSpeed config'
     )

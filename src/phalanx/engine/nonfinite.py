@@ -16,14 +16,14 @@ under zero), which is why the loss check is there: it names the rank where the N
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
+from phalanx.logging import get_logger
 from phalanx.runtime.collective_log import watched
 from phalanx.runtime.comm import all_gather_bytes
-from phalanx.logging import get_logger
 
 __all__ = ["ON_NONFINITE", "NonFiniteError", "NonFiniteGuard"]
 
@@ -68,8 +68,13 @@ class NonFiniteGuard:
     def end_round(self) -> None:
         self.verdict = None
 
-    def check(self, grads: Callable[[], list[torch.Tensor]], step: int, names: Callable[[], list[str]],
-              norm: torch.Tensor | None = None) -> bool:  # fmt: skip
+    def check(
+        self,
+        grads: Callable[[], list[torch.Tensor]],
+        step: int,
+        names: Callable[[], list[str]],
+        norm: torch.Tensor | None = None,
+    ) -> bool:
         """True when this step must be skipped; raises NonFiniteError under ``raise``. ``grads()`` gives the
         gradients this rank holds, read only when ``norm`` (their global norm, which clipping computed) is not
         given; ``names()`` lists the parameters whose gradients are non-finite (called only then)."""
@@ -100,9 +105,12 @@ class NonFiniteGuard:
         if self.mode == "skip":
             self.skipped += 1
             get_logger().warning(
-                "on_nonfinite='skip': optimizer step %d was not applied: non-finite values on %s (%d step(s) skipped so "
-                "far; the scheduler does not count them)", step, ", ".join(what), self.skipped,
-            )  # fmt: skip
+                "on_nonfinite='skip': optimizer step %d was not applied: non-finite values on %s (%d step(s) skipped "
+                "so far; the scheduler does not count them)",
+                step,
+                ", ".join(what),
+                self.skipped,
+            )
             return True
         held = names()[:_SHOWN] if flags[_rank()][1] else []
         per_rank = [b.decode() for b in all_gather_bytes(", ".join(held).encode(), self.device)]
@@ -110,9 +118,9 @@ class NonFiniteGuard:
         raise NonFiniteError(
             f"non-finite values at optimizer step {step} on {', '.join(what)}"
             + (f"; first parameters with non-finite gradients: {where}" if where else "")
-            + ". Nothing was stepped, so the weights and the last checkpoint are intact. Look for a log of 0, a division "
-            "by a zero count or a too-high learning rate; on_nonfinite='skip' skips such steps instead (the scheduler "
-            "does not count them), on_nonfinite='ignore' steps anyway"
+            + ". Nothing was stepped, so the weights and the last checkpoint are intact. Look for a log of 0, a "
+            "division by a zero count or a too-high learning rate; on_nonfinite='skip' skips such steps instead (the "
+            "scheduler does not count them), on_nonfinite='ignore' steps anyway"
         )
 
 

@@ -8,8 +8,10 @@ gradients do not underflow, and skips a step whose gradients overflowed, lowerin
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
-from typing import Any, ContextManager, Iterable
+from typing import Any
 
 import torch
 
@@ -39,9 +41,12 @@ class LossScaling:
 def loss_scaling(config: Any) -> LossScaling:
     """The loss-scaling policy of an EngineConfig's ``loss_scale*`` settings."""
     return LossScaling(
-        init=config.loss_scale_init, window=config.loss_scale_window, hysteresis=config.loss_scale_hysteresis,
-        min=config.loss_scale_min, static=config.loss_scale,
-    )  # fmt: skip
+        init=config.loss_scale_init,
+        window=config.loss_scale_window,
+        hysteresis=config.loss_scale_hysteresis,
+        min=config.loss_scale_min,
+        static=config.loss_scale,
+    )
 
 
 class _ScaleSchedule:
@@ -73,8 +78,12 @@ class _ScaleSchedule:
         return self.scale
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, "hysteresis_left": self.hysteresis_left, "iteration": self.iteration,
-                "last_overflow": self.last_overflow}  # fmt: skip
+        return {
+            "scale": self.scale,
+            "hysteresis_left": self.hysteresis_left,
+            "iteration": self.iteration,
+            "last_overflow": self.last_overflow,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scale, self.hysteresis_left = float(state["scale"]), int(state["hysteresis_left"])
@@ -95,8 +104,9 @@ class Precision:
         # With torch's policy it also moves the scale; otherwise _ScaleSchedule does, DeepSpeed's way.
         self.scaler = (
             torch.amp.GradScaler(device.type, init_scale=scaling.static or scaling.init, growth_interval=scaling.window)
-            if name == "fp16-mixed" else None
-        )  # fmt: skip
+            if name == "fp16-mixed"
+            else None
+        )
         self.schedule = None if scaling.is_torchs or self.scaler is None else _ScaleSchedule(scaling)
         self._overflow_in_round = False
         self._unscaled: set[int] = set()
@@ -167,7 +177,10 @@ class Precision:
         return self.scaler.get_scale() if self.scaler is not None else None
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"name": self.name, "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+        state: dict[str, Any] = {
+            "name": self.name,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+        }
         if self.schedule is not None:
             state["schedule"] = self.schedule.state_dict()
         return state
@@ -179,9 +192,12 @@ class Precision:
             self.schedule.load_state_dict(state["schedule"])
 
     def report(
-        self, params: list[torch.Tensor], grads: list[torch.Tensor], optimizers: list[torch.optim.Optimizer],
+        self,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        optimizers: list[torch.optim.Optimizer],
         comm_dtype: torch.dtype | None,
-    ) -> dict[str, str]:  # fmt: skip
+    ) -> dict[str, str]:
         """The dtypes in use (``engine.precision_report``)."""
 
         def dtypes(tensors: Iterable[torch.Tensor]) -> str:
@@ -189,9 +205,12 @@ class Precision:
             return ", ".join(found) if found else "none yet"
 
         state = [
-            v for opt in optimizers for s in opt.state.values() for v in s.values()
+            v
+            for opt in optimizers
+            for s in opt.state.values()
+            for v in s.values()
             if isinstance(v, torch.Tensor) and v.dim() > 0
-        ]  # fmt: skip
+        ]
         return {
             "precision": self.name,
             "params": dtypes(params),
@@ -199,6 +218,7 @@ class Precision:
             "optimizer_state": dtypes(state),
             "compute": str(self.compute_dtype or dtypes(params)).replace("torch.", ""),
             "communication": str(comm_dtype).replace("torch.", "") if comm_dtype is not None else "none (one replica)",
-            "loss_scaling": "none" if self.scaler is None else (
-                "static" if self.schedule is not None and self.schedule.policy.static else "dynamic"),
+            "loss_scaling": "none"
+            if self.scaler is None
+            else ("static" if self.schedule is not None and self.schedule.policy.static else "dynamic"),
         }

@@ -8,7 +8,8 @@ parameters or consumes gradients then). A prepared scheduler steps once per real
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn

@@ -12,6 +12,11 @@ from phalanx.inference.dispatch import dispatch, load_and_dispatch
 from phalanx.inference.plan import DispatchError, check_device_map, init_empty_weights, parse_bytes, plan_device_map
 
 __all__ = [
-    "DispatchError", "check_device_map", "dispatch", "init_empty_weights", "load_and_dispatch", "parse_bytes",
+    "DispatchError",
+    "check_device_map",
+    "dispatch",
+    "init_empty_weights",
+    "load_and_dispatch",
+    "parse_bytes",
     "plan_device_map",
 ]

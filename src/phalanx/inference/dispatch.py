@@ -17,15 +17,16 @@ from __future__ import annotations
 import copy
 import os
 import threading
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
-from phalanx.inference.plan import DispatchError, plan_device_map
 from phalanx.checkpoint.shards import StateReader, read_into, read_new
+from phalanx.inference.plan import DispatchError, plan_device_map
 
 __all__ = ["dispatch", "load_and_dispatch"]
 
@@ -142,7 +143,9 @@ class _Streamer:
             return self.dtype
         return None
 
-    def bring(self, key: int, names: Sequence[str], device: torch.device, next_up: tuple[int, Sequence[str]] | None) -> None:
+    def bring(
+        self, key: int, names: Sequence[str], device: torch.device, next_up: tuple[int, Sequence[str]] | None
+    ) -> None:
         future = self.pending.pop(key, None)
         values = future.result() if future is not None else self._read(names, device)
         for n, v in values.items():
@@ -189,16 +192,20 @@ def _move(obj: Any, device: torch.device) -> Any:
     return out
 
 
-def _attach(model: nn.Module, device_map: Mapping[str, Any], tensors: _Tensors, streamer: _Streamer | None,
-            main: torch.device) -> None:  # fmt: skip
+def _attach(
+    model: nn.Module, device_map: Mapping[str, Any], tensors: _Tensors, streamer: _Streamer | None, main: torch.device
+) -> None:
     """Hooks on every module that holds streamed tensors of its own (disk ones; host ones too when a GPU computes),
     on every part placed on a GPU (its inputs go there), and on the model (outputs come back)."""
     streaming = ("disk", "cpu") if main.type == "cuda" else ("disk",)
     streamed = {n for n in tensors.holders if _place_of(n, device_map) in streaming}
     hooked: list[tuple[int, list[str]]] = []
     for module in model.modules():
-        own = [n for attr in [*module._parameters, *module._buffers]
-               if (n := tensors.by_holder.get((id(module), attr))) is not None and n in streamed]  # fmt: skip
+        own = [
+            n
+            for attr in [*module._parameters, *module._buffers]
+            if (n := tensors.by_holder.get((id(module), attr))) is not None and n in streamed
+        ]
         if own and streamer is not None:
             hooked.append((id(module), own))
             _hook_streamed(module, own, streamer, main, hooked)
@@ -212,8 +219,9 @@ def _attach(model: nn.Module, device_map: Mapping[str, Any], tensors: _Tensors, 
     _hook_root(model)
 
 
-def _hook_streamed(module: nn.Module, own: list[str], streamer: _Streamer, device: torch.device,
-                   hooked: list[tuple[int, list[str]]]) -> None:  # fmt: skip
+def _hook_streamed(
+    module: nn.Module, own: list[str], streamer: _Streamer, device: torch.device, hooked: list[tuple[int, list[str]]]
+) -> None:
     key = id(module)
 
     def pre(mod: nn.Module, args: Any, kwargs: Any) -> Any:
@@ -253,8 +261,8 @@ def _hook_root(model: nn.Module) -> None:
 
 def _open(checkpoint: str | os.PathLike[str], tensors: _Tensors) -> StateReader:
     from phalanx.checkpoint.format import MANIFEST
-    from phalanx.checkpoint.read import Checkpoint
     from phalanx.checkpoint.model_files import open_weights
+    from phalanx.checkpoint.read import Checkpoint
 
     path = Path(checkpoint).expanduser()
     if (path / MANIFEST).is_file():
@@ -268,10 +276,14 @@ def _open(checkpoint: str | os.PathLike[str], tensors: _Tensors) -> StateReader:
 
 
 def load_and_dispatch(
-    model: nn.Module, checkpoint: str | os.PathLike[str], device_map: str | Mapping[str, Any] = "auto",
-    max_memory: Mapping[Any, Any] | None = None, no_split_module_classes: Sequence[str] | None = None,
-    offload_dir: str | os.PathLike[str] | None = None, dtype: torch.dtype | None = None,
-) -> nn.Module:  # fmt: skip
+    model: nn.Module,
+    checkpoint: str | os.PathLike[str],
+    device_map: str | Mapping[str, Any] = "auto",
+    max_memory: Mapping[Any, Any] | None = None,
+    no_split_module_classes: Sequence[str] | None = None,
+    offload_dir: str | os.PathLike[str] | None = None,
+    dtype: torch.dtype | None = None,
+) -> nn.Module:
     """Fill ``model`` (built under ``init_empty_weights``, or real) from ``checkpoint`` part by part and place it:
     placed weights are read onto their device, disk weights stay in the checkpoint's files and are read at each
     forward. ``checkpoint``: a phalanx checkpoint directory, a ``.safetensors`` file, or a directory of safetensors
@@ -316,33 +328,47 @@ def _main_device(plan: Mapping[str, Any]) -> torch.device:
 
 
 def dispatch(
-    model: nn.Module, device_map: str | Mapping[str, Any] = "auto", max_memory: Mapping[Any, Any] | None = None,
-    no_split_module_classes: Sequence[str] | None = None, offload_dir: str | os.PathLike[str] | None = None,
+    model: nn.Module,
+    device_map: str | Mapping[str, Any] = "auto",
+    max_memory: Mapping[Any, Any] | None = None,
+    no_split_module_classes: Sequence[str] | None = None,
+    offload_dir: str | os.PathLike[str] | None = None,
     dtype: torch.dtype | None = None,
-) -> nn.Module:  # fmt: skip
+) -> nn.Module:
     """Place a model whose weights are in memory: GPU parts move there, disk parts are written once to
     ``offload_dir`` (safetensors) and released, then read back at each forward."""
     from safetensors.torch import save_file
 
-    plan = plan_device_map(model, device_map, max_memory, no_split_module_classes, dtype, offload=offload_dir is not None)
+    plan = plan_device_map(
+        model, device_map, max_memory, no_split_module_classes, dtype, offload=offload_dir is not None
+    )
     tensors = _Tensors(model)
     on_disk = [n for n in tensors.holders if _place_of(n, plan) == "disk"]
     if on_disk and offload_dir is None:
-        raise DispatchError(f"the device map puts {len(on_disk)} tensor(s) on disk ({on_disk[0]}, ...): pass "
-                            "offload_dir=... for their files")  # fmt: skip
+        raise DispatchError(
+            f"the device map puts {len(on_disk)} tensor(s) on disk ({on_disk[0]}, ...): pass "
+            "offload_dir=... for their files"
+        )
     if on_disk:
         assert offload_dir is not None
         directory = Path(offload_dir)
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / "offloaded.safetensors"
-        save_file({n: tensors.get(n).detach().to(dtype or tensors.get(n).dtype).contiguous().cpu() for n in on_disk}, path)
+        save_file(
+            {n: tensors.get(n).detach().to(dtype or tensors.get(n).dtype).contiguous().cpu() for n in on_disk}, path
+        )
         for n in on_disk:
             tensors.set(n, tensors.get(n).to("meta"))
     main = _main_device(plan)
     for name in tensors.holders:
         place = _place_of(name, plan)
         if place not in ("disk", "cpu"):
-            tensors.set(name, tensors.get(name).detach().to(_device(place), dtype=dtype if tensors.get(name).is_floating_point() else None))
+            tensors.set(
+                name,
+                tensors.get(name)
+                .detach()
+                .to(_device(place), dtype=dtype if tensors.get(name).is_floating_point() else None),
+            )
     streamer = None
     if on_disk or main.type == "cuda":
         from phalanx.checkpoint.model_files import open_weights

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import re
-from typing import Any, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,8 +30,18 @@ class DispatchError(ValueError):
     """A device map or a memory budget that cannot work: the message names the module, its size and the fix."""
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(value: int | float | str) -> int:
@@ -41,8 +52,10 @@ def parse_bytes(value: int | float | str) -> int:
         return int(value)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
     if not m or m.group(2).lower() not in _UNITS:
-        raise DispatchError(f"cannot read the memory size {value!r}: use bytes or a number with a unit such as "
-                            "'500MB', '10GiB' (KB, MB, GB, TB are powers of 1000; KiB, MiB, GiB, TiB of 1024)")  # fmt: skip
+        raise DispatchError(
+            f"cannot read the memory size {value!r}: use bytes or a number with a unit such as "
+            "'500MB', '10GiB' (KB, MB, GB, TB are powers of 1000; KiB, MiB, GiB, TiB of 1024)"
+        )
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
@@ -81,7 +94,9 @@ def init_empty_weights(include_buffers: bool = False) -> Iterator[None]:
 
 
 def _nbytes(t: torch.Tensor, dtype: torch.dtype | None) -> int:
-    size = t.element_size() if dtype is None or not t.is_floating_point() else torch.empty(0, dtype=dtype).element_size()
+    size = (
+        t.element_size() if dtype is None or not t.is_floating_point() else torch.empty(0, dtype=dtype).element_size()
+    )
     return t.numel() * size
 
 
@@ -92,10 +107,14 @@ def _tensors(module: nn.Module, recurse: bool) -> Iterator[tuple[str, torch.Tens
 
 def _devices(max_memory: Mapping[Any, Any] | None, offload: bool) -> dict[Any, int]:
     """The devices in placement order with their budgets: GPUs, the host, and disk (no budget) when offloading."""
-    given = {(int(k) if isinstance(k, str) and k.isdigit() else k): parse_bytes(v) for k, v in (max_memory or {}).items()}
+    given = {
+        (int(k) if isinstance(k, str) and k.isdigit() else k): parse_bytes(v) for k, v in (max_memory or {}).items()
+    }
     unknown = [k for k in given if not (isinstance(k, int) or k in ("cpu", "disk") or str(k).startswith("cuda"))]
     if unknown:
-        raise DispatchError(f"max_memory has unknown device(s) {unknown}: use GPU indices (0, 1, ...), 'cpu' and 'disk'")
+        raise DispatchError(
+            f"max_memory has unknown device(s) {unknown}: use GPU indices (0, 1, ...), 'cpu' and 'disk'"
+        )
     given = {(int(str(k).split(":")[1]) if str(k).startswith("cuda:") else k): v for k, v in given.items()}
     out: dict[Any, int] = {}
     for i in range(torch.cuda.device_count()):
@@ -125,15 +144,21 @@ def default_no_split(model: nn.Module) -> list[str]:
 
 
 def plan_device_map(
-    model: nn.Module, device_map: str | Mapping[str, Any] = "auto", max_memory: Mapping[Any, Any] | None = None,
-    no_split_module_classes: Sequence[str] | None = None, dtype: torch.dtype | None = None, offload: bool = True,
-) -> dict[str, Any]:  # fmt: skip
+    model: nn.Module,
+    device_map: str | Mapping[str, Any] = "auto",
+    max_memory: Mapping[Any, Any] | None = None,
+    no_split_module_classes: Sequence[str] | None = None,
+    dtype: torch.dtype | None = None,
+    offload: bool = True,
+) -> dict[str, Any]:
     """The device map for ``model`` ("auto", "sequential", "balanced" or a dict, which is checked and returned)."""
     if isinstance(device_map, Mapping):
         check_device_map(model, device_map)
         return dict(device_map)
     if device_map not in ("auto", "sequential", "balanced"):
-        raise DispatchError(f"device_map={device_map!r}: use 'auto', 'balanced', 'sequential' or a dict of module names")
+        raise DispatchError(
+            f"device_map={device_map!r}: use 'auto', 'balanced', 'sequential' or a dict of module names"
+        )
     no_split = set(no_split_module_classes if no_split_module_classes is not None else default_no_split(model))
     budgets = _devices(max_memory, offload)
     gpus = [d for d in budgets if isinstance(d, int)]
@@ -153,9 +178,9 @@ def plan_device_map(
         leaf_name, leaf = _largest_leaf(model, dtype)
         if 2 * leaf > left[run_on]:
             raise DispatchError(
-                f"max_memory[{run_on!r}]={fmt_bytes(left[run_on])} is too small to run the model from disk: its largest "
-                f"layer, {leaf_name or 'the model'} ({fmt_bytes(leaf)}), is brought in for its forward while the next "
-                f"one is read, so at least {fmt_bytes(2 * leaf)} ({2 * leaf} bytes) are needed there"
+                f"max_memory[{run_on!r}]={fmt_bytes(left[run_on])} is too small to run the model from disk: "
+                f"its largest layer, {leaf_name or 'the model'} ({fmt_bytes(leaf)}), is brought in for its forward "
+                f"while the next one is read, so at least {fmt_bytes(2 * leaf)} ({2 * leaf} bytes) are needed there"
             )
         left[run_on] -= 2 * leaf
     queue: list[tuple[str, Any]] = _children_of("", model)
@@ -254,10 +279,15 @@ def _mark(name: str, part: Any, seen: dict[int, str]) -> None:
 def _does_not_fit(name: str, part: Any, size: int, budgets: dict[Any, int], offload: bool) -> DispatchError:
     what = type(part).__name__
     room = ", ".join(f"{d}: {fmt_bytes(b)}" for d, b in budgets.items())
-    fix = ("raise max_memory for one device to at least that" if offload else
-           "pass offload_dir=... so that what does not fit goes to disk, or raise max_memory")  # fmt: skip
-    return DispatchError(f"{name or 'the model'} ({what}, {fmt_bytes(size)}) fits on no device (budgets: {room}) and "
-                         f"cannot be split; {fix}")  # fmt: skip
+    fix = (
+        "raise max_memory for one device to at least that"
+        if offload
+        else "pass offload_dir=... so that what does not fit goes to disk, or raise max_memory"
+    )
+    return DispatchError(
+        f"{name or 'the model'} ({what}, {fmt_bytes(size)}) fits on no device (budgets: {room}) and "
+        f"cannot be split; {fix}"
+    )
 
 
 def _merge(placed: dict[str, Any], model: nn.Module) -> dict[str, Any]:
@@ -281,10 +311,16 @@ def _merge(placed: dict[str, Any], model: nn.Module) -> dict[str, Any]:
 def check_device_map(model: nn.Module, device_map: Mapping[str, Any]) -> None:
     """Every parameter and buffer must be covered by exactly one entry (a module or the tensor itself)."""
     names = [n for n, _ in _tensors(model, recurse=True)]
-    unknown = [k for k in device_map if k and k not in dict(model.named_modules()) and k not in dict(_tensors(model, True))]
+    unknown = [
+        k for k in device_map if k and k not in dict(model.named_modules()) and k not in dict(_tensors(model, True))
+    ]
     if unknown:
         raise DispatchError(f"the device map names {unknown[:5]}, which the model does not have")
-    bad = {k: v for k, v in device_map.items() if not (isinstance(v, int) or v in ("cpu", "disk") or str(v).startswith("cuda"))}
+    bad = {
+        k: v
+        for k, v in device_map.items()
+        if not (isinstance(v, int) or v in ("cpu", "disk") or str(v).startswith("cuda"))
+    }
     if bad:
         raise DispatchError(f"the device map places {bad} on unknown devices: use GPU indices, 'cpu' or 'disk'")
 
@@ -305,5 +341,6 @@ def check_device_map(model: nn.Module, device_map: Mapping[str, Any]) -> None:
             if top not in parts:
                 parts.append(top)
         shown = ", ".join(parts[:5]) + (f" and {len(parts) - 5} more" if len(parts) > 5 else "")
-        raise DispatchError(f"the device map does not place {shown}: add their modules (or a parent) to it, or use "
-                            "device_map='auto'")  # fmt: skip
+        raise DispatchError(
+            f"the device map does not place {shown}: add their modules (or a parent) to it, or use device_map='auto'"
+        )

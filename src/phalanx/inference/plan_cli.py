@@ -10,8 +10,9 @@ tensor names (``a.b.weight`` is tensor ``weight`` of module ``a.b``), with their
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,7 +47,9 @@ def _from_names(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> nn.Mo
                 child = nn.Module()
                 module.add_module(part, child)
             module = child
-        module.register_parameter(leaf, nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False))
+        module.register_parameter(
+            leaf, nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)
+        )
     return root
 
 
@@ -65,13 +68,17 @@ def _model_at(path: Path) -> tuple[nn.Module, str]:
                 model = cls(transformers.AutoConfig.from_pretrained(path))
             return model, arch
     from phalanx.checkpoint.format import MANIFEST
-    from phalanx.checkpoint.read import Checkpoint, _read_header
     from phalanx.checkpoint.model_files import _FROM_SAFETENSORS, _weight_files
+    from phalanx.checkpoint.read import Checkpoint, _read_header
 
     if (path / MANIFEST).is_file():
         ck = Checkpoint(path)
         try:
-            dtypes = {k.removeprefix("model/"): v["dtype"] for k, v in ck.manifest["tensors"].items() if k.startswith("model/")}
+            dtypes = {
+                k.removeprefix("model/"): v["dtype"]
+                for k, v in ck.manifest["tensors"].items()
+                if k.startswith("model/")
+            }
             from phalanx.checkpoint.format import DTYPES
 
             shapes = {k: (tuple(s), DTYPES[dtypes[k]]) for k, s in ck.model_shapes(0).items()}
@@ -86,12 +93,15 @@ def _model_at(path: Path) -> tuple[nn.Module, str]:
     return _from_names(shapes), "safetensors weights"
 
 
-def dispatch_plan_text(path: str, max_memory: Sequence[str] = (), no_split: Sequence[str] | None = None,
-                       dtype: str | None = None) -> str:  # fmt: skip
+def dispatch_plan_text(
+    path: str, max_memory: Sequence[str] = (), no_split: Sequence[str] | None = None, dtype: str | None = None
+) -> str:
     where = Path(path).expanduser()
     if not where.exists():
-        raise DispatchError(f"{path} does not exist (give a save_pretrained directory, a .safetensors file, a directory "
-                            "of shards with model.safetensors.index.json, or a phalanx checkpoint)")  # fmt: skip
+        raise DispatchError(
+            f"{path} does not exist (give a save_pretrained directory, a .safetensors file, a directory "
+            "of shards with model.safetensors.index.json, or a phalanx checkpoint)"
+        )
     if dtype is not None and dtype not in _DTYPES:
         raise DispatchError(f"--dtype {dtype!r}: use one of {', '.join(_DTYPES)}")
     want = _DTYPES[dtype] if dtype else None
@@ -103,14 +113,17 @@ def dispatch_plan_text(path: str, max_memory: Sequence[str] = (), no_split: Sequ
         from phalanx.inference.dispatch import _place_of
 
         device = str(_place_of(name, plan))
-        size = t.numel() * (torch.empty(0, dtype=want).element_size() if want and t.is_floating_point() else t.element_size())
+        size = t.numel() * (
+            torch.empty(0, dtype=want).element_size() if want and t.is_floating_point() else t.element_size()
+        )
         sizes[device] = sizes.get(device, 0) + size
     total = sum(sizes.values())
     width = max((len(k) for k in plan), default=1)
     lines = [f"dispatch plan for {path} ({what}, {fmt_bytes(total)}):"]
     lines += [f"  {name or '(the whole model)':{width}}  {device}" for name, device in plan.items()]
     given = {str(k): v for k, v in budgets.items()}
-    per = ", ".join(f"{d} {fmt_bytes(b)}" + (f" (budget {fmt_bytes(given[d])})" if d in given else "")
-                    for d, b in sizes.items())  # fmt: skip
+    per = ", ".join(
+        f"{d} {fmt_bytes(b)}" + (f" (budget {fmt_bytes(given[d])})" if d in given else "") for d, b in sizes.items()
+    )
     lines.append(f"bytes per device: {per}")
     return "\n".join(lines)

@@ -28,14 +28,15 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any, Sequence
+from typing import Any
 
-from phalanx.config.settings import ENV_CONFIG_JSON, LaunchConfig, PhalanxConfig, config_to_env
 from phalanx.checkpoint.resume import ENV_LAUNCH_ID, restart_summary
-from phalanx.runtime.world import ENV_STORE_PER_ATTEMPT
+from phalanx.config.settings import ENV_CONFIG_JSON, LaunchConfig, PhalanxConfig, config_to_env
 from phalanx.launch.spawn import SpawnError, gloo_on_loopback, spawn
+from phalanx.runtime.world import ENV_STORE_PER_ATTEMPT
 
 __all__ = ["launch", "spawn", "SpawnError", "LaunchError", "torchrun_args"]
 
@@ -97,7 +98,9 @@ def _check_script(script: str, module: bool) -> None:
             raise LaunchError(f"module {script!r} cannot be found (check the name, or that its package is installed)")
         return
     if not Path(script).is_file():
-        raise LaunchError(f"training script {script!r} does not exist (check the path; it is relative to {os.getcwd()})")
+        raise LaunchError(
+            f"training script {script!r} does not exist (check the path; it is relative to {os.getcwd()})"
+        )
 
 
 def launch(cfg: PhalanxConfig, script: str, script_args: Sequence[str] = (), module: bool = False) -> int:
@@ -133,8 +136,14 @@ def launch(cfg: PhalanxConfig, script: str, script_args: Sequence[str] = (), mod
             # torchrun's own store would listen on every interface. Ours listens on loopback only, and
             # torchrun's static rendezvous (multi_tenant) reuses the server already open on this port.
             store = dist.TCPStore(
-                lc.master_addr, lc.master_port, None, True, timeout=datetime.timedelta(seconds=cfg.engine.timeout_s),
-                wait_for_workers=False, multi_tenant=True, master_listen_fd=sock.fileno(),
+                lc.master_addr,
+                lc.master_port,
+                None,
+                True,
+                timeout=datetime.timedelta(seconds=cfg.engine.timeout_s),
+                wait_for_workers=False,
+                multi_tenant=True,
+                master_listen_fd=sock.fileno(),
             )
         else:
             sock.close()  # only checked that the port is free; torchrun binds it itself
@@ -185,8 +194,11 @@ def _cause(failures: dict[int, Any]) -> tuple[int, Any]:
     own = [r for r, f in failures.items() if f.exitcode > 0]
     first_own = min((failures[r].timestamp for r in own), default=None)
     # A signal after a rank's own error is more likely its consequence (NCCL's watchdog aborting, a late SIGKILL).
-    killed = [r for r, f in failures.items() if f.exitcode < 0 and f.exitcode not in _STOPPING_SIGNALS
-              and (first_own is None or f.timestamp <= first_own)]  # fmt: skip
+    killed = [
+        r
+        for r, f in failures.items()
+        if f.exitcode < 0 and f.exitcode not in _STOPPING_SIGNALS and (first_own is None or f.timestamp <= first_own)
+    ]
     for ranks in (killed, hung, own, list(failures)):
         if ranks:
             return first_of(ranks), failures[first_of(ranks)]
@@ -201,11 +213,21 @@ def failure_summary(failures: dict[int, Any]) -> str:
     others = sorted(r for r in failures if r != rank)
     stopped = f" Stopped the other ranks: {', '.join(map(str, others))}." if others else ""
     if first.exitcode < 0:
-        sig = signal.Signals(-first.exitcode).name if -first.exitcode in signal.Signals._value2member_map_ else first.exitcode
-        why = ("the kernel's out-of-memory killer (see `dmesg`) or a `kill -9`" if first.exitcode == -signal.SIGKILL.value
-               else "a crash in native code" if first.exitcode in (-signal.SIGSEGV.value, -signal.SIGABRT.value, -signal.SIGBUS.value)
-               else "a signal from outside phalanx")  # fmt: skip
-        after = " The other ranks' errors above followed from it." if any(f.exitcode > 0 for f in failures.values()) else ""
+        sig = (
+            signal.Signals(-first.exitcode).name
+            if -first.exitcode in signal.Signals._value2member_map_
+            else first.exitcode
+        )
+        why = (
+            "the kernel's out-of-memory killer (see `dmesg`) or a `kill -9`"
+            if first.exitcode == -signal.SIGKILL.value
+            else "a crash in native code"
+            if first.exitcode in (-signal.SIGSEGV.value, -signal.SIGABRT.value, -signal.SIGBUS.value)
+            else "a signal from outside phalanx"
+        )
+        after = (
+            " The other ranks' errors above followed from it." if any(f.exitcode > 0 for f in failures.values()) else ""
+        )
         return f"phalanx launch: rank {rank} (pid {first.pid}) was killed by {sig}: {why}.{after}{stopped}"
     if first.exitcode == HANG_EXIT_CODE:
         return f"phalanx launch: the hang watchdog stopped the job; its report is above.{stopped}"

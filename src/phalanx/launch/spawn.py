@@ -17,8 +17,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Sequence
+from typing import Any
 
 __all__ = ["spawn", "SpawnError", "gloo_on_loopback"]
 
@@ -50,15 +51,25 @@ def gloo_on_loopback(env: Any) -> None:
 
 
 def _spawn_entry(
-    fn: Callable[..., Any], rank: int, nprocs: int, init_method: str, args: tuple[Any, ...], threads: int, conn: Connection,
+    fn: Callable[..., Any],
+    rank: int,
+    nprocs: int,
+    init_method: str,
+    args: tuple[Any, ...],
+    threads: int,
+    conn: Connection,
     environ: dict[str, str] | None = None,
 ) -> None:
     if environ is not None:  # forkserver: the server's environment is as old as the server; take the caller's
         os.environ.clear()
         os.environ.update(environ)
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs),
-        PHALANX_INIT_METHOD=init_method, OMP_NUM_THREADS=str(threads),
+        RANK=str(rank),
+        WORLD_SIZE=str(nprocs),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(nprocs),
+        PHALANX_INIT_METHOD=init_method,
+        OMP_NUM_THREADS=str(threads),
     )
     gloo_on_loopback(os.environ)
     import torch
@@ -112,7 +123,11 @@ def spawn(
     if start_method not in mp.get_all_start_methods():
         raise ValueError(f"start_method {start_method!r} is not available on {sys.platform}; use 'spawn'")
     module = sys.modules.get(getattr(fn, "__module__", ""), None)
-    if getattr(fn, "__module__", None) == "__main__" and not hasattr(module, "__file__") or getattr(fn, "__name__", "") == "<lambda>":
+    if (
+        getattr(fn, "__module__", None) == "__main__"
+        and not hasattr(module, "__file__")
+        or getattr(fn, "__name__", "") == "<lambda>"
+    ):
         raise ValueError(
             f"phalanx.spawn needs a function that new processes can import; {fn!r} lives in an interactive "
             "session or is a lambda. Put it in a .py file next to the notebook and import it from there"
@@ -149,7 +164,9 @@ def spawn(
         for rank in range(nprocs):
             reader, writer = ctx.Pipe(duplex=False)
             p = ctx.Process(
-                target=_spawn_entry, args=(fn, rank, nprocs, init_method, tuple(args), threads, writer, environ), daemon=False
+                target=_spawn_entry,
+                args=(fn, rank, nprocs, init_method, tuple(args), threads, writer, environ),
+                daemon=False,
             )
             p.start()
             writer.close()

@@ -86,8 +86,17 @@ class Entry:
 
     __slots__ = ("done", "dtype", "group", "label", "numel", "op", "peer", "seq", "site", "t0", "work")
 
-    def __init__(self, group: tuple[int, ...], seq: int, op: str, numel: int, dtype: Any, label: str | None,
-                 site: tuple[str, int] | None, peer: int | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        group: tuple[int, ...],
+        seq: int,
+        op: str,
+        numel: int,
+        dtype: Any,
+        label: str | None,
+        site: tuple[str, int] | None,
+        peer: int | None,
+    ) -> None:
         self.group, self.seq, self.op, self.numel, self.dtype = group, seq, op, numel, dtype
         self.label, self.site, self.peer = label, site, peer
         self.t0 = time.monotonic()
@@ -103,10 +112,17 @@ class Entry:
 
     def as_dict(self, now: float) -> dict[str, Any]:
         return {
-            "group": list(self.group), "seq": self.seq, "op": self.op, "numel": self.numel, "dtype": str(self.dtype or ""),
-            "label": self.label, "site": format_site(self.site), "age": round(now - self.t0, 1), "open": not self.done,
+            "group": list(self.group),
+            "seq": self.seq,
+            "op": self.op,
+            "numel": self.numel,
+            "dtype": str(self.dtype or ""),
+            "label": self.label,
+            "site": format_site(self.site),
+            "age": round(now - self.t0, 1),
+            "open": not self.done,
             "peer": self.peer,
-        }  # fmt: skip
+        }
 
 
 def describe(e: dict[str, Any], world: int) -> str:
@@ -135,10 +151,20 @@ def ranks_text(ranks: list[int] | tuple[int, ...], world: int) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-_ITEM_BYTES = {str(d): torch.empty(0, dtype=d).element_size() for d in (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8, torch.int8,
-    torch.bool,
-)}  # fmt: skip
+_ITEM_BYTES = {
+    str(d): torch.empty(0, dtype=d).element_size()
+    for d in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.uint8,
+        torch.int8,
+        torch.bool,
+    )
+}
 
 
 class CollectiveLog:
@@ -249,7 +275,11 @@ def _raise_explained(entry: Entry, error: BaseException) -> None:
     """Re-raise ``error`` (its type kept, so that callers' ``except`` clauses still match) with a note that says which
     collective failed, from where, and which ranks no longer answer."""
     explain = LOG.explain
-    if explain is not None and not isinstance(error, torch.OutOfMemoryError) and not getattr(error, "_phalanx_noted", False):
+    if (
+        explain is not None
+        and not isinstance(error, torch.OutOfMemoryError)
+        and not getattr(error, "_phalanx_noted", False)
+    ):
         note = explain(entry, error)
         error._phalanx_noted = True  # type: ignore[attr-defined]
         if hasattr(error, "add_note"):  # Python 3.11+: printed under the traceback

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -11,7 +12,13 @@ import torch.distributed as dist
 from phalanx.runtime.collective_log import watched
 
 __all__ = [
-    "CommStats", "REDUCE_OPS", "all_reduce", "broadcast_coalesced", "all_gather_varlen", "all_gather_bytes", "world_size",
+    "CommStats",
+    "REDUCE_OPS",
+    "all_reduce",
+    "broadcast_coalesced",
+    "all_gather_varlen",
+    "all_gather_bytes",
+    "world_size",
 ]
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
@@ -63,7 +70,9 @@ def all_reduce(
         return None
     if stats is not None:
         stats.record("all_reduce", tensor, n)
-    c10d_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+    c10d_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[
+        op
+    ]
     work = watched(dist.all_reduce, tensor, op=c10d_op, group=group, async_op=async_op)
     if op == "mean":
         assert not async_op, "mean all-reduce divides after the wait; call it synchronously"
@@ -71,7 +80,9 @@ def all_reduce(
     return work
 
 
-def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0, group: Any = None, stats: CommStats | None = None) -> None:
+def broadcast_coalesced(
+    tensors: Sequence[torch.Tensor], src: int = 0, group: Any = None, stats: CommStats | None = None
+) -> None:
     """Broadcast many tensors as one flat buffer per dtype: one collective instead of one per tensor."""
     if world_size(group) == 1 or not tensors:
         return

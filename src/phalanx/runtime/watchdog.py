@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.logging import get_logger
 from phalanx.runtime.collective_log import (
     LOG,
     CollectiveMismatchError,
@@ -43,8 +44,7 @@ from phalanx.runtime.collective_log import (
     describe,
     format_site,
     ranks_text,
-)  # fmt: skip
-from phalanx.logging import get_logger
+)
 from phalanx.runtime.world import ENV_STORE_PER_ATTEMPT, script_failed
 
 __all__ = ["ANSWER_S", "HANG_EXIT_CODE", "Watchdog", "default_hang_timeout", "start_watchdog"]
@@ -98,7 +98,9 @@ def _group_key(ranks: Any) -> str:
 class Watchdog:
     """One rank's watchdog thread and its side of the store protocol (see the module docstring)."""
 
-    def __init__(self, store: Any, rank: int, world: int, hang_timeout_s: float, mirrors: dict[tuple[int, ...], Any]) -> None:
+    def __init__(
+        self, store: Any, rank: int, world: int, hang_timeout_s: float, mirrors: dict[tuple[int, ...], Any]
+    ) -> None:
         self.store, self.rank, self.world = store, rank, world
         self.hang_timeout_s = hang_timeout_s
         self.poll_s = min(1.0, max(0.1, hang_timeout_s / 10)) if hang_timeout_s > 0 else 1.0
@@ -168,12 +170,14 @@ class Watchdog:
         now = time.monotonic()
         open_, recent, seq = LOG.snapshot()
         return {
-            "rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
+            "rank": self.rank,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
             "open": [e.as_dict(now) for e in sorted(open_, key=lambda e: (e is not LOG.blocked, e.t0))[:8]],
             "recent": [e.as_dict(now) for e in recent],
             "seq": {_group_key(k): v for k, v in seq.items()},
             "stack": _stack_of_main_thread(),
-        }  # fmt: skip
+        }
 
     def _answer(self, n: int) -> None:
         # One key per rank, overwritten: an answer to a later request serves every earlier one too (ranks that fail
@@ -210,8 +214,11 @@ class Watchdog:
             states = self._ask_everyone(ANSWER_S)
             text = compose_hang_report(waited, self.rank, states, self.world, self.hang_timeout_s)
         except Exception as e:  # noqa: BLE001 - the job must still end, with what is known
-            text = (f"phalanx watchdog: rank {self.rank} has waited {waited['age']:.0f} s in {describe(waited, self.world)}, "
-                    f"called from {waited['site']} (the other ranks' states could not be gathered: {e})")  # fmt: skip
+            text = (
+                f"phalanx watchdog: rank {self.rank} has waited {waited['age']:.0f} s in "
+                f"{describe(waited, self.world)}, called from {waited['site']} "
+                f"(the other ranks' states could not be gathered: {e})"
+            )
         try:
             self.store.set("report", text)
         finally:
@@ -221,7 +228,9 @@ class Watchdog:
     def explain_failure(self, entry: Entry, error: BaseException) -> str:
         """The message for a collective that raised: which one, from where, and which ranks no longer answer."""
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        first = re.sub(r"^\[[^\]]*:\d+\]\s*", "", first).split(". This is typically")[0]  # gloo's source line and advice
+        first = re.sub(r"^\[[^\]]*:\d+\]\s*", "", first).split(". This is typically")[
+            0
+        ]  # gloo's source line and advice
         head = f"{describe(entry.as_dict(time.monotonic()), self.world)} failed on rank {self.rank}: {first}"
         head += f"; called from {format_site(entry.site)}"
         try:
@@ -234,10 +243,14 @@ class Watchdog:
                 continue
             st = states.get(r)
             if st is None:
-                lines.append(f"  rank {r} did not answer within {_EXPLAIN_S:.0f} s: its process has gone (killed by a "
-                             "signal or by the kernel's out-of-memory killer?) or is stuck in native code")  # fmt: skip
+                lines.append(
+                    f"  rank {r} did not answer within {_EXPLAIN_S:.0f} s: its process has gone (killed by a "
+                    "signal or by the kernel's out-of-memory killer?) or is stuck in native code"
+                )
             elif st.get("finished"):
-                lines.append(f"  rank {r} has left: {'it failed with an error' if st['failed'] else 'it finished the script'}")
+                lines.append(
+                    f"  rank {r} has left: {'it failed with an error' if st['failed'] else 'it finished the script'}"
+                )
         if len(lines) == 1:
             lines.append("  every rank of the group still answers; the cause is in the error above")
         return "\n".join(lines)
@@ -252,8 +265,10 @@ class Watchdog:
             return
         key = f"call/{_group_key(entry.group)}/{entry.seq}/"
         self.store.set(key + str(self.rank), json.dumps(entry.as_dict(time.monotonic())))
-        lines = [f"{ranks_text(entry.group, self.world)} called different collectives at the same point "
-                 "(debug_collectives stopped them before any bytes were exchanged):"]  # fmt: skip
+        lines = [
+            f"{ranks_text(entry.group, self.world)} called different collectives at the same point "
+            "(debug_collectives stopped them before any bytes were exchanged):"
+        ]
         for r, fp in zip(entry.group, everyone):
             try:
                 self.store.wait([key + str(r)], datetime.timedelta(seconds=ANSWER_S))
@@ -261,8 +276,10 @@ class Watchdog:
                 lines.append(f"  rank {r}: {describe(call, self.world)}, called from {call['site']}")
             except Exception:  # noqa: BLE001 - a rank that did not say: show its fingerprint
                 lines.append(f"  rank {r}: collective #{int(fp[0])} (it did not say which)")
-        lines.append("Every rank of a group must issue the same collectives in the same order: look for a branch "
-                     "that depends on the rank or on the data (an expert unused on one rank, a rank-0-only call)")  # fmt: skip
+        lines.append(
+            "Every rank of a group must issue the same collectives in the same order: look for a branch "
+            "that depends on the rank or on the data (an expert unused on one rank, a rank-0-only call)"
+        )
         raise CollectiveMismatchError("\n".join(lines))
 
 
@@ -278,7 +295,9 @@ def compose_hang_report(
     def waits_in_it(st: dict[str, Any]) -> bool:
         return any(same(e) for e in st.get("open", []))
 
-    waiting = [me] if p2p else [r for r in group if r in states and not states[r].get("finished") and waits_in_it(states[r])]
+    waiting = (
+        [me] if p2p else [r for r in group if r in states and not states[r].get("finished") and waits_in_it(states[r])]
+    )
     if me not in waiting:
         waiting.append(me)
     waiting.sort()
@@ -292,23 +311,31 @@ def compose_hang_report(
     for r in others:
         st = states.get(r)
         if st is None:
-            lines.append(f"  rank {r} did not answer within {ANSWER_S:.0f} s: its process has gone (killed by a signal, or "
-                         "by the kernel's out-of-memory killer?) or its main thread is stuck in native code")  # fmt: skip
+            lines.append(
+                f"  rank {r} did not answer within {ANSWER_S:.0f} s: its process has gone (killed by a signal, or "
+                "by the kernel's out-of-memory killer?) or its main thread is stuck in native code"
+            )
             continue
         last = st["seq"].get(_group_key(group), 0)
         if st.get("finished"):
             if st.get("failed"):
-                lines.append(f"  rank {r} has left: it failed with an error (above) after collective #{last} of this group")
+                lines.append(
+                    f"  rank {r} has left: it failed with an error (above) after collective #{last} of this group"
+                )
             else:
-                lines.append(f"  rank {r} has left: it finished the script after collective #{last} of this group, "
-                             f"{seq - last} fewer than rank {me} has called: it ran fewer steps or batches (uneven "
-                             "data, or a `break`/`continue` that depends on the rank)")  # fmt: skip
+                lines.append(
+                    f"  rank {r} has left: it finished the script after collective #{last} of this group, "
+                    f"{seq - last} fewer than rank {me} has called: it ran fewer steps or batches (uneven "
+                    "data, or a `break`/`continue` that depends on the rank)"
+                )
             continue
         same_seq = [e for e in st["recent"] if e["group"] == group and e["seq"] == seq and not p2p]
         if same_seq and not same(same_seq[0]):
             call = same_seq[0]
-            line = (f"  rank {r} called {describe(call, world)} from {call['site']} at that point instead: the ranks "
-                    "disagree on the order of collectives (a branch that depends on the rank or on the data?)")  # fmt: skip
+            line = (
+                f"  rank {r} called {describe(call, world)} from {call['site']} at that point instead: the ranks "
+                "disagree on the order of collectives (a branch that depends on the rank or on the data?)"
+            )
         elif p2p:
             line = f"  rank {r} has not posted the matching {'receive' if waited['op'] == 'send' else 'send'}"
         elif last < seq:
@@ -344,12 +371,16 @@ def _mirrors(topology: Any) -> dict[tuple[int, ...], Any]:
     out: dict[tuple[int, ...], Any] = {tuple(range(topology.world_size)): dist.new_group(backend="gloo")}
     pp, dp = topology.pp_size, topology.dp_size
     if pp > 1:
-        for ranks in [list(range(s * dp, (s + 1) * dp)) for s in range(pp)] + [[s * dp + d for s in range(pp)] for d in range(dp)]:
+        for ranks in [list(range(s * dp, (s + 1) * dp)) for s in range(pp)] + [
+            [s * dp + d for s in range(pp)] for d in range(dp)
+        ]:
             out[tuple(ranks)] = dist.new_group(ranks, backend="gloo")
     return out
 
 
-def start_watchdog(rank: int, world: int, device_type: str, hang_timeout_s: float | None, debug: bool, topology: Any) -> Watchdog | None:
+def start_watchdog(
+    rank: int, world: int, device_type: str, hang_timeout_s: float | None, debug: bool, topology: Any
+) -> Watchdog | None:
     """Start this process's watchdog (once per process group) and switch the collective log on. Collective when
     ``debug`` is set on NCCL (it creates gloo groups)."""
     global _ACTIVE, _INCARNATION

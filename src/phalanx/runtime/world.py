@@ -15,15 +15,24 @@ import datetime
 import os
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from phalanx.logging import get_logger
 
-__all__ = ["WorldInfo", "detect_world", "init_distributed", "pick_device", "teardown", "seed_everything", "script_failed"]
+__all__ = [
+    "WorldInfo",
+    "detect_world",
+    "init_distributed",
+    "pick_device",
+    "teardown",
+    "seed_everything",
+    "script_failed",
+]
 
 
 @dataclass(frozen=True)
@@ -142,7 +151,10 @@ def init_distributed(world: WorldInfo, device: torch.device, timeout_s: float) -
     else:
         kwargs["init_method"] = world.init_method
     dist.init_process_group(
-        backend=backend, rank=world.rank, world_size=world.world_size, timeout=datetime.timedelta(seconds=timeout_s),
+        backend=backend,
+        rank=world.rank,
+        world_size=world.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
         **kwargs,
     )
     global _previous_excepthook
@@ -167,10 +179,13 @@ def _attempt_store(world: WorldInfo, timeout_s: float, restart: str) -> Any:
     """
     agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world.world_size,
-        is_master=not agent_hosts_it and world.rank == 0, timeout=datetime.timedelta(seconds=timeout_s),
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world.world_size,
+        is_master=not agent_hosts_it and world.rank == 0,
+        timeout=datetime.timedelta(seconds=timeout_s),
         multi_tenant=True,
-    )  # fmt: skip
+    )
     return dist.PrefixStore(f"phalanx/attempt_{restart}/", store)
 
 

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
-__all__ = ["nbytes", "state_tensors", "state_bytes_per_element", "memory_report_dict", "segment_grad_bytes", "expected_peak"]
+__all__ = [
+    "nbytes",
+    "state_tensors",
+    "state_bytes_per_element",
+    "memory_report_dict",
+    "segment_grad_bytes",
+    "expected_peak",
+]
 
 
 def nbytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -62,13 +70,19 @@ def segment_grad_bytes(segments: Iterable[Any]) -> int:
     for s in segments:
         if s.grad_full is not None:
             total += s.grad_full.numel() * s.grad_full.element_size()
-        if s.master_grad is not None and not (s.grad_full is not None and s.master_grad.data_ptr() == s.grad_full[s.lo :].data_ptr()):
+        if s.master_grad is not None and not (
+            s.grad_full is not None and s.master_grad.data_ptr() == s.grad_full[s.lo :].data_ptr()
+        ):
             total += s.master_grad.numel() * s.master_grad.element_size()
     return total
 
 
 def expected_peak(
-    report: dict[str, Any], optimizers: list[torch.optim.Optimizer], largest_piece: int, largest_grad: int, resident_chunk: int = 0
+    report: dict[str, Any],
+    optimizers: list[torch.optim.Optimizer],
+    largest_piece: int,
+    largest_grad: int,
+    resident_chunk: int = 0,
 ) -> dict[str, Any]:
     """Add ``transient`` and ``expected_peak`` to a zero strategy's report.
 

@@ -6,7 +6,8 @@ its buffers (BatchNorm statistics and the like) equal to the first replica's, as
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -15,7 +16,14 @@ from torch import nn
 from phalanx.runtime.collective_log import watched
 from phalanx.runtime.comm import CommStats, broadcast_coalesced
 
-__all__ = ["group_rank0", "check_same_model", "replicate_from_first", "check_trainable", "check_prepared_once", "optimizer_list"]
+__all__ = [
+    "group_rank0",
+    "check_same_model",
+    "replicate_from_first",
+    "check_trainable",
+    "check_prepared_once",
+    "optimizer_list",
+]
 
 
 def group_rank0(group: Any) -> int:
@@ -52,7 +60,10 @@ def replicate_from_first(
     skipped = set(skip)
     src = group_rank0(group)
     broadcast_coalesced(
-        [t.data for t in model.parameters() if t not in skipped] + list(model.buffers()), src=src, group=group, stats=stats
+        [t.data for t in model.parameters() if t not in skipped] + list(model.buffers()),
+        src=src,
+        group=group,
+        stats=stats,
     )
     if broadcast_buffers and any(True for _ in model.buffers()):
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
-from phalanx.runtime.comm import CommStats
 from phalanx.checkpoint.shards import ShardEntry, StateReader
+from phalanx.runtime.comm import CommStats
 
 if TYPE_CHECKING:
     from phalanx.config.settings import EngineConfig
@@ -44,7 +45,12 @@ class Strategy(ABC):
     otherwise the engine initialises the whole model before ``place_model``."""
 
     def __init__(
-        self, config: EngineConfig, topology: Topology, device: torch.device, precision: Precision, within_stage: bool = False
+        self,
+        config: EngineConfig,
+        topology: Topology,
+        device: torch.device,
+        precision: Precision,
+        within_stage: bool = False,
     ) -> None:
         """``within_stage``: this strategy reduces one pipeline stage's gradients over the stage's data-parallel
         replicas, for the pipeline that holds it (see ``pipeline/sync.py``)."""
@@ -83,7 +89,7 @@ class Strategy(ABC):
     def set_grad_scale(self, scale: float | torch.Tensor) -> None:
         """The factor of the running window's reduced gradients: see the contract in ``strategies/_grads.py``."""
 
-    def after_optimizer_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:  # noqa: B027 - optional hook
         """``optimizer`` stepped: the next backward starts a new step (zero strategies gather parameters here)."""
 
     @abstractmethod

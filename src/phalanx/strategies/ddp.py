@@ -9,25 +9,37 @@ runs while backward computes the rest. One callback at the end of backward waits
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
+from phalanx.checkpoint.shards import (
+    ShardEntry,
+    StateReader,
+    balanced_slices,
+    keys_by_param,
+    load_whole_tensors,
+    named_tensors,
+    read_optimizer_state,
+)
+from phalanx.config.strategy_options import DataParallelOptions
 from phalanx.runtime.collective_log import watched
 from phalanx.runtime.comm import CommStats
-from phalanx.checkpoint.shards import (
-    ShardEntry, StateReader, balanced_slices, keys_by_param, load_whole_tensors, named_tensors, read_optimizer_state,
-)  # fmt: skip
 from phalanx.strategies._grads import (
-    GradScale, build_buckets, clip_to_norm_, frozen_after_prepare_error, second_backward_error, unused_parameters_error,
-)  # fmt: skip
+    GradScale,
+    build_buckets,
+    clip_to_norm_,
+    frozen_after_prepare_error,
+    second_backward_error,
+    unused_parameters_error,
+)
 from phalanx.strategies._memory import memory_report_dict, nbytes, state_bytes_per_element, state_tensors
 from phalanx.strategies._replicas import check_prepared_once, check_trainable, optimizer_list, replicate_from_first
 from phalanx.strategies.base import Strategy
-from phalanx.config.strategy_options import DataParallelOptions
 
 __all__ = ["DDPStrategy", "GradReducer"]
 
@@ -119,7 +131,9 @@ class GradReducer:
         self.scale.apply_(bucket.flat)
         if self.world_size > 1:
             self.stats.record("all_reduce", bucket.flat, self.world_size)
-            bucket.work = watched(dist.all_reduce, bucket.flat, group=self.group, async_op=True, label=f"ddp bucket {bucket.index}")
+            bucket.work = watched(
+                dist.all_reduce, bucket.flat, group=self.group, async_op=True, label=f"ddp bucket {bucket.index}"
+            )
 
     def _finalize_backward(self) -> None:
         self._callback_queued = False

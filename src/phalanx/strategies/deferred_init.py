@@ -25,12 +25,22 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["DeferredInit", "check_init_fn_applies", "has_meta", "pending_init", "uninitialised", "mark_loaded", "check_initialised", "move_real"]
+__all__ = [
+    "DeferredInit",
+    "check_init_fn_applies",
+    "has_meta",
+    "pending_init",
+    "uninitialised",
+    "mark_loaded",
+    "check_initialised",
+    "move_real",
+]
 
 _PENDING: weakref.WeakKeyDictionary[nn.Module, DeferredInit] = weakref.WeakKeyDictionary()
 _UNSET: weakref.WeakKeyDictionary[nn.Module, list[str]] = weakref.WeakKeyDictionary()
@@ -76,7 +86,9 @@ def check_init_fn_applies(models: list[Any], strategy: str, materialises: bool) 
             f"engine.prepare(..., param_init_fn=...) is not used under strategy={strategy!r}, which initialises a "
             "meta-built model's blocks itself with their reset_parameters(), seeded by block index; drop param_init_fn"
         )
-    models = [m for m in models if isinstance(m, nn.Module)] + [b for m in models if isinstance(m, (list, tuple)) for b in m]
+    models = [m for m in models if isinstance(m, nn.Module)] + [
+        b for m in models if isinstance(m, (list, tuple)) for b in m
+    ]
     if not any(has_meta(m) for m in models):
         raise ValueError(
             "engine.prepare got param_init_fn, but no model passed to it has tensors on the meta device, so there is "
@@ -193,7 +205,9 @@ class DeferredInit:
         return made
 
     def _name(self, module: nn.Module, name: str, t: torch.Tensor) -> str:
-        return self.names.get(id(t)) or next((f"{q}.{name}".lstrip(".") for q, m in self.model.named_modules() if m is module), name)
+        return self.names.get(id(t)) or next(
+            (f"{q}.{name}".lstrip(".") for q, m in self.model.named_modules() if m is module), name
+        )
 
 
 def move_real(model: nn.Module, device: torch.device) -> None:

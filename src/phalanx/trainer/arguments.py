@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.config.dialects.deepspeed import from_deepspeed, read_deepspeed
-from phalanx.config.settings import engine_fields
-from phalanx.config.options import ConfigError
 from phalanx.config.general import PRECISIONS
+from phalanx.config.options import ConfigError
 from phalanx.config.registry import strategy_names
+from phalanx.config.settings import engine_fields
 from phalanx.trainer.schedules import check_schedule_kwargs
 
 __all__ = ["TrainingArguments", "UnknownArgumentError"]
@@ -36,16 +36,19 @@ OPTIMS = ("adamw_torch_fused", "adamw_torch")
 _PRECISION_OF = {"bf16": "bf16-mixed", "fp16": "fp16-mixed"}
 # Engine settings that a TrainingArguments field already says; a knob of the same name would say it twice.
 _OWNED = {
-    "strategy": "strategy", "precision": "precision (or bf16 / fp16)", "grad_accum_steps": "gradient_accumulation_steps",
+    "strategy": "strategy", "precision": "precision (or bf16 / fp16)",
+    "grad_accum_steps": "gradient_accumulation_steps",
     "seed": "seed", "max_grad_norm": "max_grad_norm", "deepspeed": "deepspeed",
     "micro_batch_size": "per_device_train_batch_size", "global_batch_size": "per_device_train_batch_size",
 }  # fmt: skip
 # transformers fields that phalanx does not take, with what to do instead.
 _HF_ELSEWHERE = {
     "fsdp": "use strategy='zero3'", "fsdp_config": "use strategy='zero3' and strategy_options",
-    "ddp_bucket_cap_mb": "use strategy_options={'bucket_mb': ...}", "ddp_timeout": "use strategy_options={'timeout_s': ...}",
+    "ddp_bucket_cap_mb": "use strategy_options={'bucket_mb': ...}",
+    "ddp_timeout": "use strategy_options={'timeout_s': ...}",
     "use_cpu": "use strategy_options={'device': 'cpu'}", "no_cuda": "use strategy_options={'device': 'cpu'}",
-    "local_rank": "phalanx reads the rank from the launcher", "optim_args": "pass Trainer(optimizers=(optimizer, None))",
+    "local_rank": "phalanx reads the rank from the launcher",
+    "optim_args": "pass Trainer(optimizers=(optimizer, None))",
     "do_train": "it is a flag for your script, not for the Trainer: remove it", "do_eval": "remove it",
     "do_predict": "remove it", "overwrite_output_dir": "remove it (phalanx never deletes output_dir)",
     "logging_dir": "phalanx logs to output_dir (JSONL, and TensorBoard with report_to)",
@@ -61,7 +64,9 @@ class UnknownArgumentError(ConfigError, TypeError):
 def _deprecated(message: str) -> None:
     if message not in _WARNED:
         _WARNED.add(message)
-        warnings.warn(message, FutureWarning, stacklevel=5)  # _deprecated < _read_deprecated < __post_init__ < __init__ < the caller
+        warnings.warn(
+            message, FutureWarning, stacklevel=5
+        )  # _deprecated < _read_deprecated < __post_init__ < __init__ < the caller
 
 
 @dataclass
@@ -220,20 +225,27 @@ class TrainingArguments:
     # ------------------------------------------------------------------ checks in __post_init__
     def _read_deprecated(self) -> None:
         if self.evaluation_strategy is not None:
-            _deprecated("TrainingArguments: evaluation_strategy is deprecated (transformers 5 removed it); use "
-                        "eval_strategy")  # fmt: skip
+            _deprecated(
+                "TrainingArguments: evaluation_strategy is deprecated (transformers 5 removed it); use eval_strategy"
+            )
             if self.eval_strategy not in ("no", self.evaluation_strategy):
-                raise ConfigError(f"evaluation_strategy={self.evaluation_strategy!r} and eval_strategy="
-                                  f"{self.eval_strategy!r} disagree; they are one setting (keep eval_strategy)")
+                raise ConfigError(
+                    f"evaluation_strategy={self.evaluation_strategy!r} and eval_strategy="
+                    f"{self.eval_strategy!r} disagree; they are one setting (keep eval_strategy)"
+                )
             self.eval_strategy, self.evaluation_strategy = self.evaluation_strategy, None
         if self.warmup_ratio is not None:
-            _deprecated("TrainingArguments: warmup_ratio is deprecated (transformers 5.2 removed it); use warmup_steps "
-                        "below 1, e.g. warmup_steps=0.1 for 10% of the steps")  # fmt: skip
+            _deprecated(
+                "TrainingArguments: warmup_ratio is deprecated (transformers 5.2 removed it); use warmup_steps "
+                "below 1, e.g. warmup_steps=0.1 for 10% of the steps"
+            )
             if not 0 <= self.warmup_ratio < 1:
                 raise ConfigError(f"invalid warmup_ratio: got {self.warmup_ratio!r} (use a ratio in [0, 1))")
             if self.warmup_steps and self.warmup_ratio:
-                raise ConfigError(f"warmup_ratio={self.warmup_ratio!r} and warmup_steps={self.warmup_steps!r} both "
-                                  "set the warmup; keep one (warmup_steps below 1 is a ratio)")  # fmt: skip
+                raise ConfigError(
+                    f"warmup_ratio={self.warmup_ratio!r} and warmup_steps={self.warmup_steps!r} both "
+                    "set the warmup; keep one (warmup_steps below 1 is a ratio)"
+                )
             if self.warmup_ratio:
                 self.warmup_steps = self.warmup_ratio
             self.warmup_ratio = None
@@ -245,10 +257,14 @@ class TrainingArguments:
         if self.dataloader_num_workers < 0:
             raise ConfigError(f"invalid dataloader_num_workers: got {self.dataloader_num_workers!r} (use 0 or more)")
         if self.max_grad_norm is not None and self.max_grad_norm < 0:
-            raise ConfigError(f"invalid max_grad_norm: got {self.max_grad_norm!r} (use a positive norm, or 0 not to clip)")
+            raise ConfigError(
+                f"invalid max_grad_norm: got {self.max_grad_norm!r} (use a positive norm, or 0 not to clip)"
+            )
         if self.max_steps <= 0 and self.num_train_epochs <= 0:
-            raise ConfigError(f"max_steps={self.max_steps!r} and num_train_epochs={self.num_train_epochs!r} give no "
-                              "training; set max_steps > 0 or num_train_epochs > 0")  # fmt: skip
+            raise ConfigError(
+                f"max_steps={self.max_steps!r} and num_train_epochs={self.num_train_epochs!r} give no "
+                "training; set max_steps > 0 or num_train_epochs > 0"
+            )
         if self.warmup_steps < 0:
             raise ConfigError(f"invalid warmup_steps: got {self.warmup_steps!r} (use 0 or more; below 1 is a ratio)")
 
@@ -256,41 +272,59 @@ class TrainingArguments:
         """transformers' step rules: eval_steps falls back to logging_steps; a count of 1 or more is whole."""
         if self.eval_strategy == "steps" and not self.eval_steps:
             if self.logging_steps <= 0:
-                raise ConfigError(f"eval_strategy='steps' needs eval_steps > 0, or logging_steps > 0 to fall back on; "
-                                  f"got eval_steps={self.eval_steps!r}, logging_steps={self.logging_steps!r}")
+                raise ConfigError(
+                    f"eval_strategy='steps' needs eval_steps > 0, or logging_steps > 0 to fall back on; "
+                    f"got eval_steps={self.eval_steps!r}, logging_steps={self.logging_steps!r}"
+                )
             self.eval_steps = self.logging_steps
-        for name, strategy in (("logging_steps", self.logging_strategy), ("eval_steps", self.eval_strategy),
-                               ("save_steps", self.save_strategy), ("warmup_steps", "steps")):  # fmt: skip
+        for name, strategy in (
+            ("logging_steps", self.logging_strategy),
+            ("eval_steps", self.eval_strategy),
+            ("save_steps", self.save_strategy),
+            ("warmup_steps", "steps"),
+        ):
             value = getattr(self, name)
             if strategy == "steps" and name != "warmup_steps" and not value > 0:
-                raise ConfigError(f"{name.split('_')[0]}_strategy='steps' needs {name} > 0; got {name}={value!r} "
-                                  "(a count of steps, or a ratio of the run below 1)")  # fmt: skip
+                raise ConfigError(
+                    f"{name.split('_')[0]}_strategy='steps' needs {name} > 0; got {name}={value!r} "
+                    "(a count of steps, or a ratio of the run below 1)"
+                )
             if value is not None and value >= 1:
                 if value != int(value):  # transformers truncates warmup_steps=2.5 to 2 without a word
-                    raise ConfigError(f"invalid {name}: got {value!r} (a count of 1 or more must be whole; below 1 it "
-                                      "is a ratio of the run's steps)")  # fmt: skip
+                    raise ConfigError(
+                        f"invalid {name}: got {value!r} (a count of 1 or more must be whole; below 1 it "
+                        "is a ratio of the run's steps)"
+                    )
                 setattr(self, name, int(value))
 
     def _check_best_model(self) -> None:
         if self.save_strategy == "best" and self.eval_strategy == "no":
-            raise ConfigError("save_strategy='best' saves when an evaluation improves metric_for_best_model; got "
-                              "eval_strategy='no' (set eval_strategy to 'steps' or 'epoch')")  # fmt: skip
+            raise ConfigError(
+                "save_strategy='best' saves when an evaluation improves metric_for_best_model; got "
+                "eval_strategy='no' (set eval_strategy to 'steps' or 'epoch')"
+            )
         if not self.load_best_model_at_end or self.save_strategy == "best":
             return
         if self.eval_strategy != self.save_strategy:
-            raise ConfigError(f"load_best_model_at_end=True needs eval_strategy and save_strategy to match (or "
-                              f"save_strategy='best'); got eval_strategy={self.eval_strategy!r}, save_strategy="
-                              f"{self.save_strategy!r}")  # fmt: skip
+            raise ConfigError(
+                f"load_best_model_at_end=True needs eval_strategy and save_strategy to match (or "
+                f"save_strategy='best'); got eval_strategy={self.eval_strategy!r}, save_strategy="
+                f"{self.save_strategy!r}"
+            )
         if self.eval_strategy == "steps":
             save, every = float(self.save_steps), float(self.eval_steps or 0)
             if (save < 1) != (every < 1):
-                raise ConfigError(f"load_best_model_at_end=True needs save_steps to be a multiple of eval_steps, which "
-                                  f"a count and a ratio cannot promise; got save_steps={self.save_steps!r}, eval_steps="
-                                  f"{self.eval_steps!r} (give both as counts, or both as ratios)")  # fmt: skip
+                raise ConfigError(
+                    f"load_best_model_at_end=True needs save_steps to be a multiple of eval_steps, which "
+                    f"a count and a ratio cannot promise; got save_steps={self.save_steps!r}, eval_steps="
+                    f"{self.eval_steps!r} (give both as counts, or both as ratios)"
+                )
             if round(save * 1_000_000) % round(every * 1_000_000):
-                raise ConfigError(f"load_best_model_at_end=True needs save_steps to be a multiple of eval_steps, so "
-                                  f"that every checkpoint has an evaluation; got save_steps={self.save_steps!r}, "
-                                  f"eval_steps={self.eval_steps!r}")  # fmt: skip
+                raise ConfigError(
+                    f"load_best_model_at_end=True needs save_steps to be a multiple of eval_steps, so "
+                    f"that every checkpoint has an evaluation; got save_steps={self.save_steps!r}, "
+                    f"eval_steps={self.eval_steps!r}"
+                )
 
     def _resolve_precision(self) -> None:
         if self.bf16 and self.fp16:
@@ -303,8 +337,10 @@ class TrainingArguments:
             raise ConfigError(f"unknown precision {self.precision!r}; valid precisions: {', '.join(PRECISIONS)}")
         if from_flags is not None and from_flags != self.precision:
             flag = "bf16" if self.bf16 else "fp16"
-            raise ConfigError(f"precision={self.precision!r} and {flag}=True disagree; say it once (precision="
-                              f"{from_flags!r}, or drop {flag})")  # fmt: skip
+            raise ConfigError(
+                f"precision={self.precision!r} and {flag}=True disagree; say it once (precision="
+                f"{from_flags!r}, or drop {flag})"
+            )
         self.bf16, self.fp16 = self.precision == "bf16-mixed", self.precision == "fp16-mixed"
 
     def _check_strategy(self) -> None:
@@ -318,8 +354,9 @@ class TrainingArguments:
         knobs = [f.name for _, f in engine_fields() if f.name not in _OWNED]
         for key in self.strategy_options:
             if key in _OWNED:
-                raise ConfigError(f"strategy_options[{key!r}] is set by the TrainingArguments field {_OWNED[key]}; "
-                                  "use that field")  # fmt: skip
+                raise ConfigError(
+                    f"strategy_options[{key!r}] is set by the TrainingArguments field {_OWNED[key]}; use that field"
+                )
             if key not in knobs:
                 close = difflib.get_close_matches(key, knobs, n=1)
                 hint = f"did you mean {close[0]!r}? " if close else ""
@@ -328,8 +365,9 @@ class TrainingArguments:
             # The knobs' values and the strategy's rules; with no strategy here, the Engine checks them at start.
             from phalanx.config.settings import EngineConfig
 
-            precision = self.precision or ("fp16-mixed" if any(k.startswith("loss_scale") for k in self.strategy_options)
-                                           else "fp32")  # fmt: skip
+            precision = self.precision or (
+                "fp16-mixed" if any(k.startswith("loss_scale") for k in self.strategy_options) else "fp32"
+            )
             EngineConfig(strategy=self.strategy, precision=precision, **self.strategy_options)
 
     def _check_deepspeed(self) -> None:
@@ -342,9 +380,11 @@ class TrainingArguments:
             ours["max_grad_norm"] = 0.0  # "do not clip" is a value too: a gradient_clipping in the file contradicts it
         for key, value, source in from_deepspeed(data, where).values:
             if ours.get(key) is not None and ours[key] != value:
-                raise ConfigError(f"the DeepSpeed config {where} says {source} -> {key}={value!r}, but TrainingArguments "
-                                  f"says {key}={ours[key]!r} (from {_OWNED[key]}); make them agree, or write \"auto\" "
-                                  "in the DeepSpeed config")  # fmt: skip
+                raise ConfigError(
+                    f"the DeepSpeed config {where} says {source} -> {key}={value!r}, but TrainingArguments "
+                    f'says {key}={ours[key]!r} (from {_OWNED[key]}); make them agree, or write "auto" '
+                    "in the DeepSpeed config"
+                )
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -364,9 +404,13 @@ class TrainingArguments:
         return warmup_steps_for(self, num_training_steps)
 
     def _engine_values(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"strategy": self.strategy, "precision": self.precision,
-                               "grad_accum_steps": self.gradient_accumulation_steps, "seed": self.seed,
-                               "max_grad_norm": float(self.max_grad_norm) if self.max_grad_norm else None}  # fmt: skip
+        out: dict[str, Any] = {
+            "strategy": self.strategy,
+            "precision": self.precision,
+            "grad_accum_steps": self.gradient_accumulation_steps,
+            "seed": self.seed,
+            "max_grad_norm": float(self.max_grad_norm) if self.max_grad_norm else None,
+        }
         return out
 
     def engine_options(self) -> dict[str, Any]:
@@ -406,16 +450,19 @@ class TrainingArguments:
 
 def _unknown_argument(key: str, names: list[str]) -> UnknownArgumentError:
     if key in _HF_ELSEWHERE:
-        return UnknownArgumentError(f"TrainingArguments: {key!r} is a transformers argument that phalanx does not take; "
-                                    f"{_HF_ELSEWHERE[key]}")  # fmt: skip
+        return UnknownArgumentError(
+            f"TrainingArguments: {key!r} is a transformers argument that phalanx does not take; {_HF_ELSEWHERE[key]}"
+        )
     knobs = {f.name for _, f in engine_fields()} - set(_OWNED)
     if key in knobs:
-        return UnknownArgumentError(f"TrainingArguments: {key!r} is an Engine knob; pass it as strategy_options="
-                                    f"{{{key!r}: ...}}")  # fmt: skip
+        return UnknownArgumentError(
+            f"TrainingArguments: {key!r} is an Engine knob; pass it as strategy_options={{{key!r}: ...}}"
+        )
     close = difflib.get_close_matches(key, names, n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
-    return UnknownArgumentError(f"TrainingArguments: unknown argument {key!r}; {hint}(see the fields of "
-                                "phalanx.TrainingArguments)")  # fmt: skip
+    return UnknownArgumentError(
+        f"TrainingArguments: unknown argument {key!r}; {hint}(see the fields of phalanx.TrainingArguments)"
+    )
 
 
 def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:

@@ -24,34 +24,51 @@ Control = TrainerControl | None
 
 class TrainerCallback:
     """Override the events you need; each may change ``control`` and return it. The base class does nothing."""
+
     def on_init_end(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> Control:
         """After the Trainer is constructed."""
+
     def on_train_begin(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> Control:
         """At the start of ``train()``, after a resumed state is loaded."""
+
     def on_train_end(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> Control:
         """At the end of ``train()``."""
+
     def on_epoch_begin(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> Control:
         """At the start of an epoch."""
+
     def on_epoch_end(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> Control:
         """At the end of an epoch."""
+
     def on_step_begin(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> Control:
         """Before the first micro-batch of an optimizer step."""
+
     def on_pre_optimizer_step(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> Control:
         """After gradients are reduced and clipped, before the optimizer steps: the place to inspect gradients."""
+
     def on_optimizer_step(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> Control:
         """After the optimizer steps, before gradients are zeroed."""
+
     def on_substep_end(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> Control:
         """After each micro-batch of an accumulation window except the last."""
+
     def on_step_end(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> Control:
         """After an optimizer step; ``state.global_step`` already counts it."""
+
     def on_evaluate(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> Control:
         """After an evaluation; its results are in ``kwargs["metrics"]``."""
-    def on_predict(self, args: Any, state: TrainerState, control: TrainerControl, metrics: dict[str, Any], **kwargs: Any) -> Control:
+
+    def on_predict(
+        self, args: Any, state: TrainerState, control: TrainerControl, metrics: dict[str, Any], **kwargs: Any
+    ) -> Control:
         """After ``predict()``, with its metrics."""
+
     def on_save(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> Control:
         """After a checkpoint is complete on disk."""
+
     def on_log(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> Control:
         """After a record is logged; it is in ``kwargs["logs"]``."""
+
     def on_prediction_step(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> Control:
         """After each evaluation or prediction batch."""
 
@@ -60,34 +77,49 @@ class CallbackHandler(TrainerCallback):
     """Calls its callbacks in the order they were added, with the Trainer's objects as keyword arguments."""
 
     def __init__(
-        self, callbacks: list[Any] | tuple[Any, ...] = (), model: Any = None, processing_class: Any = None,
-        optimizer: Any = None, lr_scheduler: Any = None,
-    ) -> None:  # fmt: skip
+        self,
+        callbacks: list[Any] | tuple[Any, ...] = (),
+        model: Any = None,
+        processing_class: Any = None,
+        optimizer: Any = None,
+        lr_scheduler: Any = None,
+    ) -> None:
         self.callbacks: list[TrainerCallback] = []
         for cb in callbacks:
             self.add_callback(cb)
-        self.model, self.processing_class, self.optimizer, self.lr_scheduler = model, processing_class, optimizer, lr_scheduler
+        self.model, self.processing_class, self.optimizer, self.lr_scheduler = (
+            model,
+            processing_class,
+            optimizer,
+            lr_scheduler,
+        )
         self.train_dataloader: Any = None  # set by the Trainer when it builds them
         self.eval_dataloader: Any = None
         if not any(isinstance(cb, DefaultFlowCallback) for cb in self.callbacks):
             get_logger().warning(
                 "no DefaultFlowCallback among the callbacks [%s]: nothing will decide when to log, evaluate, save or "
-                "stop (add it with add_callback(DefaultFlowCallback))", self.callback_list,
+                "stop (add it with add_callback(DefaultFlowCallback))",
+                self.callback_list,
             )
 
     def add_callback(self, callback: type[TrainerCallback] | TrainerCallback) -> None:
         """Append a callback; a class is instantiated with no arguments."""
         cb = callback() if isinstance(callback, type) else callback
         if not all(callable(getattr(cb, event, None)) for event in ("on_step_end", "on_log")):
-            raise TypeError(f"callbacks must be TrainerCallback subclasses or instances; got {cb!r} (subclass TrainerCallback)")
+            raise TypeError(
+                f"callbacks must be TrainerCallback subclasses or instances; got {cb!r} (subclass TrainerCallback)"
+            )
         if any(type(c) is type(cb) for c in self.callbacks):
-            warn_once(f"adding a second {type(cb).__name__}; the callbacks are now [{self.callback_list}, {type(cb).__name__}]")
+            warn_once(
+                f"adding a second {type(cb).__name__}; the callbacks are now "
+                f"[{self.callback_list}, {type(cb).__name__}]"
+            )
         self.callbacks.append(cb)
 
     def pop_callback(self, callback: type[TrainerCallback] | TrainerCallback) -> TrainerCallback | None:
         """Remove and return the first callback of that class, or that very instance; None if there is none."""
         for cb in self.callbacks:
-            if (isinstance(cb, callback) if isinstance(callback, type) else cb is callback):
+            if isinstance(cb, callback) if isinstance(callback, type) else cb is callback:
                 self.callbacks.remove(cb)
                 return cb
         return None
@@ -101,13 +133,22 @@ class CallbackHandler(TrainerCallback):
     def callback_list(self) -> str:
         return ", ".join(type(cb).__name__ for cb in self.callbacks)
 
-    def call_event(self, event: str, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> TrainerControl:
+    def call_event(
+        self, event: str, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
         for cb in self.callbacks:
             result = getattr(cb, event)(
-                args, state, control, model=self.model, processing_class=self.processing_class,
-                optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, train_dataloader=self.train_dataloader,
-                eval_dataloader=self.eval_dataloader, **kwargs,
-            )  # fmt: skip
+                args,
+                state,
+                control,
+                model=self.model,
+                processing_class=self.processing_class,
+                optimizer=self.optimizer,
+                lr_scheduler=self.lr_scheduler,
+                train_dataloader=self.train_dataloader,
+                eval_dataloader=self.eval_dataloader,
+                **kwargs,
+            )
             if result is not None:
                 control = result
         return control
@@ -125,37 +166,61 @@ class CallbackHandler(TrainerCallback):
         control._new_step()
         return self.call_event("on_step_begin", args, state, control, **kwargs)
 
-    def on_evaluate(self, args: Any, state: TrainerState, control: TrainerControl, metrics: dict[str, Any] | None = None, **kwargs: Any) -> TrainerControl:  # type: ignore[override]
+    def on_evaluate(
+        self,
+        args: Any,
+        state: TrainerState,
+        control: TrainerControl,
+        metrics: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> TrainerControl:  # type: ignore[override]
         control.should_evaluate = False
         return self.call_event("on_evaluate", args, state, control, metrics=metrics, **kwargs)
 
-    def on_predict(self, args: Any, state: TrainerState, control: TrainerControl, metrics: dict[str, Any], **kwargs: Any) -> TrainerControl:
+    def on_predict(
+        self, args: Any, state: TrainerState, control: TrainerControl, metrics: dict[str, Any], **kwargs: Any
+    ) -> TrainerControl:
         return self.call_event("on_predict", args, state, control, metrics=metrics, **kwargs)
 
     def on_save(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> TrainerControl:
         control.should_save = False
         return self.call_event("on_save", args, state, control, **kwargs)
 
-    def on_log(self, args: Any, state: TrainerState, control: TrainerControl, logs: dict[str, Any] | None = None, **kwargs: Any) -> TrainerControl:  # type: ignore[override]
+    def on_log(
+        self, args: Any, state: TrainerState, control: TrainerControl, logs: dict[str, Any] | None = None, **kwargs: Any
+    ) -> TrainerControl:  # type: ignore[override]
         control.should_log = False
         return self.call_event("on_log", args, state, control, logs=logs if logs is not None else {}, **kwargs)
 
     # The rest only dispatch.
     def on_init_end(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> TrainerControl:
         return self.call_event("on_init_end", args, state, control, **kwargs)
+
     def on_train_end(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> TrainerControl:
         return self.call_event("on_train_end", args, state, control, **kwargs)
+
     def on_epoch_end(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> TrainerControl:
         return self.call_event("on_epoch_end", args, state, control, **kwargs)
-    def on_pre_optimizer_step(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> TrainerControl:
+
+    def on_pre_optimizer_step(
+        self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
         return self.call_event("on_pre_optimizer_step", args, state, control, **kwargs)
-    def on_optimizer_step(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> TrainerControl:
+
+    def on_optimizer_step(
+        self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
         return self.call_event("on_optimizer_step", args, state, control, **kwargs)
+
     def on_substep_end(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> TrainerControl:
         return self.call_event("on_substep_end", args, state, control, **kwargs)
+
     def on_step_end(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> TrainerControl:
         return self.call_event("on_step_end", args, state, control, **kwargs)
-    def on_prediction_step(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> TrainerControl:
+
+    def on_prediction_step(
+        self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
         return self.call_event("on_prediction_step", args, state, control, **kwargs)
 
 
@@ -174,7 +239,10 @@ class DefaultFlowCallback(TrainerCallback):
 
     def on_step_end(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> Control:
         step = state.global_step
-        logging, evaluation = strategy_of(args, "logging_strategy", _INTERVALS), strategy_of(args, "eval_strategy", _INTERVALS)
+        logging, evaluation = (
+            strategy_of(args, "logging_strategy", _INTERVALS),
+            strategy_of(args, "eval_strategy", _INTERVALS),
+        )
         saving, delay = strategy_of(args, "save_strategy", _SAVES), getattr(args, "eval_delay", 0) or 0
         if step == 1 and getattr(args, "logging_first_step", False):
             control.should_log = True
@@ -194,7 +262,10 @@ class DefaultFlowCallback(TrainerCallback):
     def on_epoch_end(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> Control:
         if strategy_of(args, "logging_strategy", _INTERVALS) == "epoch":
             control.should_log = True
-        if strategy_of(args, "eval_strategy", _INTERVALS) == "epoch" and (getattr(args, "eval_delay", 0) or 0) <= state.epoch:
+        if (
+            strategy_of(args, "eval_strategy", _INTERVALS) == "epoch"
+            and (getattr(args, "eval_delay", 0) or 0) <= state.epoch
+        ):
             control.should_evaluate = True
         if strategy_of(args, "save_strategy", _SAVES) == "epoch":
             control.should_save = True
@@ -220,14 +291,21 @@ class EarlyStoppingCallback(TrainerCallback):
     """
 
     def __init__(self, early_stopping_patience: int = 1, early_stopping_threshold: float | None = 0.0) -> None:
-        if isinstance(early_stopping_patience, bool) or not isinstance(early_stopping_patience, int) or early_stopping_patience < 1:
+        if (
+            isinstance(early_stopping_patience, bool)
+            or not isinstance(early_stopping_patience, int)
+            or early_stopping_patience < 1
+        ):
             raise ValueError(
                 f"early_stopping_patience counts evaluations without improvement and must be an int >= 1; "
                 f"got {early_stopping_patience!r}"
             )
         threshold = 0.0 if early_stopping_threshold is None else float(early_stopping_threshold)
         if not threshold >= 0.0:
-            raise ValueError(f"early_stopping_threshold is the least improvement that counts and must be >= 0; got {early_stopping_threshold!r}")
+            raise ValueError(
+                "early_stopping_threshold is the least improvement that counts and must be >= 0; "
+                f"got {early_stopping_threshold!r}"
+            )
         self.early_stopping_patience, self.early_stopping_threshold = early_stopping_patience, threshold
         self.early_stopping_patience_counter = 0
 
@@ -270,10 +348,12 @@ class EarlyStoppingCallback(TrainerCallback):
 
     def state(self) -> dict[str, Any]:
         return {
-            "args": {"early_stopping_patience": self.early_stopping_patience,
-                     "early_stopping_threshold": self.early_stopping_threshold},
+            "args": {
+                "early_stopping_patience": self.early_stopping_patience,
+                "early_stopping_threshold": self.early_stopping_threshold,
+            },
             "attributes": {"early_stopping_patience_counter": self.early_stopping_patience_counter},
-        }  # fmt: skip
+        }
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> EarlyStoppingCallback:

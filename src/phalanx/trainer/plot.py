@@ -48,7 +48,9 @@ def plot(output_dir: str | Path, out: str | Path | None = None) -> Path:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ImportError("phalanx plot draws with matplotlib, which is not installed (pip install phalanx[plot])") from None
+        raise ImportError(
+            "phalanx plot draws with matplotlib, which is not installed (pip install phalanx[plot])"
+        ) from None
     target = Path(out) if out is not None else Path(output_dir) / "training.png"
     fig, axes = plt.subplots(len(PANELS), 1, figsize=(8, 3 * len(PANELS)), sharex=True)
     for ax, (title, keys) in zip(axes, PANELS):

@@ -8,11 +8,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from phalanx.trainer.tracking import JsonlMetrics, ProgressBar
 from phalanx.trainer.callbacks import DefaultFlowCallback, TrainerCallback
 from phalanx.trainer.state import TrainerControl, TrainerState
+from phalanx.trainer.tracking import JsonlMetrics, ProgressBar
 
-__all__ = ["ProgressCallback", "JsonlLoggingCallback", "TensorBoardCallback", "reporting_callbacks", "default_callbacks"]
+__all__ = [
+    "ProgressCallback",
+    "JsonlLoggingCallback",
+    "TensorBoardCallback",
+    "reporting_callbacks",
+    "default_callbacks",
+]
 
 Control = TrainerControl | None
 
@@ -85,7 +91,9 @@ class ProgressCallback(TrainerCallback):
         self.prediction_bar = None
         return None
 
-    def on_predict(self, args: Any, state: TrainerState, control: TrainerControl, metrics: dict[str, Any], **kwargs: Any) -> Control:
+    def on_predict(
+        self, args: Any, state: TrainerState, control: TrainerControl, metrics: dict[str, Any], **kwargs: Any
+    ) -> Control:
         _close(self.prediction_bar)
         self.prediction_bar = None
         return None
@@ -175,7 +183,11 @@ class TensorBoardCallback(TrainerCallback):
         if not state.is_world_process_zero:
             return None
         if self.writer is None:
-            where = self.log_dir or getattr(args, "logging_dir", None) or Path(getattr(args, "output_dir", None) or ".") / "runs"
+            where = (
+                self.log_dir
+                or getattr(args, "logging_dir", None)
+                or Path(getattr(args, "output_dir", None) or ".") / "runs"
+            )
             self.writer = self._writer_class(log_dir=str(where))
         for key, value in (kwargs.get("logs") or {}).items():
             value = _plain(value)
@@ -204,8 +216,9 @@ def reporting_callbacks(args: Any) -> list[TrainerCallback]:
     names = set([] if raw is None else [raw] if isinstance(raw, str) else raw) - {"none", "jsonl"}
     if names - {"tensorboard", "all"}:
         raise ValueError(
-            f"report_to={raw!r} names {sorted(names - {'tensorboard', 'all'})}, which phalanx does not report to; it supports "
-            "'tensorboard' and 'all' (log.jsonl in output_dir is always written; add other sinks as a callback)"
+            f"report_to={raw!r} names {sorted(names - {'tensorboard', 'all'})}, which phalanx does not report to; "
+            "it supports 'tensorboard' and 'all' "
+            "(log.jsonl in output_dir is always written; add other sinks as a callback)"
         )
     try:
         return [TensorBoardCallback()] if names else []

@@ -43,7 +43,9 @@ def _same(path: PathLike) -> str:
 
 
 def checkpoints_to_delete(
-    checkpoints: Sequence[tuple[int, PathLike]], save_total_limit: int | None, best_checkpoint: PathLike | None = None,
+    checkpoints: Sequence[tuple[int, PathLike]],
+    save_total_limit: int | None,
+    best_checkpoint: PathLike | None = None,
 ) -> list[PathLike]:
     """The checkpoints to delete, oldest first, so that at most ``save_total_limit`` remain besides the protected.
 
@@ -62,7 +64,9 @@ def checkpoints_to_delete(
     if len(ordered) <= save_total_limit:
         return []
     best = _same(best_checkpoint) if best_checkpoint is not None else None
-    protected = {_same(ordered[-1][1])} | ({best} if best is not None and any(_same(p) == best for _, p in ordered) else set())
+    protected = {_same(ordered[-1][1])} | (
+        {best} if best is not None and any(_same(p) == best for _, p in ordered) else set()
+    )
     room = max(0, save_total_limit - len(protected))
     unprotected = [p for _, p in ordered if _same(p) not in protected]
     # The newest `room` of the unprotected stay; the rest go, oldest first.
@@ -93,7 +97,9 @@ def sorted_checkpoints(output_dir: PathLike) -> list[tuple[int, Path]]:
     return sorted(found, key=lambda sp: (sp[0], sp[1].name))
 
 
-def rotate_checkpoints(output_dir: PathLike, save_total_limit: int | None, best_checkpoint: PathLike | None = None) -> list[Path]:
+def rotate_checkpoints(
+    output_dir: PathLike, save_total_limit: int | None, best_checkpoint: PathLike | None = None
+) -> list[Path]:
     """Delete what :func:`checkpoints_to_delete` chooses among :func:`sorted_checkpoints`; return the deleted paths.
     Rank 0 calls it, after the newest checkpoint is complete."""
     doomed = [Path(p) for p in checkpoints_to_delete(sorted_checkpoints(output_dir), save_total_limit, best_checkpoint)]

@@ -19,8 +19,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from phalanx.logging import warn_once
 from phalanx.config.options import ConfigError
+from phalanx.logging import warn_once
 
 if TYPE_CHECKING:
     from phalanx.trainer.arguments import TrainingArguments
@@ -90,7 +90,13 @@ SCHEDULE_KWARGS: dict[str, dict[str, Any]] = {
 
 _NEEDS_TOTAL = ("linear", "cosine", "cosine_with_min_lr", "polynomial")
 # transformers names that phalanx does not implement (yet), so that the error says so rather than "unknown".
-_ELSEWHERE = ("cosine_with_restarts", "reduce_lr_on_plateau", "cosine_warmup_with_min_lr", "warmup_stable_decay", "greedy")
+_ELSEWHERE = (
+    "cosine_with_restarts",
+    "reduce_lr_on_plateau",
+    "cosine_warmup_with_min_lr",
+    "warmup_stable_decay",
+    "greedy",
+)
 
 
 class WarmupSchedule(LRScheduler):
@@ -101,15 +107,21 @@ class WarmupSchedule(LRScheduler):
     """
 
     def __init__(
-        self, optimizer: Optimizer, kind: str, num_warmup_steps: int, num_training_steps: int | None,
-        params: dict[str, Any] | None = None, last_epoch: int = -1,
-    ) -> None:  # fmt: skip
+        self,
+        optimizer: Optimizer,
+        kind: str,
+        num_warmup_steps: int,
+        num_training_steps: int | None,
+        params: dict[str, Any] | None = None,
+        last_epoch: int = -1,
+    ) -> None:
         assert kind in _FACTORS, kind
         self.schedule: dict[str, Any] = {
-            "kind": kind, "num_warmup_steps": int(num_warmup_steps),
+            "kind": kind,
+            "num_warmup_steps": int(num_warmup_steps),
             "num_training_steps": None if num_training_steps is None else int(num_training_steps),
             "params": dict(params or {}),
-        }  # fmt: skip
+        }
         super().__init__(optimizer, last_epoch)
 
     def factor(self, step: int) -> float:
@@ -136,9 +148,12 @@ class WarmupSchedule(LRScheduler):
 
 
 def get_scheduler(
-    name: str, optimizer: Optimizer, num_warmup_steps: int | None = None, num_training_steps: int | None = None,
+    name: str,
+    optimizer: Optimizer,
+    num_warmup_steps: int | None = None,
+    num_training_steps: int | None = None,
     scheduler_specific_kwargs: dict[str, Any] | None = None,
-) -> WarmupSchedule:  # fmt: skip
+) -> WarmupSchedule:
     """transformers' ``get_scheduler`` for the seven :data:`SCHEDULES`, as a JSON-serialisable scheduler.
 
     ``scheduler_specific_kwargs`` is ``TrainingArguments.lr_scheduler_kwargs`` (see :data:`SCHEDULE_KWARGS`).
@@ -148,15 +163,21 @@ def get_scheduler(
     check_schedule_kwargs(name, kwargs)
     if name == "constant":
         if num_warmup_steps:
-            warn_once(f"lr_scheduler_type='constant' has no warmup, so num_warmup_steps={num_warmup_steps} is not "
-                      "used (as in transformers); use 'constant_with_warmup' to warm up")  # fmt: skip
+            warn_once(
+                f"lr_scheduler_type='constant' has no warmup, so num_warmup_steps={num_warmup_steps} is not "
+                "used (as in transformers); use 'constant_with_warmup' to warm up"
+            )
         return WarmupSchedule(optimizer, name, 0, num_training_steps)
     if num_warmup_steps is None or num_warmup_steps < 0:
-        raise ConfigError(f"lr_scheduler_type={name!r} needs num_warmup_steps >= 0; got {num_warmup_steps!r} (pass the "
-                          "number of warmup steps, 0 for none)")  # fmt: skip
+        raise ConfigError(
+            f"lr_scheduler_type={name!r} needs num_warmup_steps >= 0; got {num_warmup_steps!r} (pass the "
+            "number of warmup steps, 0 for none)"
+        )
     if name in _NEEDS_TOTAL and (num_training_steps is None or num_training_steps < 1):
-        raise ConfigError(f"lr_scheduler_type={name!r} needs num_training_steps >= 1; got {num_training_steps!r} "
-                          "(pass the number of optimizer steps of the run, e.g. max_steps)")  # fmt: skip
+        raise ConfigError(
+            f"lr_scheduler_type={name!r} needs num_training_steps >= 1; got {num_training_steps!r} "
+            "(pass the number of optimizer steps of the run, e.g. max_steps)"
+        )
     params = {k: v for k, v in SCHEDULE_KWARGS[name].items() if v is not None} | kwargs
     lr_init = float(optimizer.defaults["lr"])
     if name == "cosine_with_min_lr":
@@ -164,8 +185,10 @@ def get_scheduler(
         params["min_lr_rate"] = float(min_lr) / lr_init if min_lr is not None else float(params["min_lr_rate"])
     elif name == "polynomial":
         if not lr_init > float(params["lr_end"]):
-            raise ConfigError(f"lr_scheduler_kwargs lr_end={params['lr_end']!r} must be below the initial learning rate "
-                              f"{lr_init!r} (lower lr_end, or raise learning_rate)")  # fmt: skip
+            raise ConfigError(
+                f"lr_scheduler_kwargs lr_end={params['lr_end']!r} must be below the initial learning rate "
+                f"{lr_init!r} (lower lr_end, or raise learning_rate)"
+            )
         params["lr_init"] = lr_init
     elif name == "inverse_sqrt" and params.get("timescale") is None:
         params["timescale"] = num_warmup_steps or 10_000
@@ -176,8 +199,10 @@ def check_schedule_kwargs(name: str, kwargs: dict[str, Any]) -> None:
     """An unknown schedule, or a keyword it does not take, is a ConfigError that names it and the choices."""
     if name not in SCHEDULE_KWARGS:
         if name in _ELSEWHERE:
-            raise ConfigError(f"lr_scheduler_type={name!r} is a transformers schedule that phalanx does not implement; "
-                              f"use one of: {', '.join(SCHEDULES)}")  # fmt: skip
+            raise ConfigError(
+                f"lr_scheduler_type={name!r} is a transformers schedule that phalanx does not implement; "
+                f"use one of: {', '.join(SCHEDULES)}"
+            )
         close = difflib.get_close_matches(name, SCHEDULES, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ConfigError(f"unknown lr_scheduler_type {name!r}; {hint}valid: {', '.join(SCHEDULES)}")
@@ -185,13 +210,17 @@ def check_schedule_kwargs(name: str, kwargs: dict[str, Any]) -> None:
     for key in kwargs:
         if key not in accepted:
             takes = ", ".join(accepted) or "none"
-            raise ConfigError(f"lr_scheduler_kwargs key {key!r} is not read by lr_scheduler_type={name!r} (it takes: "
-                              f"{takes}); remove it or pick the schedule that reads it")  # fmt: skip
+            raise ConfigError(
+                f"lr_scheduler_kwargs key {key!r} is not read by lr_scheduler_type={name!r} (it takes: "
+                f"{takes}); remove it or pick the schedule that reads it"
+            )
     if name == "cosine_with_min_lr":
         given = [k for k in ("min_lr", "min_lr_rate") if kwargs.get(k) is not None]
         if len(given) != 1:
-            raise ConfigError(f"lr_scheduler_type='cosine_with_min_lr' needs exactly one of min_lr or min_lr_rate in "
-                              f"lr_scheduler_kwargs; got {kwargs!r} (e.g. lr_scheduler_kwargs={{'min_lr_rate': 0.1}})")
+            raise ConfigError(
+                f"lr_scheduler_type='cosine_with_min_lr' needs exactly one of min_lr or min_lr_rate in "
+                f"lr_scheduler_kwargs; got {kwargs!r} (e.g. lr_scheduler_kwargs={{'min_lr_rate': 0.1}})"
+            )
 
 
 def warmup_steps_for(args: TrainingArguments, num_training_steps: int) -> int:

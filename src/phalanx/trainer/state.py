@@ -140,7 +140,9 @@ class TrainerState:
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except ValueError as e:
-            raise ValueError(f"{path} is not valid JSON ({e}); it should be a trainer_state.json (delete or restore it)") from e
+            raise ValueError(
+                f"{path} is not valid JSON ({e}); it should be a trainer_state.json (delete or restore it)"
+            ) from e
         if not isinstance(data, dict):
             raise ValueError(f"{path} should hold a JSON object of TrainerState fields; got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
@@ -244,7 +246,8 @@ def record_best_metric(args: Any, state: TrainerState, metrics: dict[str, Any]) 
     if key not in metrics:
         raise KeyError(
             f"metric_for_best_model={args.metric_for_best_model!r} looks for {key!r} in the evaluation metrics, "
-            f"which hold {sorted(metrics)} (set metric_for_best_model to one of them, or return it from compute_metrics)"
+            f"which hold {sorted(metrics)} (set metric_for_best_model to one of them, or return it from "
+            "compute_metrics)"
         )
     value = float(metrics[key])
     if math.isnan(value) or not improves(args, value, state.best_metric):

@@ -69,8 +69,13 @@ class ProgressBar:
             if tqdm is not None:
                 tty = hasattr(self.file, "isatty") and self.file.isatty()
                 self._bar = tqdm(
-                    total=total, desc=desc, unit=unit, file=self.file, dynamic_ncols=True,
-                    mininterval=0.2 if tty else 5.0, smoothing=0.1,
+                    total=total,
+                    desc=desc,
+                    unit=unit,
+                    file=self.file,
+                    dynamic_ncols=True,
+                    mininterval=0.2 if tty else 5.0,
+                    smoothing=0.1,
                 )
 
     def update(self, n: int = 1, **metrics: Any) -> None:
@@ -89,7 +94,11 @@ class ProgressBar:
         if now - self._last_print >= self._print_every_s or self.n >= self.total:
             self._last_print = now
             shown = " ".join(f"{k}={v}" for k, v in self.postfix.items())
-            print(f"{self.desc}: {self.n}/{self.total} {self.unit}s [{now - self._start:.0f}s] {shown}", file=self.file, flush=True)
+            print(
+                f"{self.desc}: {self.n}/{self.total} {self.unit}s [{now - self._start:.0f}s] {shown}",
+                file=self.file,
+                flush=True,
+            )
 
     def write(self, message: str) -> None:
         """Print a line above the bar (main process only) without breaking it."""

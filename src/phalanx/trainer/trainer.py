@@ -17,9 +17,9 @@ import inspect
 import math
 import time
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,7 @@ from phalanx.trainer.schedules import get_scheduler
 from phalanx.trainer.state import TrainerControl, TrainerState, record_best_metric
 
 __all__ = ["Trainer", "EvalPrediction", "TrainOutput", "PredictionOutput"]
+
 
 class EvalPrediction(NamedTuple):
     """What ``compute_metrics`` receives: every sample's predictions and labels, in dataset order, on the CPU."""
@@ -83,12 +84,19 @@ class Trainer:
     launcher) choose. ``compute_loss`` and ``training_step`` may be overridden as in Hugging Face's Trainer."""
 
     def __init__(
-        self, model: nn.Module | None = None, args: TrainingArguments | None = None, data_collator: Callable | None = None,
-        train_dataset: Dataset | None = None, eval_dataset: Dataset | None = None, processing_class: Any = None,
-        compute_loss_func: Callable | None = None, compute_metrics: Callable[[EvalPrediction], dict] | None = None,
+        self,
+        model: nn.Module | None = None,
+        args: TrainingArguments | None = None,
+        data_collator: Callable | None = None,
+        train_dataset: Dataset | None = None,
+        eval_dataset: Dataset | None = None,
+        processing_class: Any = None,
+        compute_loss_func: Callable | None = None,
+        compute_metrics: Callable[[EvalPrediction], dict] | None = None,
         callbacks: list[TrainerCallback | type[TrainerCallback]] | None = None,
-        optimizers: tuple[Any, Any] = (None, None), preprocess_logits_for_metrics: Callable | None = None,
-    ) -> None:  # fmt: skip
+        optimizers: tuple[Any, Any] = (None, None),
+        preprocess_logits_for_metrics: Callable | None = None,
+    ) -> None:
         if model is None:
             raise ValueError("Trainer needs a model: Trainer(model, args, train_dataset=...)")
         self.args = args if args is not None else TrainingArguments()
@@ -100,11 +108,17 @@ class Trainer:
         self.compute_loss_func, self.compute_metrics = compute_loss_func, compute_metrics
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.optimizer, self.lr_scheduler = optimizers
-        self.state = TrainerState(is_local_process_zero=self.engine.is_local_main_process,
-                                  is_world_process_zero=self.engine.is_main_process)  # fmt: skip
+        self.state = TrainerState(
+            is_local_process_zero=self.engine.is_local_main_process, is_world_process_zero=self.engine.is_main_process
+        )
         self.control = TrainerControl()
-        self.callback_handler = CallbackHandler([*default_callbacks(self.args), *(callbacks or [])], model,
-                                                processing_class, self.optimizer, self.lr_scheduler)  # fmt: skip
+        self.callback_handler = CallbackHandler(
+            [*default_callbacks(self.args), *(callbacks or [])],
+            model,
+            processing_class,
+            self.optimizer,
+            self.lr_scheduler,
+        )
         self._causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
         self._window = torch.zeros(2, dtype=torch.float64)  # the pipeline's last stage adds to train()'s window
         if self.args.gradient_checkpointing:
@@ -178,10 +192,14 @@ class Trainer:
 
     def _loader(self, dataset: Dataset, batch_size: int, shuffle: bool) -> DataLoader:
         return DataLoader(
-            dataset, batch_size=batch_size, shuffle=shuffle, collate_fn=self._collate,
-            drop_last=self.args.dataloader_drop_last and shuffle,  # evaluation always sees every sample once num_workers=self.args.dataloader_num_workers,
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            collate_fn=self._collate,
+            drop_last=self.args.dataloader_drop_last
+            and shuffle,  # evaluation always sees every sample once num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory and self.engine.device.type == "cuda",
-        )  # fmt: skip
+        )
 
     def get_train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
@@ -200,21 +218,31 @@ class Trainer:
         ``optim`` picks its fused or foreach kernel. A DeepSpeed config with an ``optimizer`` block builds that block
         instead (its ``"auto"`` lr and weight_decay from the arguments), as HF's Trainer does."""
         if "optimizer" in config_blocks(self.engine.config.deepspeed):
-            return DummyOptim([p for p in self.model.parameters() if p.requires_grad], lr=self.args.learning_rate,
-                              weight_decay=self.args.weight_decay, betas=[self.args.adam_beta1, self.args.adam_beta2],
-                              eps=self.args.adam_epsilon)  # fmt: skip
+            return DummyOptim(
+                [p for p in self.model.parameters() if p.requires_grad],
+                lr=self.args.learning_rate,
+                weight_decay=self.args.weight_decay,
+                betas=[self.args.adam_beta1, self.args.adam_beta2],
+                eps=self.args.adam_epsilon,
+            )
         no_decay = {
-            id(p) for m in self.model.modules() for n, p in m.named_parameters(recurse=False)
+            id(p)
+            for m in self.model.modules()
+            for n, p in m.named_parameters(recurse=False)
             if n.endswith("bias") or "norm" in type(m).__name__.lower()
-        }  # fmt: skip
+        }
         params = [p for p in self.model.parameters() if p.requires_grad]
         groups = [
             {"params": [p for p in params if id(p) not in no_decay], "weight_decay": self.args.weight_decay},
             {"params": [p for p in params if id(p) in no_decay], "weight_decay": 0.0},
         ]
-        return torch.optim.AdamW([g for g in groups if g["params"]], lr=self.args.learning_rate,
-                                 betas=(self.args.adam_beta1, self.args.adam_beta2), eps=self.args.adam_epsilon,
-                                 fused=self.args.optim == "adamw_torch_fused" or None)  # fmt: skip
+        return torch.optim.AdamW(
+            [g for g in groups if g["params"]],
+            lr=self.args.learning_rate,
+            betas=(self.args.adam_beta1, self.args.adam_beta2),
+            eps=self.args.adam_epsilon,
+            fused=self.args.optim == "adamw_torch_fused" or None,
+        )
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer) -> Any:
         """The ``lr_scheduler_type`` schedule, or a DeepSpeed config's ``scheduler`` block (its ``"auto"`` steps from
@@ -222,27 +250,44 @@ class Trainer:
         warmup = self.args.get_warmup_steps(num_training_steps)
         if "scheduler" in config_blocks(self.engine.config.deepspeed):
             # transformers fills these "auto" values so: the peak is the learning rate, the floor 0.
-            return DummyScheduler(optimizer, total_num_steps=num_training_steps, warmup_num_steps=warmup,
-                                  warmup_max_lr=self.args.learning_rate, warmup_min_lr=0.0)  # fmt: skip
+            return DummyScheduler(
+                optimizer,
+                total_num_steps=num_training_steps,
+                warmup_num_steps=warmup,
+                warmup_max_lr=self.args.learning_rate,
+                warmup_min_lr=0.0,
+            )
         kwargs = self.args.lr_scheduler_kwargs
-        return get_scheduler(self.args.lr_scheduler_type, optimizer, warmup, num_training_steps,
-                             kwargs if isinstance(kwargs, dict) else None)  # fmt: skip
+        return get_scheduler(
+            self.args.lr_scheduler_type,
+            optimizer,
+            warmup,
+            num_training_steps,
+            kwargs if isinstance(kwargs, dict) else None,
+        )
 
     def _prepare(self, max_steps: int) -> None:
         """Prepare the model, optimizer, loaders and schedule once, in a fixed order (resume needs the same)."""
         if self._prepared:
             return
         optimizer = self.optimizer if self.optimizer is not None else self.create_optimizer()
-        self.model, self.optimizer, self._train_loader = self.engine.prepare(self.model, optimizer, self._train_loader_raw)
+        self.model, self.optimizer, self._train_loader = self.engine.prepare(
+            self.model, optimizer, self._train_loader_raw
+        )
         # The schedule is built on the prepared optimizer: a DeepSpeed optimizer block exists only from here on.
-        scheduler = self.lr_scheduler if self.lr_scheduler is not None else self.create_scheduler(max_steps, self.optimizer)
+        scheduler = (
+            self.lr_scheduler if self.lr_scheduler is not None else self.create_scheduler(max_steps, self.optimizer)
+        )
         self.lr_scheduler = self.engine.prepare(scheduler)
         if self.eval_dataset is not None:
             self._eval_loader = self.engine.prepare(self.get_eval_dataloader())
         self.engine.register_for_checkpointing(_StateHolder(self))
         for name in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, name, getattr(self, name))
-        self.callback_handler.train_dataloader, self.callback_handler.eval_dataloader = self._train_loader, self._eval_loader
+        self.callback_handler.train_dataloader, self.callback_handler.eval_dataloader = (
+            self._train_loader,
+            self._eval_loader,
+        )
         self._prepared = True
 
     # ------------------------------------------------------------------------------------------------ train
@@ -255,8 +300,13 @@ class Trainer:
         self.optimizer.zero_grad()
 
     # ------------------------------------------------- one micro-batch's loss
-    def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False,
-                     num_items_in_batch: torch.Tensor | None = None) -> Any:
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: Any,
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | None = None,
+    ) -> Any:
         """The mean loss of one micro-batch: the model's own (``labels`` in the batch), or ``compute_loss_func(outputs,
         labels, num_items_in_batch=...)``. A ``(inputs, labels)`` batch calls ``model(inputs)``."""
         labels = self._labels(inputs)
@@ -274,8 +324,9 @@ class Trainer:
             loss = outputs.loss
         else:
             raise ValueError(
-                f"the model returned no loss ({type(outputs).__name__}): put labels in the batch (a 'labels' key) for a "
-                "model that computes its loss, or pass compute_loss_func=lambda outputs, labels, num_items_in_batch: ..."
+                f"the model returned no loss ({type(outputs).__name__}): put labels in the batch (a 'labels' key) "
+                "for a model that computes its loss, or pass "
+                "compute_loss_func=lambda outputs, labels, num_items_in_batch: ..."
             )
         return (loss, outputs) if return_outputs else loss
 
@@ -324,8 +375,9 @@ class Trainer:
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
         args = self.args
         self._train_loader_raw = self.get_train_dataloader()
-        per_epoch = max(1, math.ceil(len(self._train_loader_raw) / self.engine.topology.dp_size
-                                     / args.gradient_accumulation_steps))  # fmt: skip
+        per_epoch = max(
+            1, math.ceil(len(self._train_loader_raw) / self.engine.topology.dp_size / args.gradient_accumulation_steps)
+        )
         max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * per_epoch)
         self._prepare(max_steps)
         per_epoch = max(1, math.ceil(len(self._train_loader) / args.gradient_accumulation_steps))
@@ -392,8 +444,11 @@ class Trainer:
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         runtime = time.perf_counter() - started
         mean = total[0] / total[1] if total[1] else float("nan")
-        metrics = {"train_runtime": runtime, "train_steps_per_second": self.state.global_step / max(runtime, 1e-9),
-                   "train_loss": mean}  # fmt: skip
+        metrics = {
+            "train_runtime": runtime,
+            "train_steps_per_second": self.state.global_step / max(runtime, 1e-9),
+            "train_loss": mean,
+        }
         return TrainOutput(self.state.global_step, mean, metrics)
 
     def _position_in_epoch(self) -> float:
@@ -429,7 +484,9 @@ class Trainer:
         if self.control.should_evaluate:
             metrics = self.evaluate()
         if self.control.should_save:
-            self._save_checkpoint(new_best=metrics is not None and self.state.best_global_step == self.state.global_step)
+            self._save_checkpoint(
+                new_best=metrics is not None and self.state.best_global_step == self.state.global_step
+            )
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
     def _save_checkpoint(self, new_best: bool) -> None:
@@ -457,8 +514,9 @@ class Trainer:
         with torch.no_grad():
             for batch in loader:
                 label = self._labels(batch)
-                loss, outputs = self.compute_loss(self.model, batch, return_outputs=True,
-                                                  num_items_in_batch=items_of(label, self._causal))  # fmt: skip
+                loss, outputs = self.compute_loss(
+                    self.model, batch, return_outputs=True, num_items_in_batch=items_of(label, self._causal)
+                )
                 logits = outputs.get("logits") if isinstance(outputs, Mapping) else getattr(outputs, "logits", outputs)
                 if self.preprocess_logits_for_metrics is not None:
                     logits = self.preprocess_logits_for_metrics(logits, label)
@@ -474,7 +532,9 @@ class Trainer:
         label_ids = torch.cat(labels) if labels and labels[0] is not None else None
         metrics: dict[str, float] = {}
         if self.compute_metrics is not None and predictions is not None and label_ids is not None:
-            metrics = {f"{prefix}_{k}": v for k, v in self.compute_metrics(EvalPrediction(predictions, label_ids)).items()}
+            metrics = {
+                f"{prefix}_{k}": v for k, v in self.compute_metrics(EvalPrediction(predictions, label_ids)).items()
+            }
         if losses:
             metrics[f"{prefix}_loss"] = torch.cat(losses).mean().item()
         runtime = time.perf_counter() - started

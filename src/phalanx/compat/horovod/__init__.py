@@ -33,7 +33,7 @@ from phalanx.compat.horovod.ops import (
     allreduce_,
     broadcast,
     broadcast_,
-)  # fmt: skip
+)
 from phalanx.compat.horovod.optimizer import DistributedOptimizer
 from phalanx.compat.horovod.state import (
     allgather_object,
@@ -68,7 +68,7 @@ from phalanx.compat.horovod.world import (
     rocm_built,
     shutdown,
     size,
-)  # fmt: skip
+)
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size", "cross_rank", "cross_size",

@@ -12,7 +12,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.runtime.collective_log import watched
 from phalanx.compat.horovod.world import (
     Average,
     HvdWorld,
@@ -23,6 +22,7 @@ from phalanx.compat.horovod.world import (
     current,
     rank,
 )
+from phalanx.runtime.collective_log import watched
 
 __all__ = [
     "Compressor", "NoneCompressor", "FP16Compressor", "Compression", "check_compression",
@@ -79,7 +79,8 @@ def check_compression(compression: Any, where: str) -> Any:
     if not (callable(getattr(compression, "compress", None)) and callable(getattr(compression, "decompress", None))):
         raise TypeError(
             f"{where}: compression={compression!r} has no compress/decompress methods (use hvd.Compression.none, "
-            "hvd.Compression.fp16, or a class with static compress(tensor) -> (tensor, ctx) and decompress(tensor, ctx))"
+            "hvd.Compression.fp16, or a class with static compress(tensor) -> (tensor, ctx) and "
+            "decompress(tensor, ctx))"
         )
     return compression
 
@@ -145,7 +146,9 @@ class _Allreduce(torch.autograd.Function):
 
 def _resolve_op(op: Any, average: Any, where: str) -> ReduceOp:
     if op is not None and average is not None:
-        raise ValueError(f"{where}: got both op={op!r} and average={average!r} (pass only op; average is Horovod's old spelling)")
+        raise ValueError(
+            f"{where}: got both op={op!r} and average={average!r} (pass only op; average is Horovod's old spelling)"
+        )
     if average is not None:
         return Average if average else Sum
     return check_op(Average if op is None else op, where)

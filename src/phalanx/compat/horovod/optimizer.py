@@ -23,13 +23,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from phalanx.runtime.collective_log import watched
-from phalanx.runtime.comm import CommStats
 from phalanx.compat.horovod.ops import Compression, c10d_op, check_compression
 from phalanx.compat.horovod.world import Average, ReduceOp, Sum, check_op, current
-from phalanx.logging import warn_once
-from phalanx.strategies.ddp import GradReducer
 from phalanx.config.strategy_options import DataParallelOptions
+from phalanx.logging import warn_once
+from phalanx.runtime.collective_log import watched
+from phalanx.runtime.comm import CommStats
+from phalanx.strategies.ddp import GradReducer
 
 __all__ = ["DistributedOptimizer"]
 
@@ -57,7 +57,9 @@ class _Reduced:
 
     __slots__ = ("work", "wire", "ctx", "flat", "compression", "postscale")
 
-    def __init__(self, work: Any, wire: torch.Tensor, ctx: Any, flat: torch.Tensor, compression: Any, postscale: float) -> None:
+    def __init__(
+        self, work: Any, wire: torch.Tensor, ctx: Any, flat: torch.Tensor, compression: Any, postscale: float
+    ) -> None:
         self.work, self.wire, self.ctx, self.flat = work, wire, ctx, flat
         self.compression, self.postscale = compression, postscale
 
@@ -193,7 +195,11 @@ def _named(optimizer: torch.optim.Optimizer, named_parameters: Any) -> list[tupl
     """Every parameter of ``optimizer`` with its name, after Horovod's checks on ``named_parameters``."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if named_parameters is None:
-        return [(f"allreduce.noname.{i}.{j}", p) for i, g in enumerate(optimizer.param_groups) for j, p in enumerate(g["params"])]
+        return [
+            (f"allreduce.noname.{i}.{j}", p)
+            for i, g in enumerate(optimizer.param_groups)
+            for j, p in enumerate(g["params"])
+        ]
     named = list(named_parameters)
     bad = [x for x in named if not (isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.Tensor))]
     if bad:
@@ -209,8 +215,12 @@ def _named(optimizer: torch.optim.Optimizer, named_parameters: Any) -> list[tupl
             "model.named_parameters() of one model, or prefix the names of each model you combine)"
         )
     name_of = {p: n for n, p in named}
-    unnamed = [f"group {i} parameter {j} (shape {tuple(p.shape)})" for i, g in enumerate(optimizer.param_groups)
-               for j, p in enumerate(g["params"]) if p not in name_of]  # fmt: skip
+    unnamed = [
+        f"group {i} parameter {j} (shape {tuple(p.shape)})"
+        for i, g in enumerate(optimizer.param_groups)
+        for j, p in enumerate(g["params"])
+        if p not in name_of
+    ]
     if unnamed:
         raise ValueError(
             f"named_parameters does not name every parameter of the optimizer; missing: {'; '.join(unnamed)} (pass "
@@ -242,11 +252,13 @@ def DistributedOptimizer(
     compressor = check_compression(compression, where)
     passes = _check_passes(backward_passes_per_step)
     if not gradient_predivide_factor > 0:
-        raise ValueError(f"{where}: gradient_predivide_factor={gradient_predivide_factor!r} must be positive (1.0 is none)")
+        raise ValueError(
+            f"{where}: gradient_predivide_factor={gradient_predivide_factor!r} must be positive (1.0 is none)"
+        )
     if gradient_predivide_factor != 1.0 and reduce_op is not Average:
         raise ValueError(
-            f"{where}: gradient_predivide_factor={gradient_predivide_factor} splits an average, but op=hvd.{reduce_op.name} "
-            "(use op=hvd.Average, or gradient_predivide_factor=1.0)"
+            f"{where}: gradient_predivide_factor={gradient_predivide_factor} splits an average, "
+            f"but op=hvd.{reduce_op.name} (use op=hvd.Average, or gradient_predivide_factor=1.0)"
         )
     named = _named(optimizer, named_parameters)
 

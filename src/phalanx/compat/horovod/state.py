@@ -18,9 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.runtime.collective_log import watched
 from phalanx.compat.horovod.ops import to_comm_device
 from phalanx.compat.horovod.world import HvdWorld, check_root, current
+from phalanx.runtime.collective_log import watched
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object", "join"]
 
@@ -103,7 +103,9 @@ def _describe_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         if not entries:
             continue
         state[i] = {
-            k: ("tensor", tuple(v.shape), v.dtype, v.device.type == "cpu") if isinstance(v, torch.Tensor) else ("value", v)
+            k: ("tensor", tuple(v.shape), v.dtype, v.device.type == "cpu")
+            if isinstance(v, torch.Tensor)
+            else ("value", v)
             for k, v in entries.items()
         }
     return {
@@ -165,7 +167,9 @@ def _rebuild_state(optimizer: torch.optim.Optimizer, recipe: dict[int, dict[str,
             _, shape, dtype, on_cpu = entry
             device = torch.device("cpu") if on_cpu else p.device
             t = old.get(key)
-            if not (isinstance(t, torch.Tensor) and tuple(t.shape) == shape and t.dtype == dtype and t.device == device):
+            if not (
+                isinstance(t, torch.Tensor) and tuple(t.shape) == shape and t.dtype == dtype and t.device == device
+            ):
                 t = torch.empty(shape, dtype=dtype, device=device)
             new[key] = t
             tensors.append(t)

@@ -95,8 +95,8 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     global _WORLD
     if comm is not None:
         raise ValueError(
-            f"hvd.init(comm={comm!r}): phalanx does not run on MPI communicators; start the script with `phalanx launch "
-            "-n N script.py`, torchrun or mpirun and call hvd.init() with no arguments"
+            f"hvd.init(comm={comm!r}): phalanx does not run on MPI communicators; start the script with "
+            "`phalanx launch -n N script.py`, torchrun or mpirun and call hvd.init() with no arguments"
         )
     if process_sets is not None:
         raise NotImplementedError(
@@ -111,8 +111,14 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     device = pick_device(config.device, world.local_rank)
     existed = dist.is_initialized()
     init_distributed(world, device, config.timeout_s)
-    start_watchdog(world.rank, world.world_size, device.type, config.hang_timeout_s, config.debug_collectives,
-                   Topology(world.world_size, world.rank))  # fmt: skip
+    start_watchdog(
+        world.rank,
+        world.world_size,
+        device.type,
+        config.hang_timeout_s,
+        config.debug_collectives,
+        Topology(world.world_size, world.rank),
+    )
     _WORLD = HvdWorld(world, device, owns_group=not existed and world.init_method is not None)
 
 

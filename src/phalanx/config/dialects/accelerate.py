@@ -8,8 +8,9 @@ error that names what to use instead (a value phalanx cannot honour, e.g. ``dist
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from phalanx.config.dialects.mapping import Mapped, offload_for
 from phalanx.config.dialects.names import precision_from_accelerate, strategy_from_zero_stage
@@ -21,9 +22,9 @@ __all__ = ["is_accelerate_config", "from_accelerate"]
 _MARKERS = {"compute_environment", "distributed_type", "num_machines", "main_training_function", "use_cpu"}
 _NONE = ("none", None, False)
 _KNOWN_TOP = {
-    "distributed_type", "mixed_precision", "use_cpu", "num_processes", "num_machines", "machine_rank", "main_process_ip",
-    "main_process_port", "rdzv_backend", "gpu_ids", "deepspeed_config", "fsdp_config", "dynamo_config",
-    "dynamo_backend", "parallelism_config",
+    "distributed_type", "mixed_precision", "use_cpu", "num_processes", "num_machines", "machine_rank",
+    "main_process_ip", "main_process_port", "rdzv_backend", "gpu_ids", "deepspeed_config", "fsdp_config",
+    "dynamo_config", "dynamo_backend", "parallelism_config",
 }  # fmt: skip
 
 
@@ -72,22 +73,32 @@ def from_accelerate(data: dict[str, Any], where: str, read_json: Callable[[str],
         if not key.startswith("tpu_"):
             close = difflib.get_close_matches(key, sorted(_KNOWN_TOP | set(_IGNORED_TOP)), n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ConfigError(f"accelerate config {where}: unknown key {key!r}; {hint}(phalanx reads the keys that "
-                              "`accelerate config` writes)")  # fmt: skip
+            raise ConfigError(
+                f"accelerate config {where}: unknown key {key!r}; {hint}(phalanx reads the keys that "
+                "`accelerate config` writes)"
+            )
     for key, value in data.items():
         if key in _IGNORED_TOP or key.startswith("tpu_"):
             out.ignore(key, _IGNORED_TOP.get(key, "a TPU setting"))
         elif key == "dynamo_config" or key == "dynamo_backend":
             backend = value.get("dynamo_backend", "NO") if isinstance(value, dict) else value
             if str(backend).upper() not in ("NO", "NONE"):
-                raise _error(key, value, "phalanx does not compile models for you: call model = torch.compile(model) "
-                             "in the script before engine.prepare, and set dynamo_backend: 'NO'")  # fmt: skip
+                raise _error(
+                    key,
+                    value,
+                    "phalanx does not compile models for you: call model = torch.compile(model) "
+                    "in the script before engine.prepare, and set dynamo_backend: 'NO'",
+                )
             out.ignore(key, "dynamo_backend NO: no compilation asked for")
         elif key == "parallelism_config":
             sizes = {k: v for k, v in (value or {}).items() if str(k).endswith("_size") and v not in (1, None)}
             if sizes:
-                raise _error(key, value, "phalanx does not do tensor or context parallelism; use strategy zero3 to shard "
-                             "a model that does not fit, or strategy pipeline with pp_size for pipeline stages")  # fmt: skip
+                raise _error(
+                    key,
+                    value,
+                    "phalanx does not do tensor or context parallelism; use strategy zero3 to shard "
+                    "a model that does not fit, or strategy pipeline with pp_size for pipeline stages",
+                )
             out.ignore(key, "every size is 1")
     _map_world(data, dtype, out)
     if "mixed_precision" in data:
@@ -109,12 +120,16 @@ _DEVICE_TYPES = {"NO": None, "MULTI_CPU": "cpu", "MULTI_GPU": "auto", "DEEPSPEED
 def _map_world(data: dict[str, Any], dtype: str, out: Mapped) -> None:
     if dtype not in _DEVICE_TYPES:
         fixes = {
-            "MEGATRON_LM": "use strategy pipeline (pipeline stages, with data parallelism) or zero3 (sharded parameters)",
+            "MEGATRON_LM": "use strategy pipeline (pipeline stages, with data parallelism) "
+            "or zero3 (sharded parameters)",
             "XLA": "phalanx runs on CPUs and CUDA GPUs; use MULTI_GPU or MULTI_CPU",
             "TPU": "phalanx runs on CPUs and CUDA GPUs; use MULTI_GPU or MULTI_CPU",
         }
-        raise _error("distributed_type", dtype, fixes.get(dtype, "phalanx runs on CPUs and CUDA GPUs; use NO, MULTI_CPU, "
-                                                        "MULTI_GPU, DEEPSPEED or FSDP"))  # fmt: skip
+        raise _error(
+            "distributed_type",
+            dtype,
+            fixes.get(dtype, "phalanx runs on CPUs and CUDA GPUs; use NO, MULTI_CPU, MULTI_GPU, DEEPSPEED or FSDP"),
+        )
     device = "cpu" if _flag(data.get("use_cpu")) else _DEVICE_TYPES[dtype]
     if device is not None:
         out.set("device", device, "use_cpu" if _flag(data.get("use_cpu")) else "distributed_type")
@@ -135,16 +150,20 @@ def _map_world(data: dict[str, Any], dtype: str, out: Mapped) -> None:
             )
         out.set("launch.nproc_per_node", 1 if dtype == "NO" else total // machines, "num_processes")
         if dtype == "NO" and total > 1:
-            out.notes.append(f"num_processes={total} with distributed_type NO runs one process (as Accelerate does); "
-                             "use MULTI_CPU or MULTI_GPU for several")  # fmt: skip
+            out.notes.append(
+                f"num_processes={total} with distributed_type NO runs one process (as Accelerate does); "
+                "use MULTI_CPU or MULTI_GPU for several"
+            )
     for key, target in (("machine_rank", "launch.node_rank"), ("main_process_ip", "launch.master_addr")):
         if data.get(key) is not None:
             out.set(target, data[key], key)
     port = data.get("main_process_port")
     if port is not None:
         if not isinstance(port, int):
-            raise ConfigError(f"accelerate config: main_process_port must be a port number; got {port!r} (write the "
-                              "port node 0 listens on, e.g. 29500)")  # fmt: skip
+            raise ConfigError(
+                f"accelerate config: main_process_port must be a port number; got {port!r} (write the "
+                "port node 0 listens on, e.g. 29500)"
+            )
         out.set("launch.master_port", port, "main_process_port")
     backend = str(data.get("rdzv_backend", "static"))
     if backend == "c10d":
@@ -157,17 +176,23 @@ def _map_world(data: dict[str, Any], dtype: str, out: Mapped) -> None:
         out.ignore("rdzv_backend", "static is phalanx's default: node 0's address and port")
     gpu_ids = data.get("gpu_ids")
     if gpu_ids is not None and str(gpu_ids).lower() != "all":
-        raise _error("gpu_ids", gpu_ids, "phalanx uses every visible GPU, one per local rank: set "
-                     "CUDA_VISIBLE_DEVICES={} before phalanx launch, and gpu_ids: all".format(gpu_ids))  # fmt: skip
+        raise _error(
+            "gpu_ids",
+            gpu_ids,
+            "phalanx uses every visible GPU, one per local rank: set "
+            f"CUDA_VISIBLE_DEVICES={gpu_ids} before phalanx launch, and gpu_ids: all",
+        )
     if gpu_ids is not None:
         out.ignore("gpu_ids", "all: every visible GPU, one per local rank")
 
 
 _DS_IGNORED = {
     "deepspeed_multinode_launcher": "phalanx launch runs on every node, as Accelerate's 'standard' launcher",
-    "zero3_init_flag": "phalanx's zero3 shards the parameters at engine.prepare; the model is built whole on the host first",
+    "zero3_init_flag": "phalanx's zero3 shards the parameters at engine.prepare; "
+    "the model is built whole on the host first",
     "zero3_save_16bit_model": "engine.save_model always writes the full gathered weights, in the parameters' dtype",
-    "deepspeed_moe_layer_cls_names": "phalanx has no mixture-of-experts handling; such layers shard as any other module",
+    "deepspeed_moe_layer_cls_names": "phalanx has no mixture-of-experts handling; "
+    "such layers shard as any other module",
 }
 
 
@@ -177,10 +202,14 @@ def _map_deepspeed(ds: dict[str, Any], out: Mapped, where: str, read_json: Calla
 
     file = ds.get("deepspeed_config_file")
     if file:
-        inline = [k for k in ds if k not in ("deepspeed_config_file", "deepspeed_multinode_launcher", "zero3_init_flag")]
+        inline = [
+            k for k in ds if k not in ("deepspeed_config_file", "deepspeed_multinode_launcher", "zero3_init_flag")
+        ]
         if inline:
-            raise ConfigError(f"accelerate config: deepspeed_config_file={file!r} and the keys {', '.join(inline)} "
-                              "both configure DeepSpeed; keep them in the JSON file only (Accelerate refuses this too)")  # fmt: skip
+            raise ConfigError(
+                f"accelerate config: deepspeed_config_file={file!r} and the keys {', '.join(inline)} "
+                "both configure DeepSpeed; keep them in the JSON file only (Accelerate refuses this too)"
+            )
         path = Path(where).parent / file if not Path(file).is_absolute() else Path(file)
         out.merge(from_deepspeed(read_json(str(path)), str(path)), prefix="deepspeed_config_file: ")
         out.set("deepspeed", str(path), "deepspeed_config_file")
@@ -192,12 +221,20 @@ def _map_deepspeed(ds: dict[str, Any], out: Mapped, where: str, read_json: Calla
         name = f"deepspeed_config.{key}"
         if key in _DS_IGNORED:
             if key == "deepspeed_multinode_launcher" and str(value) != "standard":
-                raise _error(name, value, "phalanx launch is started on every node (Accelerate's 'standard' launcher); "
-                             "use deepspeed_multinode_launcher: standard")  # fmt: skip
+                raise _error(
+                    name,
+                    value,
+                    "phalanx launch is started on every node (Accelerate's 'standard' launcher); "
+                    "use deepspeed_multinode_launcher: standard",
+                )
             out.ignore(name, _DS_IGNORED[key])
         elif key in ("deepspeed_hostfile", "deepspeed_inclusion_filter", "deepspeed_exclusion_filter"):
-            raise _error(name, value, "phalanx launch does not read hostfiles: run it on each node with --nnodes, "
-                         "--node-rank and --master-addr")  # fmt: skip
+            raise _error(
+                name,
+                value,
+                "phalanx launch does not read hostfiles: run it on each node with --nnodes, "
+                "--node-rank and --master-addr",
+            )
         elif key == "gradient_accumulation_steps":
             out.set("grad_accum_steps", value, name)
         elif key == "gradient_clipping":
@@ -209,10 +246,12 @@ def _map_deepspeed(ds: dict[str, Any], out: Mapped, where: str, read_json: Calla
             if value not in _NONE and str(value).lower() != "none":
                 out.set("offload_dir", str(value), name)
         elif key not in ("zero_stage", "deepspeed_config_file"):
-            raise ConfigError(f"accelerate config: unknown key {name!r} (phalanx knows: zero_stage, gradient_"
-                              "accumulation_steps, gradient_clipping, offload_optimizer_device, offload_param_device, "
-                              "offload_*_nvme_path, zero3_init_flag, zero3_save_16bit_model, deepspeed_config_file, "
-                              "deepspeed_multinode_launcher)")  # fmt: skip
+            raise ConfigError(
+                f"accelerate config: unknown key {name!r} (phalanx knows: zero_stage, gradient_"
+                "accumulation_steps, gradient_clipping, offload_optimizer_device, offload_param_device, "
+                "offload_*_nvme_path, zero3_init_flag, zero3_save_16bit_model, deepspeed_config_file, "
+                "deepspeed_multinode_launcher)"
+            )
     if "offload_optimizer_device" in ds or "offload_param_device" in ds:
         opt = _offload(ds.get("offload_optimizer_device"), "deepspeed_config.offload_optimizer_device")
         par = _offload(ds.get("offload_param_device"), "deepspeed_config.offload_param_device")
@@ -239,8 +278,12 @@ def _map_fsdp(fsdp: dict[str, Any], out: Mapped) -> None:
         strategy = _SHARDING.get(str(value).upper(), "")
         source = "fsdp_config.fsdp_sharding_strategy"
     if not strategy:
-        raise _error(source, value, "phalanx shards over all ranks (FULL_SHARD -> zero3, SHARD_GRAD_OP -> zero2) and "
-                     "has no hybrid sharding; use FULL_SHARD or SHARD_GRAD_OP")  # fmt: skip
+        raise _error(
+            source,
+            value,
+            "phalanx shards over all ranks (FULL_SHARD -> zero3, SHARD_GRAD_OP -> zero2) and "
+            "has no hybrid sharding; use FULL_SHARD or SHARD_GRAD_OP",
+        )
     out.set("strategy", strategy, source)
     for key, value in fsdp.items():
         name = f"fsdp_config.{key}"
@@ -261,10 +304,15 @@ def _map_fsdp(fsdp: dict[str, Any], out: Mapped) -> None:
                 out.ignore(name, f"{strategy} does not gather parameters per module, so it has no units")
         elif key == "fsdp_auto_wrap_policy":
             if str(value).upper() == "SIZE_BASED_WRAP":
-                out.notes.append("fsdp_auto_wrap_policy SIZE_BASED_WRAP: phalanx's zero3 makes one unit per child "
-                                 "module with parameters (or per class in fsdp_transformer_layer_cls_to_wrap)")  # fmt: skip
-            out.ignore(name, "zero3's units are each child module with parameters, or the classes in "
-                       "fsdp_transformer_layer_cls_to_wrap")  # fmt: skip
+                out.notes.append(
+                    "fsdp_auto_wrap_policy SIZE_BASED_WRAP: phalanx's zero3 makes one unit per child "
+                    "module with parameters (or per class in fsdp_transformer_layer_cls_to_wrap)"
+                )
+            out.ignore(
+                name,
+                "zero3's units are each child module with parameters, or the classes in "
+                "fsdp_transformer_layer_cls_to_wrap",
+            )
         elif key in ("fsdp_backward_prefetch", "fsdp_backward_prefetch_policy", "fsdp_forward_prefetch"):
             if strategy == "zero3":
                 on = _flag(value) or str(value).upper() in ("BACKWARD_PRE", "BACKWARD_POST")
@@ -276,22 +324,39 @@ def _map_fsdp(fsdp: dict[str, Any], out: Mapped) -> None:
                 out.ignore(name, f"{strategy} does not gather parameters")
         elif key == "fsdp_activation_checkpointing":
             if _flag(value):
-                raise _error(name, value, "phalanx does not add activation checkpointing; wrap the blocks' forward in "
-                             "torch.utils.checkpoint.checkpoint in the model, and set it false")  # fmt: skip
+                raise _error(
+                    name,
+                    value,
+                    "phalanx does not add activation checkpointing; wrap the blocks' forward in "
+                    "torch.utils.checkpoint.checkpoint in the model, and set it false",
+                )
             out.ignore(name, "false")
         elif key in ("fsdp_state_dict_type",):
-            out.ignore(name, "engine.save_state always writes sharded checkpoints that resume on any world size; "
-                       "engine.save_model writes the full model")  # fmt: skip
-        elif key in ("fsdp_sync_module_states", "fsdp_use_orig_params", "fsdp_cpu_ram_efficient_loading",
-                     "fsdp_version", "fsdp_min_num_params"):  # fmt: skip
-            out.ignore(name, {
-                "fsdp_sync_module_states": "phalanx always broadcasts rank 0's parameters at prepare",
-                "fsdp_use_orig_params": "prepared models keep their original parameters' names",
-                "fsdp_cpu_ram_efficient_loading": "the model is built on each rank; rank 0's values are broadcast",
-                "fsdp_version": "phalanx's zero3 is its own; the FSDP1 and FSDP2 keys both map onto it",
-                "fsdp_min_num_params": "read only with SIZE_BASED_WRAP, which phalanx does not do",
-            }[key])
+            out.ignore(
+                name,
+                "engine.save_state always writes sharded checkpoints that resume on any world size; "
+                "engine.save_model writes the full model",
+            )
+        elif key in (
+            "fsdp_sync_module_states",
+            "fsdp_use_orig_params",
+            "fsdp_cpu_ram_efficient_loading",
+            "fsdp_version",
+            "fsdp_min_num_params",
+        ):
+            out.ignore(
+                name,
+                {
+                    "fsdp_sync_module_states": "phalanx always broadcasts rank 0's parameters at prepare",
+                    "fsdp_use_orig_params": "prepared models keep their original parameters' names",
+                    "fsdp_cpu_ram_efficient_loading": "the model is built on each rank; rank 0's values are broadcast",
+                    "fsdp_version": "phalanx's zero3 is its own; the FSDP1 and FSDP2 keys both map onto it",
+                    "fsdp_min_num_params": "read only with SIZE_BASED_WRAP, which phalanx does not do",
+                }[key],
+            )
         else:
-            raise ConfigError(f"accelerate config: unknown key {name!r}; phalanx maps fsdp_sharding_strategy, "
-                              "fsdp_reshard_after_forward, fsdp_offload_params, fsdp_transformer_layer_cls_to_wrap, "
-                              "fsdp_backward_prefetch, fsdp_forward_prefetch and ignores the rest with a reason")  # fmt: skip
+            raise ConfigError(
+                f"accelerate config: unknown key {name!r}; phalanx maps fsdp_sharding_strategy, "
+                "fsdp_reshard_after_forward, fsdp_offload_params, fsdp_transformer_layer_cls_to_wrap, "
+                "fsdp_backward_prefetch, fsdp_forward_prefetch and ignores the rest with a reason"
+            )

@@ -31,15 +31,25 @@ def apply_batch_rule(values: dict[str, Any], origins: dict[str, str], world: int
     world_text = f"data-parallel size {dp} (world size {world}" + (f", {pp} pipeline stages)" if pp > 1 else ")")
     if glob is not None and micro is not None and not accum_set:
         if glob % (micro * dp):
-            raise ConfigError(f"{said('global_batch_size')} is not a multiple of {said('micro_batch_size')} x "
-                              f"{world_text} = {micro * dp}: change one of them, or the number of ranks")  # fmt: skip
-        values["grad_accum_steps"], origins["grad_accum_steps"] = glob // (micro * dp), "batch rule: global / (micro x dp)"
+            raise ConfigError(
+                f"{said('global_batch_size')} is not a multiple of {said('micro_batch_size')} x "
+                f"{world_text} = {micro * dp}: change one of them, or the number of ranks"
+            )
+        values["grad_accum_steps"], origins["grad_accum_steps"] = (
+            glob // (micro * dp),
+            "batch rule: global / (micro x dp)",
+        )
         return
     if glob is not None and micro is None:
         if glob % (accum * dp):
-            raise ConfigError(f"{said('global_batch_size')} is not a multiple of grad_accum_steps={accum} x "
-                              f"{world_text} = {accum * dp}: change one of them, or the number of ranks")  # fmt: skip
-        values["micro_batch_size"], origins["micro_batch_size"] = glob // (accum * dp), "batch rule: global / (accum x dp)"
+            raise ConfigError(
+                f"{said('global_batch_size')} is not a multiple of grad_accum_steps={accum} x "
+                f"{world_text} = {accum * dp}: change one of them, or the number of ranks"
+            )
+        values["micro_batch_size"], origins["micro_batch_size"] = (
+            glob // (accum * dp),
+            "batch rule: global / (accum x dp)",
+        )
         return
     assert micro is not None
     if glob is None:

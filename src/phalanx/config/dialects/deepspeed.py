@@ -109,7 +109,7 @@ def read_deepspeed(path: str | Path) -> dict[str, Any]:
 def _enabled(block: Any, key: str) -> bool | None:
     """``{"enabled": true}`` -> True; ``"auto"`` -> None (leave it to the other settings)."""
     if not isinstance(block, dict):
-        raise ConfigError(f"DeepSpeed config: {key!r} must be an object such as {{\"enabled\": true}}; got {block!r}")
+        raise ConfigError(f'DeepSpeed config: {key!r} must be an object such as {{"enabled": true}}; got {block!r}')
     value = block.get("enabled", False)
     return None if is_auto(value) else bool(value)
 
@@ -120,19 +120,28 @@ def from_deepspeed(data: dict[str, Any], where: str) -> Mapped:
         if key not in _MAPPED and key not in _IGNORED:
             close = difflib.get_close_matches(key, sorted(_MAPPED | set(_IGNORED)), n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ConfigError(f"DeepSpeed config {where}: unknown key {key!r}; {hint}(DeepSpeed would silently ignore "
-                              "it; phalanx refuses, so that a misspelt setting is not dropped)")  # fmt: skip
+            raise ConfigError(
+                f"DeepSpeed config {where}: unknown key {key!r}; {hint}(DeepSpeed would silently ignore "
+                "it; phalanx refuses, so that a misspelt setting is not dropped)"
+            )
     for key, why in _IGNORED.items():
         if key in data:
             block = data[key]
-            if isinstance(block, dict) and block.get("enabled") is True and key not in ("tensorboard", "wandb",
-                                                                                         "csv_monitor", "comms_logger",
-                                                                                         "flops_profiler"):
-                raise ConfigError(f"DeepSpeed config {where}: {key} is enabled, and phalanx cannot honour it ({why}); "
-                                  "remove the block or set enabled: false")  # fmt: skip
+            if (
+                isinstance(block, dict)
+                and block.get("enabled") is True
+                and key not in ("tensorboard", "wandb", "csv_monitor", "comms_logger", "flops_profiler")
+            ):
+                raise ConfigError(
+                    f"DeepSpeed config {where}: {key} is enabled, and phalanx cannot honour it ({why}); "
+                    "remove the block or set enabled: false"
+                )
             out.ignore(key, why)
-    for key, target in (("train_batch_size", "global_batch_size"), ("train_micro_batch_size_per_gpu", "micro_batch_size"),
-                        ("gradient_accumulation_steps", "grad_accum_steps")):  # fmt: skip
+    for key, target in (
+        ("train_batch_size", "global_batch_size"),
+        ("train_micro_batch_size_per_gpu", "micro_batch_size"),
+        ("gradient_accumulation_steps", "grad_accum_steps"),
+    ):
         if key in data:
             if is_auto(data[key]):
                 out.ignore(key, "auto: from the DataLoader's batch size and the batch rule")
@@ -154,20 +163,27 @@ def from_deepspeed(data: dict[str, Any], where: str) -> Mapped:
         out.set("strategy", strategy, "zero_optimization.stage")
     _map_zero(zero, strategy, out)
     if "zero_allow_untested_optimizer" in data and strategy not in (None, "ddp"):
-        out.set("zero_allow_untested_optimizer", bool(data["zero_allow_untested_optimizer"]), "zero_allow_untested_optimizer")
+        out.set(
+            "zero_allow_untested_optimizer",
+            bool(data["zero_allow_untested_optimizer"]),
+            "zero_allow_untested_optimizer",
+        )
     elif "zero_allow_untested_optimizer" in data:
         out.ignore("zero_allow_untested_optimizer", "read by the zero strategies only")
     if "communication_data_type" in data and data["communication_data_type"] is not None:
         text = str(data["communication_data_type"]).lower()
         if text not in _COMM_DTYPES:
-            raise ConfigError(f"invalid communication_data_type: got {data['communication_data_type']!r} (use fp16, "
-                              "bf16 or fp32)")  # fmt: skip
+            raise ConfigError(
+                f"invalid communication_data_type: got {data['communication_data_type']!r} (use fp16, bf16 or fp32)"
+            )
         out.set("comm_dtype", _COMM_DTYPES[text], "communication_data_type")
     for block in ("optimizer", "scheduler"):
         if block in data:
             if not isinstance(data[block], dict) or "type" not in data[block]:
-                raise ConfigError(f"DeepSpeed config {where}: {block} must be an object with a 'type' and 'params'; "
-                                  f"got {data[block]!r}")  # fmt: skip
+                raise ConfigError(
+                    f"DeepSpeed config {where}: {block} must be an object with a 'type' and 'params'; "
+                    f"got {data[block]!r}"
+                )
     if "optimizer" in data or "scheduler" in data:
         out.set("deepspeed", where, "optimizer / scheduler blocks")
     return out
@@ -175,10 +191,12 @@ def from_deepspeed(data: dict[str, Any], where: str) -> Mapped:
 
 def _map_precision(data: dict[str, Any], out: Mapped) -> None:
     if "amp" in data and _enabled(data["amp"], "amp"):
-        raise ConfigError("DeepSpeed config: amp (NVIDIA Apex) is not supported; use \"fp16\": {\"enabled\": true} "
-                          "or \"bf16\": {\"enabled\": true}")  # fmt: skip
+        raise ConfigError(
+            'DeepSpeed config: amp (NVIDIA Apex) is not supported; use "fp16": {"enabled": true} '
+            'or "bf16": {"enabled": true}'
+        )
     if "fp8" in data and _enabled(data["fp8"], "fp8"):
-        raise ConfigError("DeepSpeed config: fp8 is not supported by phalanx; use \"bf16\": {\"enabled\": true}")
+        raise ConfigError('DeepSpeed config: fp8 is not supported by phalanx; use "bf16": {"enabled": true}')
     bf16 = _enabled(data["bf16"], "bf16") if "bf16" in data else None
     bf16 = _enabled(data["bfloat16"], "bfloat16") if "bfloat16" in data and bf16 is None else bf16
     fp16 = _enabled(data["fp16"], "fp16") if "fp16" in data else None
@@ -208,8 +226,10 @@ def _map_loss_scale(block: dict[str, Any], out: Mapped) -> None:
     if block.get("consecutive_hysteresis"):
         raise ConfigError("DeepSpeed config: fp16.consecutive_hysteresis is not supported; leave it false")
     if block.get("fp16_master_weights_and_grads"):
-        raise ConfigError("DeepSpeed config: fp16.fp16_master_weights_and_grads is not supported: phalanx keeps fp32 "
-                          "master weights; leave it false")  # fmt: skip
+        raise ConfigError(
+            "DeepSpeed config: fp16.fp16_master_weights_and_grads is not supported: phalanx keeps fp32 "
+            "master weights; leave it false"
+        )
     if "auto_cast" in block:
         out.ignore("fp16.auto_cast", "phalanx's fp16-mixed always autocasts the forward")
     values = {k: block.get(k, d) for k, d in _FP16_DEFAULTS.items()}
@@ -260,15 +280,27 @@ def _map_zero(zero: dict[str, Any], strategy: str | None, out: Mapped) -> None:
         elif key == "ignore_unused_parameters":
             out.set("find_unused_parameters", bool(value), name)
         else:
-            known = sorted({"stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "reduce_scatter",
-                            "ignore_unused_parameters"} | set(_ZERO_IGNORED) | set(_ZERO_REFUSED))  # fmt: skip
+            known = sorted(
+                {
+                    "stage",
+                    "offload_optimizer",
+                    "offload_param",
+                    "reduce_bucket_size",
+                    "reduce_scatter",
+                    "ignore_unused_parameters",
+                }
+                | set(_ZERO_IGNORED)
+                | set(_ZERO_REFUSED)
+            )
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise ConfigError(f"DeepSpeed config: unknown key {name!r}; {hint}known: {', '.join(known)}")
     if (opt_dev, par_dev) != ("none", "none") or strategy in ("zero1", "zero2", "zero3"):
         if strategy in (None, "ddp") and (opt_dev, par_dev) != ("none", "none"):
-            raise ConfigError(f"DeepSpeed config: offload needs ZeRO (zero_optimization.stage 1, 2 or 3); got stage "
-                              f"{zero.get('stage', 0)!r}")  # fmt: skip
+            raise ConfigError(
+                f"DeepSpeed config: offload needs ZeRO (zero_optimization.stage 1, 2 or 3); got stage "
+                f"{zero.get('stage', 0)!r}"
+            )
         if strategy not in (None, "ddp"):
             offload_for(out, opt_dev, par_dev, strategy, "zero_optimization.offload_optimizer / offload_param")
 
@@ -277,14 +309,16 @@ def _offload_block(block: Any, name: str) -> tuple[str, str | None]:
     if block is None:
         return "none", None
     if not isinstance(block, dict):
-        raise ConfigError(f"DeepSpeed config: {name} must be an object such as {{\"device\": \"cpu\"}}; got {block!r}")
+        raise ConfigError(f'DeepSpeed config: {name} must be an object such as {{"device": "cpu"}}; got {block!r}')
     known = {"device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu", "fast_init", "ratio"}
     for key in block:
         if key not in known:
             raise ConfigError(f"DeepSpeed config: unknown key '{name}.{key}'; known: {', '.join(sorted(known))}")
     if block.get("ratio", 1.0) not in (1, 1.0):
-        raise ConfigError(f"DeepSpeed config: {name}.ratio={block['ratio']!r} (partial offload) is not supported; "
-                          "phalanx offloads all of it: use 1.0")  # fmt: skip
+        raise ConfigError(
+            f"DeepSpeed config: {name}.ratio={block['ratio']!r} (partial offload) is not supported; "
+            "phalanx offloads all of it: use 1.0"
+        )
     device = str(block.get("device", "none")).lower()
     mapping = {"none": "none", "cpu": "cpu", "nvme": "disk"}
     if device not in mapping:

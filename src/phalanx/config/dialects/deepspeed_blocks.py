@@ -26,8 +26,8 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from phalanx.logging import get_logger
 from phalanx.config.options import ConfigError
+from phalanx.logging import get_logger
 
 __all__ = ["BlockNote", "DeepSpeedSchedule", "build_optimizer", "build_scheduler", "describe_blocks"]
 
@@ -49,31 +49,77 @@ _BLOCK_KEYS = {"optimizer": ("type", "params", "legacy_fusion"), "scheduler": ("
 # An "auto" that auto_values does not name may be filled from a related value, as Hugging Face does.
 _AUTO_ALIASES = {"warmup_max_lr": "lr"}
 # DeepSpeed's default Adam is FusedAdam, whose weight decay defaults to 0 (torch's AdamW defaults to 0.01).
-_FUSED_ADAM_DEFAULTS: dict[str, Any] = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
-                                        "bias_correction": True, "amsgrad": False, "set_grad_none": True}
+_FUSED_ADAM_DEFAULTS: dict[str, Any] = {
+    "lr": 1e-3,
+    "betas": (0.9, 0.999),
+    "eps": 1e-8,
+    "weight_decay": 0.0,
+    "bias_correction": True,
+    "amsgrad": False,
+    "set_grad_none": True,
+}
 # Keys DeepSpeed takes out of an Adam block before it calls the constructor (the last is for CPU-offload Adam only).
 _ADAM_SWITCHES: dict[str, Any] = {"torch_adam": False, "adam_w_mode": True, "fp32_optimizer_states": None}
-_REFUSED_OPTIMIZERS = {"lamb": "DeepSpeed's FusedLamb kernel", "lion": "DeepSpeed's FusedLion kernel",
-                       "muon": "DeepSpeed's Muon with its auxiliary Adam", "muadam": "the mup package",
-                       "muadamw": "the mup package", "musgd": "the mup package"}
-_WARMUP: dict[str, Any] = {"warmup_min_lr": 0.0, "warmup_max_lr": None, "warmup_num_steps": 1000,
-                           "warmup_type": "log", "last_batch_iteration": -1}
+_REFUSED_OPTIMIZERS = {
+    "lamb": "DeepSpeed's FusedLamb kernel",
+    "lion": "DeepSpeed's FusedLion kernel",
+    "muon": "DeepSpeed's Muon with its auxiliary Adam",
+    "muadam": "the mup package",
+    "muadamw": "the mup package",
+    "musgd": "the mup package",
+}
+_WARMUP: dict[str, Any] = {
+    "warmup_min_lr": 0.0,
+    "warmup_max_lr": None,
+    "warmup_num_steps": 1000,
+    "warmup_type": "log",
+    "last_batch_iteration": -1,
+}
 _SCHEDULE_DEFAULTS: dict[str, dict[str, Any]] = {
     "WarmupLR": _WARMUP,
     # DeepSpeed's WarmupDecayLR passes 0.001 on, where WarmupLR's default is the optimizer's lr.
     "WarmupDecayLR": {"total_num_steps": _REQUIRED, **_WARMUP, "warmup_max_lr": 0.001},
-    "WarmupCosineLR": {"total_num_steps": _REQUIRED, "warmup_min_ratio": 0.0, "warmup_num_steps": 1000,
-                       "cos_min_ratio": 0.0001, "warmup_type": "log", "last_batch_iteration": -1},
-    "OneCycle": {"cycle_min_lr": _REQUIRED, "cycle_max_lr": _REQUIRED, "decay_lr_rate": 0.0,
-                 "cycle_first_step_size": 2000, "cycle_second_step_size": None, "cycle_first_stair_count": 0,
-                 "cycle_second_stair_count": None, "decay_step_size": 0, "cycle_momentum": True,
-                 "cycle_min_mom": 0.8, "cycle_max_mom": 0.9, "decay_mom_rate": 0.0, "last_batch_iteration": -1},
-    "LRRangeTest": {"lr_range_test_min_lr": 1e-3, "lr_range_test_step_size": 2000, "lr_range_test_step_rate": 1.0,
-                    "lr_range_test_staircase": False, "last_batch_iteration": -1},
+    "WarmupCosineLR": {
+        "total_num_steps": _REQUIRED,
+        "warmup_min_ratio": 0.0,
+        "warmup_num_steps": 1000,
+        "cos_min_ratio": 0.0001,
+        "warmup_type": "log",
+        "last_batch_iteration": -1,
+    },
+    "OneCycle": {
+        "cycle_min_lr": _REQUIRED,
+        "cycle_max_lr": _REQUIRED,
+        "decay_lr_rate": 0.0,
+        "cycle_first_step_size": 2000,
+        "cycle_second_step_size": None,
+        "cycle_first_stair_count": 0,
+        "cycle_second_stair_count": None,
+        "decay_step_size": 0,
+        "cycle_momentum": True,
+        "cycle_min_mom": 0.8,
+        "cycle_max_mom": 0.9,
+        "decay_mom_rate": 0.0,
+        "last_batch_iteration": -1,
+    },
+    "LRRangeTest": {
+        "lr_range_test_min_lr": 1e-3,
+        "lr_range_test_step_size": 2000,
+        "lr_range_test_step_rate": 1.0,
+        "lr_range_test_staircase": False,
+        "last_batch_iteration": -1,
+    },
 }
 # Settings given once for all param groups, or as a list with one value per group.
-_PER_GROUP = {"warmup_min_lr", "warmup_max_lr", "cycle_min_lr", "cycle_max_lr", "cycle_min_mom", "cycle_max_mom",
-              "lr_range_test_min_lr"}
+_PER_GROUP = {
+    "warmup_min_lr",
+    "warmup_max_lr",
+    "cycle_min_lr",
+    "cycle_max_lr",
+    "cycle_min_mom",
+    "cycle_max_mom",
+    "lr_range_test_min_lr",
+}
 
 
 def _suggest(key: str, valid: Iterable[str]) -> str:
@@ -92,13 +138,13 @@ def _is_whole(value: Any, low: int) -> bool:
 def _open_block(block_name: str, block: Any) -> tuple[str, dict[str, Any]]:
     """The block's type and a copy of its params, after checking its shape."""
     if not isinstance(block, dict):
-        raise ConfigError(f"invalid {block_name}: got {block!r} (write {{\"type\": ..., \"params\": {{...}}}})")
+        raise ConfigError(f'invalid {block_name}: got {block!r} (write {{"type": ..., "params": {{...}}}})')
     valid = _BLOCK_KEYS[block_name]
     for key in (k for k in block if k not in valid):
         raise ConfigError(f"unknown key {block_name}.{key} ({_suggest(key, valid)}the block holds: {valid})")
     name, params = block.get("type"), block.get("params") or {}
     if not isinstance(name, str) or not name:
-        raise ConfigError(f"invalid {block_name}.type: got {name!r} (write a type name, e.g. \"AdamW\", \"WarmupLR\")")
+        raise ConfigError(f'invalid {block_name}.type: got {name!r} (write a type name, e.g. "AdamW", "WarmupLR")')
     if not isinstance(params, dict):
         raise ConfigError(f"invalid {block_name}.params: got {params!r} (write an object of settings)")
     return name, dict(params)
@@ -113,10 +159,12 @@ def _fill_autos(block: str, raw: dict[str, Any], auto_values: dict[str, Any], no
         source = key if key in auto_values else _AUTO_ALIASES.get(key, key)
         if source not in auto_values:
             fix = "total_num_steps=..." if key == "total_num_steps" else f"auto_values={{{key!r}: ...}}"
-            raise ConfigError(f"{block}.params.{key} is \"auto\" and nothing fills it (auto_values has "
-                              f"{sorted(auto_values)}); write a value in the DeepSpeed config, or pass {fix}")
+            raise ConfigError(
+                f'{block}.params.{key} is "auto" and nothing fills it (auto_values has '
+                f"{sorted(auto_values)}); write a value in the DeepSpeed config, or pass {fix}"
+            )
         raw[key] = auto_values[source]
-        notes.append(BlockNote(block, key, raw[key], f"\"auto\", filled from auto_values[{source!r}]"))
+        notes.append(BlockNote(block, key, raw[key], f'"auto", filled from auto_values[{source!r}]'))
 
 
 def _check_like_default(block: str, key: str, value: Any, default: Any) -> Any:
@@ -144,30 +192,43 @@ def _signature_defaults(cls: type) -> tuple[dict[str, Any], list[str]]:
     return defaults, shown
 
 
-def _take_params(type_name: str, target: str, given: dict[str, Any], defaults: dict[str, Any],
-                 shown: Iterable[str], notes: list[BlockNote]) -> dict[str, Any]:
+def _take_params(
+    type_name: str,
+    target: str,
+    given: dict[str, Any],
+    defaults: dict[str, Any],
+    shown: Iterable[str],
+    notes: list[BlockNote],
+) -> dict[str, Any]:
     """``given`` checked against a constructor's ``defaults``; notes the defaults of the ``shown`` keys left out."""
     for key, value in given.items():
         if key not in defaults:
-            raise ConfigError(f"unknown key optimizer.params.{key} for type {type_name!r} ({_suggest(key, defaults)}"
-                              f"{target} takes: {', '.join(sorted(defaults))})")
+            raise ConfigError(
+                f"unknown key optimizer.params.{key} for type {type_name!r} ({_suggest(key, defaults)}"
+                f"{target} takes: {', '.join(sorted(defaults))})"
+            )
         given[key] = _check_like_default("optimizer", key, value, defaults[key])
     for key in (k for k in shown if k not in given):
         if defaults[key] is _REQUIRED:
-            raise ConfigError(f"optimizer.params.{key} is missing and {target} needs it (write it, or write "
-                              f"\"auto\" and pass auto_values={{{key!r}: ...}})")
+            raise ConfigError(
+                f"optimizer.params.{key} is missing and {target} needs it (write it, or write "
+                f'"auto" and pass auto_values={{{key!r}: ...}})'
+            )
         notes.append(BlockNote("optimizer", key, defaults[key], f"default of {target}"))
     return given
 
 
-def _resolve_optimizer(block: Any, auto_values: dict[str, Any] | None
-                       ) -> tuple[type[Optimizer], dict[str, Any], list[BlockNote]]:
+def _resolve_optimizer(
+    block: Any, auto_values: dict[str, Any] | None
+) -> tuple[type[Optimizer], dict[str, Any], list[BlockNote]]:
     """The torch class, its keyword arguments, and notes, for a DeepSpeed ``optimizer`` block."""
     type_name, given = _open_block("optimizer", block)
     if "max_grad_norm" in given:
         clip = given["max_grad_norm"]
-        raise ConfigError(f"optimizer.params.max_grad_norm={clip!r} is refused by DeepSpeed as an optimizer "
-                          f"setting; move it to the top-level \"gradient_clipping\": {clip!r}")
+        raise ConfigError(
+            f"optimizer.params.max_grad_norm={clip!r} is refused by DeepSpeed as an optimizer "
+            f'setting; move it to the top-level "gradient_clipping": {clip!r}'
+        )
     notes: list[BlockNote] = []
     _fill_autos("optimizer", given, auto_values or {}, notes)
     lowered = type_name.lower()
@@ -185,32 +246,48 @@ def _resolve_optimizer(block: Any, auto_values: dict[str, Any] | None
             target = "DeepSpeed's FusedAdam"
             kwargs = _take_params(type_name, target, given, _FUSED_ADAM_DEFAULTS, (), notes)
             if kwargs.pop("amsgrad", False):
-                raise ConfigError("optimizer.params.amsgrad=true is refused by DeepSpeed's default Adam (FusedAdam); "
-                                  "add \"torch_adam\": true to use torch's AMSGrad, or remove amsgrad")
+                raise ConfigError(
+                    "optimizer.params.amsgrad=true is refused by DeepSpeed's default Adam (FusedAdam); "
+                    'add "torch_adam": true to use torch\'s AMSGrad, or remove amsgrad'
+                )
             if not kwargs.pop("bias_correction", True):
-                raise ConfigError("optimizer.params.bias_correction=false is not supported: phalanx builds torch's "
-                                  "Adam, which always corrects the moment bias; remove the key")
+                raise ConfigError(
+                    "optimizer.params.bias_correction=false is not supported: phalanx builds torch's "
+                    "Adam, which always corrects the moment bias; remove the key"
+                )
             kwargs.pop("set_grad_none", None)  # torch's zero_grad() sets grads to None already
             for key in ("lr", "betas", "eps", "weight_decay"):  # written out: torch's AdamW would decay by 0.01
                 if key not in kwargs:
                     kwargs[key] = _FUSED_ADAM_DEFAULTS[key]
                     notes.append(BlockNote("optimizer", key, kwargs[key], f"default of {target}"))
         if switches["fp32_optimizer_states"] is not None:
-            notes.append(BlockNote("optimizer", "fp32_optimizer_states", switches["fp32_optimizer_states"],
-                                   "ignored: only DeepSpeed's CPU-offload Adam reads it"))
+            notes.append(
+                BlockNote(
+                    "optimizer",
+                    "fp32_optimizer_states",
+                    switches["fp32_optimizer_states"],
+                    "ignored: only DeepSpeed's CPU-offload Adam reads it",
+                )
+            )
         notes.insert(0, BlockNote("optimizer", "type", f"torch.optim.{cls.__name__}", f"{type_name!r}: {how}"))
         return cls, kwargs, notes
     if lowered in _REFUSED_OPTIMIZERS:
-        raise ConfigError(f"optimizer.type={type_name!r} is not supported: it needs {_REFUSED_OPTIMIZERS[lowered]}; "
-                          f"use \"Adam\", \"AdamW\", \"Adagrad\" or a torch.optim name such as \"SGD\", or pass your "
-                          f"own optimizer in Python")
+        raise ConfigError(
+            f"optimizer.type={type_name!r} is not supported: it needs {_REFUSED_OPTIMIZERS[lowered]}; "
+            f'use "Adam", "AdamW", "Adagrad" or a torch.optim name such as "SGD", or pass your '
+            f"own optimizer in Python"
+        )
     # Like DeepSpeed, any other name is torch.optim's class of that name (Adagrad included), given the params as is.
-    optimizers = {n.lower(): c for n, c in vars(torch.optim).items()
-                  if isinstance(c, type) and issubclass(c, Optimizer) and c is not Optimizer}
+    optimizers = {
+        n.lower(): c
+        for n, c in vars(torch.optim).items()
+        if isinstance(c, type) and issubclass(c, Optimizer) and c is not Optimizer
+    }
     if lowered not in optimizers:
         names = sorted(c.__name__ for c in optimizers.values())
-        raise ConfigError(f"unknown optimizer.type {type_name!r} ({_suggest(type_name, names)}"
-                          f"supported: {', '.join(names)})")
+        raise ConfigError(
+            f"unknown optimizer.type {type_name!r} ({_suggest(type_name, names)}supported: {', '.join(names)})"
+        )
     cls = optimizers[lowered]
     defaults, shown = _signature_defaults(cls)
     kwargs = _take_params(type_name, f"torch.optim.{cls.__name__}", given, defaults, shown, notes)
@@ -227,8 +304,10 @@ def build_optimizer(block: dict[str, Any], params: Any, auto_values: dict[str, A
     try:
         return cls(params, **kwargs)
     except (ValueError, TypeError) as err:
-        raise ConfigError(f"torch.optim.{cls.__name__} refused the DeepSpeed optimizer params {kwargs}: {err} "
-                          f"(fix that value in optimizer.params)") from err
+        raise ConfigError(
+            f"torch.optim.{cls.__name__} refused the DeepSpeed optimizer params {kwargs}: {err} "
+            f"(fix that value in optimizer.params)"
+        ) from err
 
 
 class DeepSpeedSchedule(LRScheduler):
@@ -379,7 +458,8 @@ class LRRangeTest(DeepSpeedSchedule):
 
 
 _SCHEDULES: dict[str, type[DeepSpeedSchedule]] = {
-    cls.__name__: cls for cls in (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)}
+    cls.__name__: cls for cls in (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)
+}
 
 
 def _check_settings(name: str, s: dict[str, Any]) -> None:
@@ -393,8 +473,11 @@ def _check_settings(name: str, s: dict[str, Any]) -> None:
         default = _SCHEDULE_DEFAULTS[name][key]
         if key in _PER_GROUP:
             values = value if isinstance(value, (list, tuple)) else [value]
-            need(all(map(_is_number, values)) or (value is None and default is None), key,
-                 "write a number, or a list with one number per param group")
+            need(
+                all(map(_is_number, values)) or (value is None and default is None),
+                key,
+                "write a number, or a list with one number per param group",
+            )
         elif isinstance(default, bool):
             need(isinstance(value, bool), key, "write true or false")
         elif _is_number(default) or default is None or key == "total_num_steps":
@@ -402,16 +485,21 @@ def _check_settings(name: str, s: dict[str, Any]) -> None:
     need(_is_whole(s["last_batch_iteration"], -1), "last_batch_iteration", "write -1 to start, or the last batch index")
     if "warmup_num_steps" in s:
         need(_is_whole(s["warmup_num_steps"], 1), "warmup_num_steps", "write a positive whole number of steps")
-        need(s["warmup_type"] in ("log", "linear"), "warmup_type", "use \"log\" or \"linear\"")
+        need(s["warmup_type"] in ("log", "linear"), "warmup_type", 'use "log" or "linear"')
     if "total_num_steps" in s:
         need(s["total_num_steps"] >= 0, "total_num_steps", "write the number of optimizer steps in the run")
         if s["total_num_steps"] < s["warmup_num_steps"]:
-            get_logger().warning(f"scheduler {name}: total_num_steps={s['total_num_steps']} is less than "
-                                 f"warmup_num_steps={s['warmup_num_steps']}, so the warmup never finishes")
+            get_logger().warning(
+                f"scheduler {name}: total_num_steps={s['total_num_steps']} is less than "
+                f"warmup_num_steps={s['warmup_num_steps']}, so the warmup never finishes"
+            )
     if name == "OneCycle":
         need(s["cycle_first_step_size"] > 0, "cycle_first_step_size", "write a positive number of steps")
-        need(s["cycle_second_step_size"] is None or s["cycle_second_step_size"] >= 0, "cycle_second_step_size",
-             "write a number of steps >= 0, or leave it out to mirror cycle_first_step_size")
+        need(
+            s["cycle_second_step_size"] is None or s["cycle_second_step_size"] >= 0,
+            "cycle_second_step_size",
+            "write a number of steps >= 0, or leave it out to mirror cycle_first_step_size",
+        )
         for key in ("cycle_first_stair_count", "cycle_second_stair_count"):
             need(s[key] is None or _is_whole(s[key], 0), key, "write 0 (no stairs) or more")
         need(s["decay_step_size"] >= 0, "decay_step_size", "write 0 (no decay) or a positive number of steps")
@@ -419,15 +507,17 @@ def _check_settings(name: str, s: dict[str, Any]) -> None:
         need(_is_whole(s["lr_range_test_step_size"], 1), "lr_range_test_step_size", "write a positive whole number")
 
 
-def _resolve_scheduler(block: Any, optimizer: Optimizer | None, total_num_steps: int | None,
-                       auto_values: dict[str, Any] | None
-                       ) -> tuple[type[DeepSpeedSchedule], dict[str, Any], list[BlockNote]]:
+def _resolve_scheduler(
+    block: Any, optimizer: Optimizer | None, total_num_steps: int | None, auto_values: dict[str, Any] | None
+) -> tuple[type[DeepSpeedSchedule], dict[str, Any], list[BlockNote]]:
     """The schedule class, its settings and notes; per-group values become lists when ``optimizer`` is given."""
     type_name, settings = _open_block("scheduler", block)
     name = {n.lower(): n for n in _SCHEDULES}.get(type_name.lower())
     if name is None:
-        raise ConfigError(f"unknown scheduler.type {type_name!r} ({_suggest(type_name, _SCHEDULES)}supported: "
-                          f"{', '.join(_SCHEDULES)}; for a torch.optim.lr_scheduler class, build it in Python)")
+        raise ConfigError(
+            f"unknown scheduler.type {type_name!r} ({_suggest(type_name, _SCHEDULES)}supported: "
+            f"{', '.join(_SCHEDULES)}; for a torch.optim.lr_scheduler class, build it in Python)"
+        )
     notes = [BlockNote("scheduler", "type", name, "phalanx's port of deepspeed.runtime.lr_schedules")]
     if total_num_steps is not None and str(settings.get("total_num_steps")).lower() == "auto":
         del settings["total_num_steps"]  # filled below from the argument, as when it is left out
@@ -435,16 +525,19 @@ def _resolve_scheduler(block: Any, optimizer: Optimizer | None, total_num_steps:
     defaults = _SCHEDULE_DEFAULTS[name]
     for key in settings:
         if key not in defaults:
-            raise ConfigError(f"unknown key scheduler.params.{key} for {name} ({_suggest(key, defaults)}"
-                              f"{name} takes: {', '.join(defaults)})")
+            raise ConfigError(
+                f"unknown key scheduler.params.{key} for {name} ({_suggest(key, defaults)}"
+                f"{name} takes: {', '.join(defaults)})"
+            )
     for key in (k for k in defaults if k not in settings):
         default = defaults[key]
         if key == "total_num_steps" and total_num_steps is not None:
             default, source = total_num_steps, "the total_num_steps argument"
         elif default is _REQUIRED:
             fix = "total_num_steps" if key == "total_num_steps" else f"auto_values={{{key!r}: ...}}"
-            raise ConfigError(f"scheduler.params.{key} is missing and {name} needs it (write it, or write \"auto\" "
-                              f"and pass {fix})")
+            raise ConfigError(
+                f'scheduler.params.{key} is missing and {name} needs it (write it, or write "auto" and pass {fix})'
+            )
         elif key in ("cycle_second_step_size", "cycle_second_stair_count"):
             default, source = settings[key.replace("second", "first")], "DeepSpeed's default: the first half's"
         else:
@@ -467,14 +560,20 @@ def _resolve_scheduler(block: Any, optimizer: Optimizer | None, total_num_steps:
         for key in _PER_GROUP & settings.keys():
             value = settings[key]
             if isinstance(value, (list, tuple)) and len(value) != len(groups):
-                raise ConfigError(f"invalid scheduler.params.{key}: got {len(value)} values for {len(groups)} param "
-                                  f"groups (write one number for all groups, or one per group)")
+                raise ConfigError(
+                    f"invalid scheduler.params.{key}: got {len(value)} values for {len(groups)} param "
+                    f"groups (write one number for all groups, or one per group)"
+                )
             settings[key] = list(value) if isinstance(value, (list, tuple)) else [value] * len(groups)
     return _SCHEDULES[name], settings, notes
 
 
-def build_scheduler(block: dict[str, Any], optimizer: Optimizer, total_num_steps: int | None = None,
-                    auto_values: dict[str, Any] | None = None) -> DeepSpeedSchedule:
+def build_scheduler(
+    block: dict[str, Any],
+    optimizer: Optimizer,
+    total_num_steps: int | None = None,
+    auto_values: dict[str, Any] | None = None,
+) -> DeepSpeedSchedule:
     """The LR schedule DeepSpeed builds for ``block`` over ``optimizer``; call ``step()`` after each optimizer step.
 
     ``total_num_steps`` fills WarmupDecayLR's and WarmupCosineLR's total_num_steps when it is ``"auto"`` or absent;
@@ -484,8 +583,13 @@ def build_scheduler(block: dict[str, Any], optimizer: Optimizer, total_num_steps
     return cls(optimizer, settings)
 
 
-def describe_blocks(optimizer_block: dict[str, Any] | None = None, scheduler_block: dict[str, Any] | None = None, *,
-                    total_num_steps: int | None = None, auto_values: dict[str, Any] | None = None) -> list[BlockNote]:
+def describe_blocks(
+    optimizer_block: dict[str, Any] | None = None,
+    scheduler_block: dict[str, Any] | None = None,
+    *,
+    total_num_steps: int | None = None,
+    auto_values: dict[str, Any] | None = None,
+) -> list[BlockNote]:
     """Each value the blocks resolve to and its source, without building anything (for ``phalanx config``).
 
     Raises the ConfigError that building would. Values that depend on the optimizer's param groups (WarmupLR's

@@ -7,7 +7,8 @@ passes its own optimizer while the config also has an optimizer block gets an er
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -55,7 +56,7 @@ def realise_optimizer(optimizer: Any, deepspeed: str | None) -> torch.optim.Opti
             raise ConfigError(
                 f"DummyOptim stands for the optimizer block of a DeepSpeed config, but "
                 f"{repr(deepspeed) if deepspeed else 'no DeepSpeed config is set'}"
-                f"{' has none' if deepspeed else ''}: pass a torch optimizer, or add an \"optimizer\" block"
+                f'{" has none" if deepspeed else ""}: pass a torch optimizer, or add an "optimizer" block'
             )
         from phalanx.config.dialects.deepspeed_blocks import build_optimizer
 
@@ -79,7 +80,7 @@ def realise_scheduler(scheduler: Any, deepspeed: str | None) -> Any:
             raise ConfigError(
                 "DummyScheduler stands for the scheduler block of a DeepSpeed config, but "
                 f"{repr(deepspeed) + ' has none' if deepspeed else 'no DeepSpeed config is set'}: pass a torch LR "
-                "scheduler, or add a \"scheduler\" block"
+                'scheduler, or add a "scheduler" block'
             )
         optimizer = scheduler.optimizer
         if isinstance(optimizer, DummyOptim):
@@ -90,9 +91,17 @@ def realise_scheduler(scheduler: Any, deepspeed: str | None) -> Any:
             optimizer = optimizer.optimizer  # a prepared optimizer: the scheduler drives the user's own
         from phalanx.config.dialects.deepspeed_blocks import build_scheduler
 
-        auto = {**scheduler.kwargs, "warmup_num_steps": scheduler.warmup_num_steps, "total_num_steps": scheduler.total_num_steps}
-        return build_scheduler(blocks["scheduler"], optimizer, total_num_steps=scheduler.total_num_steps,
-                               auto_values={k: v for k, v in auto.items() if v is not None})  # fmt: skip
+        auto = {
+            **scheduler.kwargs,
+            "warmup_num_steps": scheduler.warmup_num_steps,
+            "total_num_steps": scheduler.total_num_steps,
+        }
+        return build_scheduler(
+            blocks["scheduler"],
+            optimizer,
+            total_num_steps=scheduler.total_num_steps,
+            auto_values={k: v for k, v in auto.items() if v is not None},
+        )
     if "scheduler" in blocks:
         raise ConfigError(
             f"the DeepSpeed config {deepspeed!r} has a scheduler block ({blocks['scheduler'].get('type')!r}) and the "

@@ -11,8 +11,9 @@ that are not settings. ``phalanx.flags`` turns the table into argparse flags and
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from phalanx.config.dialects.names import ACCELERATE_PRECISIONS, precision_from_accelerate, strategy_from_zero_stage
 from phalanx.config.options import ConfigError
@@ -96,24 +97,45 @@ DIALECT_FLAGS: tuple[DialectFlag, ...] = (
     _torchrun("rdzv_endpoint", "= --rdzv-endpoint", None, "HOST:PORT"),
     _torchrun("max_restarts", "= --max-restarts"),
     DialectFlag("--standalone", "torchrun", NO_SETTING, "one node, local rendezvous (phalanx's default)", switch=True),
-    DialectFlag("--num_processes", "Accelerate", TOTAL_PROCESSES,
-                "processes over ALL machines; each runs num_processes / num_machines of them", _whole),
+    DialectFlag(
+        "--num_processes",
+        "Accelerate",
+        TOTAL_PROCESSES,
+        "processes over ALL machines; each runs num_processes / num_machines of them",
+        _whole,
+    ),
     DialectFlag("--num_machines", "Accelerate", "launch.nnodes", "= --nnodes", _whole),
     DialectFlag("--machine_rank", "Accelerate", "launch.node_rank", "= --node-rank", _whole),
     DialectFlag("--main_process_ip", "Accelerate", "launch.master_addr", "= --master-addr", metavar="ADDR"),
     DialectFlag("--main_process_port", "Accelerate", "launch.master_port", "= --master-port", _whole, metavar="PORT"),
-    DialectFlag("--mixed_precision", "Accelerate", "precision",
-                "= --precision: " + ", ".join(f"{k}={v}" for k, v in ACCELERATE_PRECISIONS.items()),
-                _accelerate_precision, metavar="{" + ",".join(ACCELERATE_PRECISIONS) + "}"),
+    DialectFlag(
+        "--mixed_precision",
+        "Accelerate",
+        "precision",
+        "= --precision: " + ", ".join(f"{k}={v}" for k, v in ACCELERATE_PRECISIONS.items()),
+        _accelerate_precision,
+        metavar="{" + ",".join(ACCELERATE_PRECISIONS) + "}",
+    ),
     DialectFlag("--gradient_accumulation_steps", "Accelerate", "grad_accum_steps", "= --grad-accum-steps"),
-    DialectFlag("--use_deepspeed", "Accelerate", USE_DEEPSPEED,
-                "a ZeRO strategy: the stage of --zero_stage, of the DeepSpeed file, or else 2 (Accelerate's default)",
-                switch=True),
-    DialectFlag("--zero_stage", "Accelerate", "strategy", f"ZeRO stage as --strategy: {_STAGES}", _zero_stage,
-                metavar="{0,1,2,3}"),
+    DialectFlag(
+        "--use_deepspeed",
+        "Accelerate",
+        USE_DEEPSPEED,
+        "a ZeRO strategy: the stage of --zero_stage, of the DeepSpeed file, or else 2 (Accelerate's default)",
+        switch=True,
+    ),
+    DialectFlag(
+        "--zero_stage",
+        "Accelerate",
+        "strategy",
+        f"ZeRO stage as --strategy: {_STAGES}",
+        _zero_stage,
+        metavar="{0,1,2,3}",
+    ),
     DialectFlag("--config_file", "Accelerate", CONFIG_FILE, "= --config", metavar="FILE"),
-    DialectFlag("--deepspeed_config_file", "Accelerate", "deepspeed", "= --deepspeed (a DeepSpeed JSON config)",
-                metavar="FILE"),
+    DialectFlag(
+        "--deepspeed_config_file", "Accelerate", "deepspeed", "= --deepspeed (a DeepSpeed JSON config)", metavar="FILE"
+    ),
     DialectFlag("--multi_gpu", "Accelerate", NO_SETTING, "accepted: phalanx uses every process -n starts", switch=True),
     DialectFlag("--cpu", "Accelerate", "device", "= --device cpu", _cpu, switch=True),
-)  # fmt: skip
+)

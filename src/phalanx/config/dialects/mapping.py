@@ -44,14 +44,20 @@ class Mapped:
 def offload_for(out: Mapped, optimizer: str, params: str, strategy: str | None, source: str) -> None:
     """DeepSpeed offloads optimizer state and zero3 parameters separately; phalanx has one ``offload`` for both."""
     if params != "none" and strategy != "zero3":
-        raise ConfigError(f"{source}: parameter offload ({params}) needs ZeRO stage 3; got strategy {strategy!r} "
-                          "(offload only the optimizer, or use stage 3)")  # fmt: skip
+        raise ConfigError(
+            f"{source}: parameter offload ({params}) needs ZeRO stage 3; got strategy {strategy!r} "
+            "(offload only the optimizer, or use stage 3)"
+        )
     if "none" not in (optimizer, params) and optimizer != params:
-        raise ConfigError(f"{source}: phalanx offloads optimizer state and zero3's parameter shards to one place; got "
-                          f"optimizer -> {optimizer}, parameters -> {params} (use the same device for both)")  # fmt: skip
+        raise ConfigError(
+            f"{source}: phalanx offloads optimizer state and zero3's parameter shards to one place; got "
+            f"optimizer -> {optimizer}, parameters -> {params} (use the same device for both)"
+        )
     chosen = params if optimizer == "none" else optimizer
     if strategy == "zero3" and chosen != "none" and "none" in (optimizer, params):
-        out.notes.append(f"offload {chosen}: under zero3 phalanx keeps both the optimizer state and the parameter "
-                         "shards there (DeepSpeed allows one without the other)")  # fmt: skip
+        out.notes.append(
+            f"offload {chosen}: under zero3 phalanx keeps both the optimizer state and the parameter "
+            "shards there (DeepSpeed allows one without the other)"
+        )
     if chosen != "none" or strategy in ("zero1", "zero2", "zero3"):
         out.set("offload", chosen, source)

@@ -3,7 +3,8 @@ micro-batch's bookkeeping, and splitting a batch into micro-batches (``pipeline.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -59,7 +60,8 @@ class NoBackward(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         raise RuntimeError(
             "under strategy='pipeline' a backward through model(...) reaches only the last stage; train with "
-            "engine.train_step(batch, loss_fn), which runs forward and backward micro-batch by micro-batch on every stage"
+            "engine.train_step(batch, loss_fn), which runs forward and backward micro-batch by micro-batch "
+            "on every stage"
         )
 
 
@@ -83,7 +85,9 @@ def split_batch(batch: Any, m: int, dp_size: int) -> list[Any]:
     leaves, spec = tree_flatten(batch)
     sizes = {t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0}
     if not sizes:
-        raise ValueError("engine.train_step under strategy='pipeline' needs a batch holding tensors to split into micro-batches")
+        raise ValueError(
+            "engine.train_step under strategy='pipeline' needs a batch holding tensors to split into micro-batches"
+        )
     for size in sizes:
         if size % m:
             raise ValueError(
@@ -91,19 +95,18 @@ def split_batch(batch: Any, m: int, dp_size: int) -> list[Any]:
                 f"batch of one data-parallel replica, dp_size={dp_size}); use a batch size divisible by {m} (and "
                 "drop_last=True, so that a DataLoader's last batch is not shorter), or change pp_microbatches"
             )
-    parts = [
-        t.split(t.shape[0] // m) if isinstance(t, torch.Tensor) and t.dim() > 0 else [t] * m for t in leaves
-    ]
+    parts = [t.split(t.shape[0] // m) if isinstance(t, torch.Tensor) and t.dim() > 0 else [t] * m for t in leaves]
     return [tree_unflatten([p[i] for p in parts], spec) for i in range(m)]
 
 
 def signature(obj: Any) -> Any:
     leaves, spec = tree_flatten(obj)
     sig = [
-        (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor)
+        (tuple(x.shape), x.dtype)
+        if isinstance(x, torch.Tensor)
         else (repr(x) if isinstance(x, (int, float, str, bool, type(None))) else type(x).__name__)
         for x in leaves
-    ]  # fmt: skip
+    ]
     return (str(spec), tuple(sig))
 
 

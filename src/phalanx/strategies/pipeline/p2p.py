@@ -91,8 +91,9 @@ class StageLink:
     at the end of a step, and their buffers are kept alive until then. ``idle_s`` adds up the time blocked.
     """
 
-    def __init__(self, stage: int, prev_rank: int | None, next_rank: int | None, device: torch.device,
-                 stats: CommStats) -> None:  # fmt: skip
+    def __init__(
+        self, stage: int, prev_rank: int | None, next_rank: int | None, device: torch.device, stats: CommStats
+    ) -> None:
         self.stage, self.prev_rank, self.next_rank = stage, prev_rank, next_rank
         self.device, self.stats = device, stats
         self.idle_s = 0.0
@@ -129,8 +130,9 @@ class StageLink:
             self._post([(g.contiguous(), self.prev_rank) for g in input_grads], [])
 
     # ------------------------------------------------------------------ both at once (1F1B steady state)
-    def send_forward_recv_backward(self, outputs: list[torch.Tensor], is_tuple: bool, key: Any,
-                                   grads_for: list[torch.Tensor]) -> list[torch.Tensor] | None:  # fmt: skip
+    def send_forward_recv_backward(
+        self, outputs: list[torch.Tensor], is_tuple: bool, key: Any, grads_for: list[torch.Tensor]
+    ) -> list[torch.Tensor] | None:
         """Send one micro-batch's ``outputs`` and receive the gradients of an earlier one's ``grads_for``."""
         if self.next_rank is None:
             return None
@@ -194,7 +196,9 @@ class StageLink:
         if self.device.type == "cuda":
             # One NCCL group: a send and a receive on the same pair of ranks progress together (NCCL may hand
             # back a single work for the whole group, so wait for all of it when something is received).
-            ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends] + [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
+            ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends] + [
+                dist.P2POp(dist.irecv, t, peer) for t, peer in recvs
+            ]
             works: list[Any] = list(watched(dist.batch_isend_irecv, ops))
             if recvs:
                 self._wait(works)

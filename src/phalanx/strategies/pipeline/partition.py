@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,7 +23,8 @@ __all__ = ["partition_blocks", "block_costs", "time_blocks", "check_no_shared_pa
 
 
 def partition_blocks(costs: list[float], stages: int) -> list[int]:
-    """Contiguous split of blocks into ``stages`` that minimises the largest stage cost; returns each stage's first block.
+    """Contiguous split of blocks into ``stages`` that minimises the largest stage cost; returns each stage's first
+    block.
 
     Ties go to the split whose largest stage has the fewest blocks, so that blocks without parameters
     (activations) spread out instead of piling up in one stage.
@@ -109,9 +111,9 @@ def check_no_shared_parameters(blocks: list[tuple[str, nn.Module]], stage_of_blo
             first = owner.setdefault(id(p), (f"{name}.{pname}", s))
             if first[1] != s:
                 raise ValueError(
-                    f"parameter {first[0]} (stage {first[1]}) is also {name}.{pname} (stage {s}); pipeline stages cannot "
-                    "share a parameter, e.g. an embedding tied to the output head. Untie it, or keep both blocks in "
-                    "one stage with explicit cut points (pp_partition='i,j,...')"
+                    f"parameter {first[0]} (stage {first[1]}) is also {name}.{pname} (stage {s}); pipeline stages "
+                    "cannot share a parameter, e.g. an embedding tied to the output head. Untie it, or keep both "
+                    "blocks in one stage with explicit cut points (pp_partition='i,j,...')"
                 )
 
 

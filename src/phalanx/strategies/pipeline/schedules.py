@@ -14,10 +14,11 @@ A schedule only orders the work: ``pipe._forward`` and ``pipe._backward`` run on
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from phalanx.strategies.pipeline.microbatch import MicroBatch
 from phalanx.config.strategy_options import SCHEDULES
+from phalanx.strategies.pipeline.microbatch import MicroBatch
 
 if TYPE_CHECKING:
     from phalanx.strategies.pipeline.strategy import PipelineStrategy
@@ -25,7 +26,9 @@ if TYPE_CHECKING:
 __all__ = ["run_gpipe", "run_1f1b", "SCHEDULE_RUNS"]
 
 
-def run_gpipe(pipe: PipelineStrategy, micro: list[Any], mbs: list[MicroBatch], loss_fn: Callable[..., Any], key: Any) -> None:
+def run_gpipe(
+    pipe: PipelineStrategy, micro: list[Any], mbs: list[MicroBatch], loss_fn: Callable[..., Any], key: Any
+) -> None:
     link = pipe.link
     for i in range(len(micro)):
         mbs.append(pipe._forward(i, micro[i], link.recv_forward(key), loss_fn, key))
@@ -33,7 +36,10 @@ def run_gpipe(pipe: PipelineStrategy, micro: list[Any], mbs: list[MicroBatch], l
     for i in range(len(micro)):
         link.send_backward(pipe._backward(mbs[i], link.recv_backward(mbs[i].outputs_flat)))
 
-def run_1f1b(pipe: PipelineStrategy, micro: list[Any], mbs: list[MicroBatch], loss_fn: Callable[..., Any], key: Any) -> None:
+
+def run_1f1b(
+    pipe: PipelineStrategy, micro: list[Any], mbs: list[MicroBatch], loss_fn: Callable[..., Any], key: Any
+) -> None:
     link, m = pipe.link, len(micro)
     warmup = min(pipe.pp_size - pipe.stage_index - 1, m)
     for i in range(warmup):

@@ -12,7 +12,8 @@ and ``loss_fn`` computes the loss as usual.
 
 - Partition (``partition.py``): contiguous blocks, balanced by parameter count (``pp_partition: parameters``), by
   block count (``uniform``), by measured forward+backward time (``time``: measured on the first micro-batch of the
-  first step, before the model is split), or at explicit cut points (``"3,6"``: stage 1 starts at block 3, stage 2 at 6).
+  first step, before the model is split), or at explicit cut points (``"3,6"``: stage 1 starts at block 3, stage 2
+  at 6).
 - Each rank keeps only its stage's blocks; the other blocks' parameters move to the meta device. A model built
   under ``torch.device("meta")`` is materialised stage by stage (``reset_parameters`` of each submodule,
   seeded by block index), so no rank ever allocates the whole model.
@@ -32,29 +33,42 @@ import contextlib
 import math
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx.checkpoint.shards import ShardEntry, StateReader
+from phalanx.config.strategy_options import PipelineOptions, parse_partition
+from phalanx.logging import get_logger
 from phalanx.runtime.collective_log import watched
 from phalanx.runtime.comm import broadcast_coalesced
-from phalanx.logging import get_logger
-from phalanx.checkpoint.shards import ShardEntry, StateReader
 from phalanx.strategies._replicas import group_rank0
 from phalanx.strategies.base import Strategy
-from phalanx.strategies.pipeline.microbatch import MicroBatch, NoBackward, PipelineStage, StageDone, map_floats, signature, split_batch
-from phalanx.config.strategy_options import PipelineOptions, parse_partition
+from phalanx.strategies.pipeline.microbatch import (
+    MicroBatch,
+    NoBackward,
+    PipelineStage,
+    StageDone,
+    map_floats,
+    signature,
+    split_batch,
+)
 from phalanx.strategies.pipeline.p2p import StageLink, boundary_tensors, decode_meta, encode_meta, flat_tensors, meta_of
 from phalanx.strategies.pipeline.partition import (
-    block_costs, check_no_shared_parameters, materialise, partition_blocks, time_blocks,
-)  # fmt: skip
+    block_costs,
+    check_no_shared_parameters,
+    materialise,
+    partition_blocks,
+    time_blocks,
+)
 from phalanx.strategies.pipeline.schedules import SCHEDULE_RUNS
 from phalanx.strategies.pipeline.sync import stage_sync
 
 if TYPE_CHECKING:
-    from phalanx.config.settings import EngineConfig
+    pass
 
 __all__ = ["PipelineStrategy", "PipelineStage"]
 
@@ -120,9 +134,9 @@ class PipelineStrategy(Strategy):
             model = nn.Sequential(*model)
         if not isinstance(model, nn.Sequential):
             raise TypeError(
-                f"strategy='pipeline' splits an nn.Sequential (or a list of blocks) into stages; got {type(model).__name__}. "
-                "Write the model as nn.Sequential(block0, block1, ...), where each block takes the previous block's "
-                "output (a tensor or a tuple of tensors)"
+                "strategy='pipeline' splits an nn.Sequential (or a list of blocks) into stages; "
+                f"got {type(model).__name__}. Write the model as nn.Sequential(block0, block1, ...), where each block "
+                "takes the previous block's output (a tensor or a tuple of tensors)"
             )
         blocks = list(model.named_children())
         if len(blocks) < self.pp_size:
@@ -179,8 +193,10 @@ class PipelineStrategy(Strategy):
                     first[id(t)] = f"{name}.{k}"
                     self._shapes[f"{name}.{k}"] = tuple(t.shape)
         for name, block in blocks:
-            self._sd_keys.update({f"{name}.{k}": first.get(id(v), f"{name}.{k}") for k, v in block.state_dict(keep_vars=True).items()})
-        for i, (name, block) in enumerate(blocks):
+            self._sd_keys.update(
+                {f"{name}.{k}": first.get(id(v), f"{name}.{k}") for k, v in block.state_dict(keep_vars=True).items()}
+            )
+        for i, (_name, block) in enumerate(blocks):
             if lo <= i < hi:
                 materialise(block, self.device, self.config.seed, i)
             else:
@@ -342,7 +358,9 @@ class PipelineStrategy(Strategy):
         if mb is None:
             return self._forward_only(stage, args, kwargs)
         if mb.called:
-            raise RuntimeError("loss_fn called model(...) twice in one micro-batch; under strategy='pipeline' call it once")
+            raise RuntimeError(
+                "loss_fn called model(...) twice in one micro-batch; under strategy='pipeline' call it once"
+            )
         mb.called = True
         mb.output = stage.run_blocks(*args, **kwargs) if self.is_first else stage.run_blocks(mb.input)
         if not self.is_last:
@@ -370,16 +388,26 @@ class PipelineStrategy(Strategy):
             return out
         group, src = self.topology.pp_group, self.last_rank
         if key not in self._out_meta:
-            meta = encode_meta(meta_of(boundary_tensors(out, self.stage_index), isinstance(out, tuple))) if self.is_last else None
+            meta = (
+                encode_meta(meta_of(boundary_tensors(out, self.stage_index), isinstance(out, tuple)))
+                if self.is_last
+                else None
+            )
             length = torch.tensor([len(meta) if meta is not None else 0], dtype=torch.int64, device=self.device)
             watched(dist.broadcast, length, src=src, group=group)
-            vec = meta.to(self.device) if meta is not None else torch.empty(int(length), dtype=torch.int64, device=self.device)
+            vec = (
+                meta.to(self.device)
+                if meta is not None
+                else torch.empty(int(length), dtype=torch.int64, device=self.device)
+            )
             watched(dist.broadcast, vec, src=src, group=group)
             self._out_meta[key] = decode_meta(vec.cpu())
         is_tuple, specs = self._out_meta[key]
-        tensors = boundary_tensors(out, self.stage_index) if self.is_last else [
-            torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in specs
-        ]
+        tensors = (
+            boundary_tensors(out, self.stage_index)
+            if self.is_last
+            else [torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in specs]
+        )
         for t in tensors:
             watched(dist.broadcast, t.contiguous() if self.is_last else t, src=src, group=group)
         return tuple(tensors) if is_tuple else tensors[0]
@@ -490,5 +518,7 @@ class PipelineStrategy(Strategy):
             "partition": self.opts.pp_partition,
             "pp_zero_stage": self.opts.pp_zero_stage,
             "stage_blocks": [self.block_names[a:b] for a, b in zip(bounds, bounds[1:])] if self.stage_starts else None,
-            "stage_costs": [sum(self.block_costs[a:b]) for a, b in zip(bounds, bounds[1:])] if self.stage_starts else None,
+            "stage_costs": [sum(self.block_costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+            if self.stage_starts
+            else None,
         }

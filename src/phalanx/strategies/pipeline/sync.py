@@ -13,18 +13,19 @@ pipeline.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx.runtime.collective_log import watched
 from phalanx.checkpoint.shards import ShardEntry, StateReader, balanced_slices, load_whole_tensors, named_tensors
+from phalanx.config.strategy_options import PipelineOptions
+from phalanx.runtime.collective_log import watched
 from phalanx.strategies._grads import clip_to_norm_
 from phalanx.strategies.base import Strategy
 from phalanx.strategies.ddp import DDPStrategy
-from phalanx.config.strategy_options import PipelineOptions
 from phalanx.strategies.zero.bucketed import Zero1Strategy
 from phalanx.strategies.zero.optimizers import check_optimizer
 
@@ -114,8 +115,10 @@ class _StageZero1(Zero1Strategy):
     def _no_sharding_hint(self) -> tuple[str, str]:
         pp = self.topology.pp_size
         if self.config.options(PipelineOptions).pp_size is None:
-            fix = (f"pp_size defaults to the world size, {pp}, which leaves one replica per stage: set pp_size so that "
-                   "the world size is 2 or more times pp_size, or use pp_zero_stage=0")  # fmt: skip
+            fix = (
+                f"pp_size defaults to the world size, {pp}, which leaves one replica per stage: set pp_size so that "
+                "the world size is 2 or more times pp_size, or use pp_zero_stage=0"
+            )
         else:
             fix = f"launch a multiple of {2 * pp} processes, or use pp_zero_stage=0"
         return f"strategy 'pipeline' with pp_zero_stage=1 and pp_size={pp}", fix

@@ -13,30 +13,39 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from phalanx.runtime.collective_log import watched
 from phalanx.checkpoint.shards import ShardEntry, StateReader, named_tensors
+from phalanx.config.strategy_options import DataParallelOptions, ZeroOptions, ZeroShardOptions
+from phalanx.runtime.collective_log import watched
 from phalanx.strategies._grads import GradScale, clip_to_norm_, second_backward_error, unused_parameters_error
 from phalanx.strategies._memory import (
-    expected_peak, memory_report_dict, nbytes, segment_grad_bytes, state_bytes_per_element, state_tensors,
-)  # fmt: skip
+    expected_peak,
+    memory_report_dict,
+    nbytes,
+    segment_grad_bytes,
+    state_bytes_per_element,
+    state_tensors,
+)
 from phalanx.strategies._replicas import (
-    check_prepared_once, check_trainable, group_rank0, optimizer_list, replicate_from_first,
-)  # fmt: skip
+    check_prepared_once,
+    check_trainable,
+    group_rank0,
+    optimizer_list,
+    replicate_from_first,
+)
 from phalanx.strategies.base import Strategy
-from phalanx.config.strategy_options import DataParallelOptions
+from phalanx.strategies.zero import state
 from phalanx.strategies.zero.collectives import DTYPES, Done, SegmentComm, resolve_collectives
 from phalanx.strategies.zero.layout import Segment, merge_runs
 from phalanx.strategies.zero.offload import StateStore
 from phalanx.strategies.zero.optimizers import check_optimizer
-from phalanx.config.strategy_options import ZeroOptions, ZeroShardOptions
-from phalanx.strategies.zero import state
 from phalanx.strategies.zero.stepping import chunk_steps
 
 if TYPE_CHECKING:
@@ -86,9 +95,13 @@ class ZeroStrategy(Strategy):
             )
         self.comm_dtype_ = DTYPES[cfg.comm_dtype] if cfg.comm_dtype else None
         self.comm = SegmentComm(
-            self.group, self.world, resolve_collectives(self.shard_opts.zero_collectives, self.group), self.comm_dtype_,
-            self.stats, accumulates=not self.grads_whole,
-        )  # fmt: skip
+            self.group,
+            self.world,
+            resolve_collectives(self.shard_opts.zero_collectives, self.group),
+            self.comm_dtype_,
+            self.stats,
+            accumulates=not self.grads_whole,
+        )
         if cfg.offload != "none" and self.device.type == "cuda" and self.precision.scaler is not None:
             raise ValueError(
                 f"offload={cfg.offload!r} with precision='fp16-mixed' on CUDA is not supported: the loss scaler checks "
@@ -101,7 +114,9 @@ class ZeroStrategy(Strategy):
         self._loc: dict[nn.Parameter, tuple[Segment, int]] = {}
         self._names: dict[nn.Parameter, str] = {}
         self._models: dict[int, ModelState] = {}
-        self._optimizers: list[tuple[torch.optim.Optimizer, list[list[tuple[Segment, int, int]]], set[nn.Parameter]]] = []
+        self._optimizers: list[
+            tuple[torch.optim.Optimizer, list[list[tuple[Segment, int, int]]], set[nn.Parameter]]
+        ] = []
         self.require_sync = True
         self.scale = GradScale(self.world)  # applied after the reduction when it accumulates, before it otherwise
         self._callback_queued = False
@@ -118,11 +133,15 @@ class ZeroStrategy(Strategy):
         return f"strategy {self.name!r}", "launch more processes, e.g. phalanx launch -n 2, or use strategy='ddp'"
 
     # -------------------------------------------------------------------- model
-    def _prepare_common(self, model: nn.Module, sharded: set[nn.Parameter], replicate: bool = True) -> list[nn.Parameter]:
+    def _prepare_common(
+        self, model: nn.Module, sharded: set[nn.Parameter], replicate: bool = True
+    ) -> list[nn.Parameter]:
         """Checks, and rank 0's buffers and unsharded parameters; sharded ones are broadcast flat, in place."""
         check_prepared_once(model, self._models)
         if self.world > 1 and replicate:
-            replicate_from_first(model, self.group, self.device, self.stats, self.dp_opts.broadcast_buffers, skip=sharded)
+            replicate_from_first(
+                model, self.group, self.device, self.stats, self.dp_opts.broadcast_buffers, skip=sharded
+            )
         for name, p in model.named_parameters():
             self._names.setdefault(p, name)
         check_trainable(model, "shard")
@@ -266,7 +285,10 @@ class ZeroStrategy(Strategy):
                         piece.grad = seg.master_grad[a:b]
 
     def _zero_ranges(
-        self, ranges: list[tuple[Segment, int, int]], optimizer: torch.optim.Optimizer | None, params: Iterable[nn.Parameter]
+        self,
+        ranges: list[tuple[Segment, int, int]],
+        optimizer: torch.optim.Optimizer | None,
+        params: Iterable[nn.Parameter],
     ) -> None:
         """Zero the reduced slices in ``ranges`` and, for zero1, the whole gradients of ``params``."""
         for seg, a, b in ranges:
@@ -297,7 +319,10 @@ class ZeroStrategy(Strategy):
         self._zero_ranges(ranges, optimizer, params)
         # From the parameters, not from this rank's pieces: a rank that holds none of a segment must still
         # take part in gathering it.
-        segments = sorted({id(seg): seg for seg, _ in (self._loc[p] for p in params if p in self._loc)}.values(), key=lambda seg: seg.index)
+        segments = sorted(
+            {id(seg): seg for seg, _ in (self._loc[p] for p in params if p in self._loc)}.values(),
+            key=lambda seg: seg.index,
+        )
         self._publish_params(segments)
         self.store.release()
 
@@ -306,7 +331,9 @@ class ZeroStrategy(Strategy):
         (zero1/2 all-gather them into the whole parameters; zero3 overrides this)."""
         early, self._early_gathers = self._early_gathers, {}
         if self.comm_dtype_ is None:
-            works = [early.pop(seg.index) if seg.index in early else self.comm.gather(seg, async_op=True) for seg in segments]
+            works = [
+                early.pop(seg.index) if seg.index in early else self.comm.gather(seg, async_op=True) for seg in segments
+            ]
             for w in works + list(early.values()):
                 w.wait()
         else:  # one full-size conversion buffer at a time
@@ -418,8 +445,11 @@ class ZeroStrategy(Strategy):
         """Read exactly this rank's slices: no rank ever holds more than its shard plus one slice in transit."""
         state.load_sharded_state(self, model, optimizers, reader)
 
-    def _pieces_of(self, model: nn.Module, optimizers: Any) -> Iterator[tuple[torch.optim.Optimizer, dict[str, Any], nn.Parameter, tuple[Segment, int, int]]]:
-        """(optimizer, param group, piece, (segment, start, stop)) of every piece of ``optimizers`` in ``model``'s segments."""
+    def _pieces_of(
+        self, model: nn.Module, optimizers: Any
+    ) -> Iterator[tuple[torch.optim.Optimizer, dict[str, Any], nn.Parameter, tuple[Segment, int, int]]]:
+        """(optimizer, param group, piece, (segment, start, stop)) of every piece of ``optimizers`` in ``model``'s
+        segments."""
         wanted, owner = optimizer_list(optimizers), self._models[id(model)]
         for opt, layout, _ in self._optimizers:
             if not any(opt is o for o in wanted):
@@ -430,7 +460,9 @@ class ZeroStrategy(Strategy):
                         yield opt, group, piece, where
 
     def state_shapes(self, model: nn.Module) -> dict[str, tuple[int, ...]]:
-        shapes = {self._names[p]: tuple(s.shapes[i]) for s in self._models[id(model)].segments for i, p in enumerate(s.params)}
+        shapes = {
+            self._names[p]: tuple(s.shapes[i]) for s in self._models[id(model)].segments for i, p in enumerate(s.params)
+        }
         return {name: shapes.get(name, tuple(t.shape)) for name, t in named_tensors(model)}
 
     def _at_rest(self, s: Segment) -> torch.Tensor:
@@ -468,7 +500,8 @@ class ZeroStrategy(Strategy):
             "grads": self._grad_bytes(),
             "optimizer_state": nbytes(in_ram) + nbytes(m for m in masters if not self.store.owns(m)),
             "comm_buffers": self._comm_buffer_bytes(),
-            "offloaded_to_disk": nbytes(t for t in state if self.store.owns(t)) + nbytes(m for m in masters if self.store.owns(m)),
+            "offloaded_to_disk": nbytes(t for t in state if self.store.owns(t))
+            + nbytes(m for m in masters if self.store.owns(m)),
         }
         p = self.segments[0].full.element_size() if self.segments else 4
         k = state_bytes_per_element(optimizers, state, sum(s.shard_numel for s in self.segments if s.has_trainable))
@@ -482,7 +515,11 @@ class ZeroStrategy(Strategy):
         report = memory_report_dict(self.name, trainable, n, p, k, held, predicted, self.store.mode)
         pieces = [b - a for _, layout, _ in self._optimizers for ps in layout for _, a, b in ps]
         grads = max((s.shapes[i].numel() * p for s in self.segments for i in range(len(s.params))), default=0)
-        chunk = min(int(2 * self.opts.offload_chunk_mb * 2**20), held["offloaded_to_disk"]) if self.store.mode == "disk" else 0
+        chunk = (
+            min(int(2 * self.opts.offload_chunk_mb * 2**20), held["offloaded_to_disk"])
+            if self.store.mode == "disk"
+            else 0
+        )
         return expected_peak(report, optimizers, max(pieces, default=0), grads if self.params_whole else 0, chunk)
 
     def _predicted(self, p: int, g: int, psi: int, n: int) -> dict[str, float]:

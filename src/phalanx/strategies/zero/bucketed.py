@@ -36,13 +36,21 @@ class BucketedZero(ZeroStrategy):
         """Step one bucket at a time, first layers first, and start each bucket's all-gather as soon as its
         slice is updated, so that the gathers overlap the rest of the step."""
         layout, params = self._optimizers[-1][1], self._optimizers[-1][2]
-        segments = sorted({seg.index: seg for seg, _ in (self._loc[p] for p in params if p in self._loc)}.values(),
-                          key=lambda seg: -seg.index)  # buckets are in reverse order: the last one holds the first layers
+        segments = sorted(
+            {seg.index: seg for seg, _ in (self._loc[p] for p in params if p in self._loc)}.values(),
+            key=lambda seg: -seg.index,
+        )  # buckets are in reverse order: the last one holds the first layers
 
         def parts() -> list[tuple[Any, list[list[nn.Parameter]]]]:
             groups = [g["params"] for g in optimizer.param_groups]
             return [
-                (target, [[piece for piece, (seg, _, _) in zip(ps, pieces) if seg is target] for ps, pieces in zip(groups, layout)])
+                (
+                    target,
+                    [
+                        [piece for piece, (seg, _, _) in zip(ps, pieces) if seg is target]
+                        for ps, pieces in zip(groups, layout)
+                    ],
+                )
                 for target in segments
             ]
 
@@ -146,7 +154,8 @@ class BucketedZero(ZeroStrategy):
         for ms in self._models.values():
             if ms.reduced:
                 raise RuntimeError(
-                    f"{self.name} already reduced this step's gradients; step or zero the optimizer before the next step"
+                    f"{self.name} already reduced this step's gradients; "
+                    "step or zero the optimizer before the next step"
                 )
             for s in ms.segments:
                 s.ready = [p in self._window_seen for p in s.params]

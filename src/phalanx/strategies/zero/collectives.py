@@ -17,7 +17,8 @@ NCCL's native collectives are the fast ones there: ``auto`` picks them, and ``p2
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -90,10 +91,13 @@ class SegmentComm:
         self.inflight: list[Segment] = []
         self.rank = dist.get_rank(group) if world > 1 else 0
         # p2p: (group rank, global rank) of every other rank; sends and receives name global ranks.
-        self.peers = [(j, dist.get_global_rank(group, j) if group is not None else j) for j in range(world) if j != self.rank]
+        self.peers = [
+            (j, dist.get_global_rank(group, j) if group is not None else j) for j in range(world) if j != self.rank
+        ]
 
-    def _exchange(self, send: Callable[[int], torch.Tensor], recv: Callable[[int], torch.Tensor], tag: int,
-                  label: str) -> _AllDone:  # fmt: skip
+    def _exchange(
+        self, send: Callable[[int], torch.Tensor], recv: Callable[[int], torch.Tensor], tag: int, label: str
+    ) -> _AllDone:
         """Post, at once, a send of ``send(j)`` to and a receive into ``recv(j)`` from every other rank j."""
         works = []
         for j, peer in self.peers:
@@ -112,7 +116,9 @@ class SegmentComm:
             seg.work, seg.work_out = None, flat[seg.lo : seg.hi]
         elif mode == "allreduce":
             self.stats.record("all_reduce", flat, self.world)
-            seg.work = watched(dist.all_reduce, flat, group=self.group, async_op=True, label=f"gradients of segment {seg.index}")
+            seg.work = watched(
+                dist.all_reduce, flat, group=self.group, async_op=True, label=f"gradients of segment {seg.index}"
+            )
             seg.work_out = flat[seg.lo : seg.hi]
         elif mode == "p2p":
             # Peer j gets its slice of this rank's gradient; this rank's slice gets the peers' shares added in place.
@@ -132,7 +138,9 @@ class SegmentComm:
             out = flat.new_empty(seg.shard_numel)
             self.stats.record("reduce_scatter", flat, self.world)
             fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-            seg.work = watched(fn, out, flat, group=self.group, async_op=True, label=f"gradients of segment {seg.index}")
+            seg.work = watched(
+                fn, out, flat, group=self.group, async_op=True, label=f"gradients of segment {seg.index}"
+            )
             seg.work_out = out
         self.inflight.append(seg)
 
@@ -141,12 +149,16 @@ class SegmentComm:
         parameters large enough on average that a message per part costs less than copying them all into one buffer
         (a transformer block of biases and norms sends better in one piece)."""
         return (
-            self.mode == "p2p" and self.accumulates and self.world > 1 and self.comm_dtype in (None, seg.dtype)
+            self.mode == "p2p"
+            and self.accumulates
+            and self.world > 1
+            and self.comm_dtype in (None, seg.dtype)
             and seg.numel >= _PIECE_MIN_NUMEL * len(seg.params)
-        )  # fmt: skip
+        )
 
     def _pieces(self, seg: Segment, grads: list[torch.Tensor | None], j: int) -> list[torch.Tensor]:
-        """The parts of ``grads`` (flat, one per parameter; None: no gradient, zeros) in rank j's slice, padding left out."""
+        """The parts of ``grads`` (flat, one per parameter; None: no gradient, zeros) in rank j's slice, padding left
+        out."""
         n = seg.shard_numel
         a, b = j * n, min((j + 1) * n, seg.numel)
         out = []
@@ -154,7 +166,9 @@ class SegmentComm:
             lo, hi = max(o, a), min(o + seg.shapes[i].numel(), b)
             if lo < hi:
                 g = grads[i]
-                out.append(g[lo - o : hi - o] if g is not None else torch.zeros(hi - lo, dtype=seg.dtype, device=seg.device))
+                out.append(
+                    g[lo - o : hi - o] if g is not None else torch.zeros(hi - lo, dtype=seg.dtype, device=seg.device)
+                )
         return out
 
     def reduce_scatter_pieces(self, seg: Segment, grads: list[torch.Tensor | None]) -> None:
@@ -227,7 +241,9 @@ class SegmentComm:
             if local.data_ptr() != full[seg.lo :].data_ptr():
                 full[seg.lo : seg.hi].copy_(local)
             self.stats.record("all_reduce", full, self.world)
-            work = watched(dist.all_reduce, full, group=self.group, async_op=True, label=f"parameters of segment {seg.index}")
+            work = watched(
+                dist.all_reduce, full, group=self.group, async_op=True, label=f"parameters of segment {seg.index}"
+            )
         elif self.mode == "p2p":
             n = seg.shard_numel
             if local.data_ptr() != full[seg.lo :].data_ptr():

@@ -24,7 +24,9 @@ OFFLOAD_MODES = ("none", "cpu", "disk")
 def check_offload_dir(directory: str | None) -> Path:
     """The directory for disk offload, created if needed; a clear error when it cannot be written."""
     if not directory:
-        raise ValueError("offload='disk' needs a directory for the memory-mapped files: set offload_dir=/path/with/space")
+        raise ValueError(
+            "offload='disk' needs a directory for the memory-mapped files: set offload_dir=/path/with/space"
+        )
     path = Path(directory).expanduser()
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -98,4 +100,3 @@ class StateStore:
         """Drop the disk-backed pages from this process's resident memory (their data stays in the files)."""
         for m in self._maps:
             m.madvise(mmap.MADV_DONTNEED)
-

@@ -9,9 +9,15 @@ import torch
 from torch import nn
 
 from phalanx.checkpoint.shards import (
-    ShardEntry, StateReader, keys_by_param, load_whole_tensors, named_tensors, read_into, read_optimizer_state,
+    ShardEntry,
+    StateReader,
+    keys_by_param,
+    load_whole_tensors,
+    named_tensors,
+    read_into,
+    read_optimizer_state,
     whole_entry,
-)  # fmt: skip
+)
 
 if TYPE_CHECKING:
     from phalanx.strategies.zero.base import ZeroStrategy
@@ -34,7 +40,7 @@ def sharded_state(zs: ZeroStrategy, model: nn.Module, optimizers: Any = None) ->
     if zs.rank == 0:
         ours = {p for s in segments for p in s.params}
         entries += [whole_entry(f"model/{k}", v) for k, v in named_tensors(model) if v not in ours]
-    for opt, group, piece, (seg, a, b) in zs._pieces_of(model, optimizers):
+    for opt, _group, piece, (seg, a, b) in zs._pieces_of(model, optimizers):
         state = opt.state.get(piece, {})
         for i, pa, pb, xa, xb in seg.param_runs(a, b):
             name, shape = zs._names[seg.params[i]], tuple(seg.shapes[i])
@@ -60,7 +66,9 @@ def load_sharded_state(zs: ZeroStrategy, model: nn.Module, optimizers: Any, read
             if key not in available:
                 problems.append(f"{key[6:]}: not in the checkpoint")
             elif tuple(reader.shape(key)) != tuple(shape):
-                problems.append(f"{key[6:]}: shape {tuple(reader.shape(key))} in the checkpoint, {tuple(shape)} in the model")
+                problems.append(
+                    f"{key[6:]}: shape {tuple(reader.shape(key))} in the checkpoint, {tuple(shape)} in the model"
+                )
     if problems:
         raise ValueError("the checkpoint does not match the model: " + "; ".join(problems[:5]))
     with torch.no_grad():

@@ -12,7 +12,8 @@ elementwise optimizers (they see each piece once per step either way).
 from __future__ import annotations
 
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,7 +24,9 @@ __all__ = ["chunk_steps", "pipeline_steps", "replace_step", "step_in_parts"]
 
 
 def pipeline_steps(
-    optimizer: torch.optim.Optimizer, parts: Callable[[], list[tuple[Any, list[list[nn.Parameter]]]]], gather: Callable[[Any], None]
+    optimizer: torch.optim.Optimizer,
+    parts: Callable[[], list[tuple[Any, list[list[nn.Parameter]]]]],
+    gather: Callable[[Any], None],
 ) -> None:
     """Make ``optimizer.step`` step each part of ``parts()`` in turn and call ``gather(part)`` after each."""
     step = optimizer.step
@@ -55,6 +58,7 @@ def chunk_steps(optimizer: torch.optim.Optimizer, store: StateStore, chunk_mb: f
                 size = 0.0
             chunks[-1].append((gi, p))
             size += nbytes
+
         def to_disk(chunk: list[tuple[int, nn.Parameter]]) -> None:
             for _, p in chunk:
                 st = optimizer.state.get(p, {})
@@ -86,7 +90,9 @@ def replace_step(optimizer: torch.optim.Optimizer, step: Callable[..., Any]) -> 
 
 
 def step_in_parts(
-    optimizer: torch.optim.Optimizer, step: Callable[[], Any], parts: list[tuple[Any, list[list[nn.Parameter]]]],
+    optimizer: torch.optim.Optimizer,
+    step: Callable[[], Any],
+    parts: list[tuple[Any, list[list[nn.Parameter]]]],
     after: Callable[[Any], None],
 ) -> Any:
     """Step the optimizer once per part, its param groups narrowed to that part's pieces, then call ``after``.

@@ -4,9 +4,9 @@ A unit (by default each child module that holds parameters, looking inside Modul
 all-gathered before its forward and freed after it, gathered again when backward reaches it and freed when its
 backward is done, when its gradients are reduce-scattered. The next unit is prefetched. The forward's last unit
 (from the second forward on, when the order is known) is the backward's first: it stays gathered between the two.
-An optimizer step frees any unit still gathered, so that no forward runs on the values from before it. Parameters shared by two
-units (tied embeddings) and those of no unit belong to the root unit, which stays gathered from the forward to the
-end of backward. Reduce-scatters happen on every backward, as for zero2.
+An optimizer step frees any unit still gathered, so that no forward runs on the values from before it. Parameters
+shared by two units (tied embeddings) and those of no unit belong to the root unit, which stays gathered from the
+forward to the end of backward. Reduce-scatters happen on every backward, as for zero2.
 
 Between forwards each rank holds only its slices, and a parameter of a freed unit is an empty tensor. So a
 ``state_dict()`` of the model, or of any module in it, is refused (it would save empty tensors without a word, as a
@@ -27,20 +27,21 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from phalanx.strategies.deferred_init import move_real, pending_init
+from phalanx.config.strategy_options import Zero3Options
 from phalanx.strategies._replicas import replicate_from_first
 from phalanx.strategies.base import uncompiled
+from phalanx.strategies.deferred_init import move_real, pending_init
 from phalanx.strategies.zero.base import ModelState, ZeroStrategy
 from phalanx.strategies.zero.collectives import Done, SegmentComm
 from phalanx.strategies.zero.layout import Segment, by_dtype, padded_empty
 from phalanx.strategies.zero.offload import StateStore
-from phalanx.config.strategy_options import Zero3Options
 
 __all__ = ["Zero3Strategy", "Unit", "UnitState", "unit_modules_of"]
 
@@ -61,9 +62,16 @@ class Unit:
     has nothing to do."""
 
     def __init__(
-        self, index: int, module: nn.Module, name: str, segments: list[Segment], is_root: bool, comm: SegmentComm,
-        store: StateStore, empty: dict[tuple[torch.dtype, torch.device], torch.Tensor],
-    ) -> None:  # fmt: skip
+        self,
+        index: int,
+        module: nn.Module,
+        name: str,
+        segments: list[Segment],
+        is_root: bool,
+        comm: SegmentComm,
+        store: StateStore,
+        empty: dict[tuple[torch.dtype, torch.device], torch.Tensor],
+    ) -> None:
         self.index, self.module, self.name, self.segments, self.is_root = index, module, name, segments, is_root
         self.comm, self.store, self._empty = comm, store, empty
         self.state = UnitState.FREE
@@ -188,7 +196,9 @@ class Zero3Strategy(ZeroStrategy):
         for i, u in enumerate(units):
             u.index = len(self.units) + i
         if init is not None and self.world > 1:
-            replicate_from_first(model, self.group, self.device, self.stats, self.dp_opts.broadcast_buffers, skip=params)
+            replicate_from_first(
+                model, self.group, self.device, self.stats, self.dp_opts.broadcast_buffers, skip=params
+            )
         state = self._register(model, params, all_segments)
         state.units = units
         root = units[0]
@@ -421,7 +431,9 @@ class Zero3Strategy(ZeroStrategy):
         for s in self.segments:
             if s.shard_param is None and s.master is not None and not self.store.owns(s.master):
                 report["held"]["optimizer_state"] -= s.master.numel() * s.master.element_size()
-        report["held_total"] = sum(v for k, v in report["held"].items() if k not in ("comm_buffers", "offloaded_to_disk"))
+        report["held_total"] = sum(
+            v for k, v in report["held"].items() if k not in ("comm_buffers", "offloaded_to_disk")
+        )
         report["expected_peak"] = report["held_total"] + report["held"]["comm_buffers"] + report["transient"]
         return report
 
