@@ -1,4 +1,4 @@
-"""Models built on the meta device, given their values by engine.prepare (phalanx/deferred_init.py).
+"""Models built on the meta device, given their values by engine.prepare (phalanx/strategies/deferred_init.py).
 
 A meta-built model must equal the same model built normally under the same seed, bitwise, under ddp and zero1/2/3,
 on 1 to 4 ranks: right after prepare and after three AdamW steps, with a tied embedding (TiedNet) and BatchNorm

@@ -1,9 +1,9 @@
 """The on-disk format of a checkpoint: writing shard files atomically, and reading them back without running code.
 
-A checkpoint directory holds ``manifest.json`` and ``shard-RRRRR-of-NNNNN.safetensors`` files (see ``checkpoint.py``
+A checkpoint directory holds ``manifest.json`` and ``shard-RRRRR-of-NNNNN.safetensors`` files (see ``state.py``
 for what is in them). Here: the shard writer (safetensors, a crc32 per run, fsync), the atomic swap into place and
 the rotation of old checkpoints, and the JSON encoding of non-tensor state (tensors inside it go to the shards). The
-reader is ``checkpoint_read.py``. Nothing here unpickles.
+reader is ``read.py``. Nothing here unpickles.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A strategy gives its rank's share of the model and optimizer state as :class:`ShardEntry` slices keyed by
 parameter name (``sharded_state``), and takes it back from any :class:`StateReader` (``load_sharded_state``),
-whatever strategy and world size wrote it. Neither ``checkpoint.py`` nor the strategies need the other for
+whatever strategy and world size wrote it. Neither ``state.py`` nor the strategies need the other for
 these types: both import them from here.
 """
 

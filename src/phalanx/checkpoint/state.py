@@ -25,7 +25,7 @@ check (format version, each file present with its size, every checksum, names an
 number of optimizers, schedulers, loaders and registered objects) passes on every rank before the first tensor is
 copied: a checkpoint loads whole or not at all. Each rank reads only the runs that overlap its own shard.
 
-The file format itself (writing, reading, the JSON encoding of state) is in ``checkpoint_io.py``.
+The file format itself (writing, reading, the JSON encoding of state) is in ``format.py`` and ``read.py``.
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 
 Every engine setting (the general ones and each strategy's, see ``options.py``) becomes a flag named after it
 (``bucket_mb`` -> ``--bucket-mb``), grouped by who reads it, with its doc and allowed values as help. The values
-stay text here; ``config.py`` parses and checks them as it does for the environment, so a flag and a
+stay text here; ``settings.py`` parses and checks them as it does for the environment, so a flag and a
 ``PHALANX_*`` variable get the same errors.
 
 The spellings of torchrun and Accelerate (``--nproc_per_node``, ``--num_processes``, ``--mixed_precision``; the
-table is ``compat/flags.py``) and the underscore spelling of every engine flag (``--grad_accum_steps``) are
+table is ``dialects/flags.py``) and the underscore spelling of every engine flag (``--grad_accum_steps``) are
 flags of their own, folded into the same settings by :func:`resolve_flags`: two spellings of one setting with
 different values are an error that names both.
 """

@@ -1,5 +1,5 @@
 """The settings every strategy reads (the Engine's general group): strategy, precision, accumulation, seeds, the
-runtime, the watchdog and resuming. Declared like each strategy's own group (see ``options.py``); ``config.py``
+runtime, the watchdog and resuming. Declared like each strategy's own group (see ``options.py``); ``settings.py``
 composes them.
 """
 
@@ -87,7 +87,7 @@ class GeneralOptions(Options):
         0.0,
         "CPU (Linux, glibc): host blocks of at least this many MiB are mapped and given back to the system when "
         "freed, so that resident memory follows what the process holds instead of keeping freed room (see "
-        "phalanx/host_memory.py). Measured under zero2/zero3: 20-25% less peak RSS, but steps 1.5-1.7x slower "
+        "phalanx/runtime/memory.py). Measured under zero2/zero3: 20-25% less peak RSS, but steps 1.5-1.7x slower "
         "(page faults on every large allocation), so 0 (glibc's own) is the default; 1 when memory is what binds.",
         check=lambda v: v >= 0,
         fix="use a size in MiB such as 1, or 0 for glibc's default",

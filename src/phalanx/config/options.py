@@ -1,7 +1,7 @@
 """How a group of settings is declared: a dataclass of :func:`option` fields, each with its doc and its allowed values.
 
-The Engine's general settings (``config.py``) and each strategy's own knobs (``strategies/*/options.py``) are
-declared this way. ``config.py`` composes them: it reads every group from the strategy registry, layers file,
+The Engine's general settings (``general.py``) and each strategy's own knobs (``strategy_options.py``) are
+declared this way. ``settings.py`` composes them: it reads every group from the strategy registry, layers file,
 environment and flags over them, checks each field against its declaration, and asks the registry which
 strategies accept a group, so it never names a strategy. ``phalanx config`` and ``phalanx launch --help`` list the
 same fields, docs and choices.

@@ -173,7 +173,7 @@ class Engine:
 
         A model built on the meta device (``with torch.device("meta")`` or ``phalanx.init_empty_weights()``) is
         given its values here, part by part under zero3, by each module's ``reset_parameters()`` or by
-        ``param_init_fn(module)``: see ``phalanx/deferred_init.py``."""
+        ``param_init_fn(module)``: see ``phalanx/strategies/deferred_init.py``."""
         kinds = [kind_of(o) for o in objects]
         if param_init_fn is not None:
             check_init_fn_applies(

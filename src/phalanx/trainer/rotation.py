@@ -32,7 +32,8 @@ __all__ = ["PREFIX_CHECKPOINT_DIR", "checkpoints_to_delete", "sorted_checkpoints
 
 PREFIX_CHECKPOINT_DIR = "checkpoint"
 _NAME = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)")
-# A crash between the two renames of a save leaves the previous checkpoint at .NAME.old and no NAME (checkpoint_io).
+# A crash between the two renames of a save leaves the previous checkpoint at .NAME.old and no NAME
+# (checkpoint/format.py).
 _OLD_NAME = re.compile(rf"\.({PREFIX_CHECKPOINT_DIR}-(\d+))\.old")
 
 PathLike = str | os.PathLike[str]
@@ -76,7 +77,7 @@ def checkpoints_to_delete(
 def sorted_checkpoints(output_dir: PathLike) -> list[tuple[int, Path]]:
     """The complete ``checkpoint-<step>`` directories directly in ``output_dir`` as ``(step, path)``, oldest first.
 
-    Complete means a phalanx checkpoint whose manifest was written (``checkpoint_io.is_checkpoint``); staging
+    Complete means a phalanx checkpoint whose manifest was written (``checkpoint.format.is_checkpoint``); staging
     directories and other names are skipped. A ``.checkpoint-<step>.old`` left by a crash mid-swap stands in for its
     step when ``checkpoint-<step>`` itself is missing, as ``latest_checkpoint`` treats it.
     """

@@ -5,7 +5,7 @@
 an unknown key is an error with a suggestion. ``"auto"`` (as Hugging Face writes it) leaves a value to phalanx: the
 batch sizes come from the script's DataLoader and the batch rule, the rest keep phalanx's defaults. The
 ``optimizer`` and ``scheduler`` blocks are built at ``engine.prepare`` when the script passes none
-(``compat/deepspeed_blocks.py``).
+(``deepspeed_blocks.py``).
 """
 
 from __future__ import annotations

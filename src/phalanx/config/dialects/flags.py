@@ -39,7 +39,7 @@ class DialectFlag:
     target: str
     help: str
     convert: Callable[[str, str], Any] | None = None
-    """``(text, spelling) -> value`` in phalanx's terms; None keeps the text (``config.py`` parses it)."""
+    """``(text, spelling) -> value`` in phalanx's terms; None keeps the text (``config/settings.py`` parses it)."""
     switch: bool = False
     """A flag without a value (``--cpu``)."""
     metavar: str = "N"

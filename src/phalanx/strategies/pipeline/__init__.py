@@ -2,7 +2,6 @@
 
 The rooms, each one idea:
 
-- ``options.py``     the pipeline's settings (read by ``config.py`` through the registry)
 - ``partition.py``   which contiguous blocks form each stage (parameters, blocks, time, cut points)
 - ``p2p.py``         point-to-point between neighbouring stages, with the boundary shapes sent once
 - ``microbatch.py``  the stage module that ``model(...)`` calls, micro-batch bookkeeping, batch splitting
@@ -10,7 +9,9 @@ The rooms, each one idea:
 - ``sync.py``        a stage's data-parallel replicas: whole-state (ddp) or zero1 gradient sync
 - ``strategy.py``    the strategy: splits the model, runs one micro-batch, reduces once per step
 
-The strategy loads on first use (``from phalanx.strategies.pipeline import PipelineStrategy``).
+Its settings (pp_size, pp_schedule, pp_microbatches, pp_partition, pp_zero_stage) are declared in
+``phalanx/config/strategy_options.py``. The strategy loads on first use
+(``from phalanx.strategies.pipeline import PipelineStrategy``).
 """
 
 from __future__ import annotations

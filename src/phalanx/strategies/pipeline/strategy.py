@@ -23,8 +23,8 @@ and ``loss_fn`` computes the loss as usual.
   forward or backward for them. The stage module ``model(...)`` calls, micro-batch bookkeeping and batch
   splitting are in ``microbatch.py``.
 - Data parallel (``sync.py``): the ranks of one stage reduce its gradients once per step, after the schedule; rank
-  layout is pp-major (see ``topology.py``). The pipeline holds a sync object for that: ddp buckets, or zero1's with
-  ``pp_zero_stage: 1``, so that each replica keeps and steps the optimizer state of its slice only.
+  layout is pp-major (see ``runtime/topology.py``). The pipeline holds a sync object for that: ddp buckets, or
+  zero1's with ``pp_zero_stage: 1``, so that each replica keeps and steps the optimizer state of its slice only.
 """
 
 from __future__ import annotations

@@ -2,7 +2,6 @@
 
 The rooms, each one idea:
 
-- ``options.py``      the zero strategies' settings (read by ``config.py`` through the registry)
 - ``layout.py``       flat segments: parameters packed, padded to a multiple of N, rank r owning slice r
 - ``collectives.py``  reduce-scatter of gradients and all-gather of parameters on segments
 - ``base.py``         what every stage shares: the optimizer's pieces, the end of backward, clipping, memory
@@ -13,8 +12,9 @@ The rooms, each one idea:
 - ``optimizers.py``   which optimizers can be sharded
 - ``offload.py``      where optimizer state lives: the device, host memory or memory-mapped files
 
-The strategies load on first use (``from phalanx.strategies.zero import Zero3Strategy`` still works), so that
-reading the options does not import them.
+Their settings (offload, comm_dtype, zero_collectives, zero3_unit_classes, ...) are declared in
+``phalanx/config/strategy_options.py``. The strategies load on first use
+(``from phalanx.strategies.zero import Zero3Strategy``).
 """
 
 from __future__ import annotations
