@@ -11,6 +11,7 @@ from phalanx import checkpoint
 from phalanx._version import __version__
 from phalanx.config.dialects.dummies import DummyOptim, DummyScheduler
 from phalanx.engine.engine import Engine
+from phalanx.engine.nonfinite import NonFiniteError
 from phalanx.inference import dispatch, init_empty_weights, load_and_dispatch
 from phalanx.launch.spawn import spawn
 from phalanx.trainer.arguments import TrainingArguments
@@ -20,6 +21,7 @@ from phalanx.trainer.trainer import EvalPrediction, Trainer
 
 __all__ = [
     "Engine",
+    "NonFiniteError",
     "spawn",
     "checkpoint",
     "DummyOptim",

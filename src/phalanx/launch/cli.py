@@ -15,21 +15,24 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
+import io
 import ipaddress
 import os
 import platform
 import shlex
 import socket
 import sys
-from typing import Any, NoReturn, Sequence
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from phalanx._version import __version__
-from phalanx.config.settings import ConfigError, resolve_config
 from phalanx.config.flags import add_dialect_flags, add_engine_flags, add_launch_flags, flag_spellings, resolve_flags
+from phalanx.config.settings import ConfigError, resolve_config
 from phalanx.launch.launcher import LaunchError, launch
 
-__all__ = ["main"]
+__all__ = ["main", "check_command_line"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -43,8 +46,13 @@ class _DemoHelp(argparse.Action):
     """``phalanx demo --help``: phalanx's flags, then the demo's own options."""
 
     def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
-        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0,
-                         help="show this help, and the demo's own options, and exit")  # fmt: skip
+        super().__init__(
+            option_strings,
+            dest=argparse.SUPPRESS,
+            default=argparse.SUPPRESS,
+            nargs=0,
+            help="show this help, and the demo's own options, and exit",
+        )
 
     def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, values: Any, opt: Any = None) -> None:
         parser.print_help()
@@ -66,10 +74,11 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         return subs[name]
 
     p = add(
-        "launch", help="run a training script on several processes (torchrun underneath)",
+        "launch",
+        help="run a training script on several processes (torchrun underneath)",
         usage="phalanx launch [-n N] [flags] script [script args]",
         epilog="Flags after the script name go to the script: phalanx launch -n 2 --seed 1 train.py --lr 3e-4",
-    )  # fmt: skip
+    )
     add_launch_flags(p)
     add_engine_flags(p)
     add_dialect_flags(p)
@@ -100,14 +109,25 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     q.add_argument("--model", type=int, default=0, help="which prepared model, in prepare order (default 0)")
 
     p = add("dispatch-plan", help="where phalanx.load_and_dispatch would put each part of a model, before loading it")
-    p.add_argument("path", help="a save_pretrained directory, a .safetensors file, a directory of shards, or a checkpoint")
-    p.add_argument("--max-memory", action="append", default=[], metavar="DEVICE=SIZE",
-                   help="a device's budget, e.g. cpu=2GiB or 0=20GiB (repeat for each device)")
+    p.add_argument(
+        "path", help="a save_pretrained directory, a .safetensors file, a directory of shards, or a checkpoint"
+    )
+    p.add_argument(
+        "--max-memory",
+        action="append",
+        default=[],
+        metavar="DEVICE=SIZE",
+        help="a device's budget, e.g. cpu=2GiB or 0=20GiB (repeat for each device)",
+    )
     p.add_argument("--no-split", help="module classes never split, comma-separated (default: the model's own)")
     p.add_argument("--dtype", help="plan for the weights in this dtype (bf16, fp16, fp32)")
 
-    p = add("demo", help="train a small byte-level GPT on the Python standard library's source", add_help=False,
-            usage="phalanx demo [-n N] [flags] [--] [demo options]")
+    p = add(
+        "demo",
+        help="train a small byte-level GPT on the Python standard library's source",
+        add_help=False,
+        usage="phalanx demo [-n N] [flags] [--] [demo options]",
+    )
     p.add_argument("-h", "--help", action=_DemoHelp)
     add_launch_flags(p, n_help="processes on this node (default: one per GPU, or 2 on a machine without GPUs)")
     add_engine_flags(p)
@@ -159,8 +179,10 @@ def _checkpoint_command(ns: argparse.Namespace) -> int:
         with ck:
             state = ck.state_dict(ns.model)
         save_model_file(state, Path(ns.output), metadata={"format": "pt"})
-        print(f"wrote {ns.output}: {len(state)} tensors, {sum(t.numel() for t in state.values()):,} elements "
-              f"(load it with model.load_state_dict(safetensors.torch.load_file({ns.output!r})))")  # fmt: skip
+        print(
+            f"wrote {ns.output}: {len(state)} tensors, {sum(t.numel() for t in state.values()):,} elements "
+            f"(load it with model.load_state_dict(safetensors.torch.load_file({ns.output!r})))"
+        )
         return 0
     except CheckpointError as e:
         print(f"phalanx checkpoint {ns.checkpoint_command}: {e}", file=sys.stderr)
@@ -253,20 +275,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def _main(args: list[str]) -> int:
+def _parse(args: list[str]) -> tuple[argparse.Namespace, dict[str, bool], str | None]:
+    """The command line as ``main`` reads it: the namespace, the command's flag spellings, and the one line that
+    refuses it (None when it parses). argparse's own errors exit, as they do for ``main``."""
     parser, subs = _parser()
     after_separator: list[str] = []
     if args[:1] == ["demo"] and "--" in args:
         cut = args.index("--")
         args, after_separator = args[:cut], args[cut + 1 :]
     ns, unknown = parser.parse_known_args(args)
-    command = ns.command
-    spellings = flag_spellings(subs[command]) if command in subs else {}
-    if command == "demo":
+    spellings = flag_spellings(subs[ns.command]) if ns.command in subs else {}
+    if ns.command == "demo":
         # Options phalanx does not know are the demo's, in the order given.
         ns.demo_args = unknown + after_separator
     elif unknown:
-        print(_unknown(command, unknown, list(spellings)), file=sys.stderr)
+        return ns, spellings, _unknown(ns.command, unknown, list(spellings))
+    return ns, spellings, None
+
+
+def check_command_line(args: Sequence[str]) -> str | None:
+    """Why ``phalanx <args>`` would be refused before it runs anything, or None when it parses: the command, its
+    flags and their values, and the demo's own options. Files it names are not read. The docs test checks every
+    ``phalanx`` command line in the docs with it."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            ns, _, problem = _parse(list(args))
+            if problem is None and ns.command == "demo":
+                from phalanx.demo import parse_args
+
+                parse_args(ns.demo_args)
+    except SystemExit as e:
+        return None if e.code in (0, None) else err.getvalue().strip() or f"exit status {e.code}"
+    return problem
+
+
+def _main(args: list[str]) -> int:
+    ns, spellings, problem = _parse(args)
+    command = ns.command
+    if problem is not None:
+        print(problem, file=sys.stderr)
         return 2
     try:
         if command == "plot":
