@@ -328,7 +328,7 @@ def test_a_malicious_pickle_in_the_checkpoint_is_never_executed(run_ranks, tmp_p
     torch.save({"x": torch.zeros(2)}, shard)  # a torch.save zip in its place
     assert "zip archive" in run_ranks(_load_small, 1, str(root))[0]
     for cmd in (["info", str(root)], ["consolidate", str(root), str(tmp_path / "out.safetensors")]):
-        assert phalanx.cli.main(["checkpoint", *cmd]) != 0  # the CLI refuses it too
+        assert phalanx.launch.cli.main(["checkpoint", *cmd]) != 0  # the CLI refuses it too
     assert not marker.exists(), "unpickling ran the payload"
 
 
@@ -346,14 +346,14 @@ def test_consolidate_round_trips_against_the_unwrapped_state_dict(run_ranks, tmp
 
     root, out = tmp_path / "ck", tmp_path / "model.safetensors"
     expected = run_ranks(_save_tied, 2, str(root), str(tmp_path / "export"))[0]
-    assert phalanx.cli.main(["checkpoint", "consolidate", str(root), str(out)]) == 0
+    assert phalanx.launch.cli.main(["checkpoint", "consolidate", str(root), str(out)]) == 0
     for path in (out, tmp_path / "export" / "model.safetensors"):
         model = DropNet()
         model.load_state_dict(load_file(path))  # strict: exactly the state_dict keys, the tied head included
         assert set(model.state_dict()) == set(expected) and "head.weight" in expected
         for k, v in model.state_dict().items():
             assert torch.equal(v, expected[k]), (path.name, k)
-    assert phalanx.cli.main(["checkpoint", "info", str(root)]) == 0
+    assert phalanx.launch.cli.main(["checkpoint", "info", str(root)]) == 0
     info = capsys.readouterr().out
     assert "zero3 on world size 2" in info and "global_step=3" in info and "AdamW" in info
 
@@ -524,7 +524,7 @@ def test_pipeline_stage_with_a_tied_weight_round_trips(run_ranks, tmp_path, caps
     loaded = run_ranks(_tied_pipe, 2, str(tmp_path / "ck"), True)[0]
     assert set(saved) == set(loaded) == {"0.weight", "0.bias", "2.weight", "2.bias", "3.weight", "3.bias"}
     assert all(torch.equal(saved[k], loaded[k]) for k in saved)
-    assert phalanx.cli.main(["checkpoint", "consolidate", str(tmp_path / "ck"), str(tmp_path / "m.safetensors")]) == 0
+    assert phalanx.launch.cli.main(["checkpoint", "consolidate", str(tmp_path / "ck"), str(tmp_path / "m.safetensors")]) == 0
     model = _TiedPipe()
     model.load_state_dict(load_file(tmp_path / "m.safetensors"))
     assert torch.equal(model[2].weight, saved["0.weight"])

@@ -29,7 +29,7 @@ def _no_phalanx_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _config(capsys: pytest.CaptureFixture[str], *flags: str) -> dict[str, tuple[str, str]]:
     """``phalanx config FLAGS`` as {key: (value, origin)}."""
-    assert phalanx.cli.main(["config", *flags]) == 0, capsys.readouterr().err
+    assert phalanx.launch.cli.main(["config", *flags]) == 0, capsys.readouterr().err
     table = {}
     for line in capsys.readouterr().out.splitlines():
         found = re.match(r"(\S+)\s+(.+?)\s+\((.*)\)$", line)
@@ -41,7 +41,7 @@ def _config(capsys: pytest.CaptureFixture[str], *flags: str) -> dict[str, tuple[
 def _error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
     """The one line that a refused command line prints (exit code 2)."""
     try:
-        code = phalanx.cli.main(list(args))
+        code = phalanx.launch.cli.main(list(args))
     except SystemExit as e:  # argparse's own checks (a value of the wrong type) end in exit(2)
         code = e.code
     err = capsys.readouterr().err
@@ -228,7 +228,7 @@ def test_a_bad_value_is_one_line_too(capsys):
 # ------------------------------------------------------------------------------------------ help
 def test_launch_help_lists_the_choices_and_the_dialects(capsys):
     with pytest.raises(SystemExit):
-        phalanx.cli.main(["launch", "--help"])
+        phalanx.launch.cli.main(["launch", "--help"])
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     from phalanx.config.general import PRECISIONS
     from phalanx.config.registry import strategy_names

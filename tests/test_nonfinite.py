@@ -111,7 +111,7 @@ def test_one_process_raises_and_bf16_is_guarded_too():
 
 
 def test_the_option_is_checked():
-    with pytest.raises(phalanx.options.ConfigError, match="on_nonfinite"):
+    with pytest.raises(phalanx.config.options.ConfigError, match="on_nonfinite"):
         phalanx.Engine(on_nonfinite="warn")
 
 

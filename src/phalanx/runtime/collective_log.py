@@ -38,7 +38,7 @@ class CollectiveMismatchError(CollectiveError):
     """Ranks of one group called different collectives at the same point of their sequence (``debug_collectives``)."""
 
 
-_PHALANX = os.path.dirname(os.path.abspath(__file__))
+_PHALANX = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package, from runtime/
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 _STDLIB = sysconfig.get_paths()["stdlib"]
 _SITE = sysconfig.get_paths()["purelib"]
