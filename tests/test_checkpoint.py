@@ -524,7 +524,10 @@ def test_pipeline_stage_with_a_tied_weight_round_trips(run_ranks, tmp_path, caps
     loaded = run_ranks(_tied_pipe, 2, str(tmp_path / "ck"), True)[0]
     assert set(saved) == set(loaded) == {"0.weight", "0.bias", "2.weight", "2.bias", "3.weight", "3.bias"}
     assert all(torch.equal(saved[k], loaded[k]) for k in saved)
-    assert phalanx.launch.cli.main(["checkpoint", "consolidate", str(tmp_path / "ck"), str(tmp_path / "m.safetensors")]) == 0
+    assert (
+        phalanx.launch.cli.main(["checkpoint", "consolidate", str(tmp_path / "ck"), str(tmp_path / "m.safetensors")])
+        == 0
+    )
     model = _TiedPipe()
     model.load_state_dict(load_file(tmp_path / "m.safetensors"))
     assert torch.equal(model[2].weight, saved["0.weight"])

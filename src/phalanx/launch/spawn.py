@@ -156,7 +156,10 @@ def spawn(
                 start_method, environ = "spawn", None
     ctx: Any = mp.get_context(start_method)  # SpawnContext or ForkServerContext
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "phalanx"])  # takes effect when the server starts, the first time
+        # Takes effect when the server starts, the first time. torch imports torch._dynamo at a process's first
+        # optimizer.step() (its step is wrapped to stay out of compilation), which costs each fresh rank about
+        # 1.5 s; imported once in the server, the forked ranks have it. The import starts no thread.
+        ctx.set_forkserver_preload(["torch", "torch._dynamo", "phalanx"])
     tmpdir = tempfile.mkdtemp(prefix="phalanx-spawn-")
     init_method = f"file://{tmpdir}/store"
     procs, readers = [], []
