@@ -250,6 +250,7 @@ ELASTIC_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.serial  # a 1 s keep-alive: a node starved of the cores for 3 s would be taken for lost
 def test_an_elastic_job_that_loses_a_node_finishes_on_the_other(tmp_path):
     import shutil
     import socket

@@ -18,6 +18,9 @@ from phalanx.config.settings import EngineConfig
 from phalanx.runtime.collective_log import LOG, describe, ranks_text
 from phalanx.runtime.watchdog import HANG_EXIT_CODE, compose_hang_report, default_hang_timeout
 
+# A 3 s hang timeout and a bound on each run's time: these runs must not share the cores with other tests.
+pytestmark = pytest.mark.serial
+
 PHALANX = [sys.executable, "-m", "phalanx"]
 HANG_TIMEOUT_S = 3
 
