@@ -154,7 +154,15 @@ class TrainingArguments:
     remove_unused_columns: bool = True
     """Drop dataset columns that the model's forward does not take."""
     label_names: list[str] | None = None
-    """Batch keys that hold labels; None means ``labels`` (and the model's own label names)."""
+    """Batch keys that hold labels; None means the model forward's parameters named like a label (``labels``, a
+    question-answering model's ``start_positions`` and ``end_positions``), else ``labels``."""
+    include_for_metrics: list[str] = field(default_factory=list)
+    """What ``compute_metrics`` receives besides predictions and labels: "inputs" (the batch's main input) and
+    "loss" (each sample's batch loss), as ``EvalPrediction.inputs`` and ``.losses``."""
+    prediction_loss_only: bool = False
+    """Evaluation computes the loss only: no predictions are gathered and ``compute_metrics`` is not called."""
+    logging_nan_inf_filter: bool = True
+    """Leave NaN and inf losses out of the logged means (when some are finite), as transformers does."""
     report_to: str | list[str] | None = "none"
     """Metric sinks besides the JSONL log: 'tensorboard', a list, 'all' (those installed) or 'none'."""
     run_name: str | None = None

@@ -16,11 +16,11 @@ from __future__ import annotations
 import inspect
 import math
 import time
-import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -33,6 +33,7 @@ from phalanx.runtime.collective_log import watched
 from phalanx.trainer.arguments import TrainingArguments
 from phalanx.trainer.callbacks import CallbackHandler, TrainerCallback
 from phalanx.trainer.loss import as_sum, items_of
+from phalanx.trainer.nested import concat, first_tensor, nested_map, numpify, pad_dim1
 from phalanx.trainer.reporting import default_callbacks
 from phalanx.trainer.rotation import rotate_checkpoints, sorted_checkpoints
 from phalanx.trainer.schedules import get_scheduler
@@ -41,12 +42,30 @@ from phalanx.trainer.state import TrainerControl, TrainerState, record_best_metr
 __all__ = ["Trainer", "EvalPrediction", "TrainOutput", "PredictionOutput"]
 
 
-class EvalPrediction(NamedTuple):
-    """What ``compute_metrics`` receives: every sample's predictions and labels, in dataset order, on the CPU."""
+class EvalPrediction:
+    """What ``compute_metrics`` receives, as Hugging Face's: every sample's predictions and labels, in dataset order,
+    as numpy arrays (a tuple of them for several model outputs or several ``label_names``). It unpacks as
+    ``predictions, labels = eval_pred``; ``inputs`` and ``losses`` join the unpacking when ``include_for_metrics``
+    asks for them."""
 
-    predictions: Any
-    label_ids: Any
-    inputs: Any = None
+    def __init__(self, predictions: Any, label_ids: Any, inputs: Any = None, losses: Any = None) -> None:
+        self.predictions, self.label_ids, self.inputs, self.losses = predictions, label_ids, inputs, losses
+        self.elements: tuple[Any, ...] = (predictions, label_ids)
+        if inputs is not None:
+            self.elements += (inputs,)
+        if losses is not None:
+            self.elements += (losses,)
+
+    def __iter__(self) -> Any:
+        return iter(self.elements)
+
+    def __getitem__(self, index: int) -> Any:
+        if index < 0 or index >= len(self.elements):
+            raise IndexError("tuple index out of range")
+        return self.elements[index]
+
+    def __len__(self) -> int:
+        return len(self.elements)
 
 
 class TrainOutput(NamedTuple):
@@ -59,6 +78,52 @@ class PredictionOutput(NamedTuple):
     predictions: Any
     label_ids: Any
     metrics: dict[str, float]
+
+
+def _plain(value: Any) -> Any:
+    """A metric as JSON holds it: numpy scalars and 0-d tensors as Python numbers (HF's denumpify_detensorize)."""
+    if isinstance(value, (np.generic, np.ndarray)) and np.ndim(value) == 0:
+        return value.item()
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return value.item()
+    return value
+
+
+def _find_labels(model: nn.Module) -> list[str]:
+    """The batch keys that hold labels when ``label_names`` is not given, as transformers finds them: the forward's
+    parameters whose names contain "label" (a question-answering model's ``start_positions`` and ``end_positions``
+    too); ``["labels"]`` for a module whose forward names none."""
+    params = inspect.signature(model.forward).parameters
+    qa = "QuestionAnswering" in type(model).__name__
+    found = [p for p in params if "label" in p or (qa and p in ("start_positions", "end_positions"))]
+    return found or ["labels"]
+
+
+def _loss_of(outputs: Any) -> torch.Tensor:
+    """The loss a model returned, as HF's Trainer reads it: a dict's (or ``ModelOutput``'s) ``loss``, a tuple's first
+    element."""
+    if isinstance(outputs, Mapping):
+        if outputs.get("loss") is None:
+            raise ValueError(
+                f"the model returned no loss, only {', '.join(map(str, outputs.keys()))}: put the labels in the batch "
+                "(a 'labels' key, or label_names) for a model that computes its loss, or pass "
+                "compute_loss_func=lambda outputs, labels, num_items_in_batch: ..."
+            )
+        return outputs["loss"]
+    if isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor):
+        if outputs[0].dim() != 0:
+            raise ValueError(
+                f"the model returned a tuple whose first element has shape {tuple(outputs[0].shape)}: a tuple output "
+                "must start with the loss (a scalar), as in transformers; return (loss, logits, ...), or pass "
+                "compute_loss_func=lambda outputs, labels, num_items_in_batch: ..."
+            )
+        return outputs[0]
+    if getattr(outputs, "loss", None) is not None:
+        return outputs.loss
+    raise ValueError(
+        f"the model returned no loss ({type(outputs).__name__}): return a dict or ModelOutput with 'loss', or a "
+        "tuple that starts with it, or pass compute_loss_func=lambda outputs, labels, num_items_in_batch: ..."
+    )
 
 
 class _StateHolder:
@@ -120,6 +185,7 @@ class Trainer:
             self.lr_scheduler,
         )
         self._causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+        self._label_names = self.args.label_names if self.args.label_names is not None else _find_labels(model)
         self._window = torch.zeros(2, dtype=torch.float64)  # the pipeline's last stage adds to train()'s window
         if self.args.gradient_checkpointing:
             # transformers 5 renamed it activation_checkpointing_enable (the old name warns).
@@ -186,7 +252,7 @@ class Trainer:
             if "label" in batch and "labels" not in batch:
                 batch["labels"] = batch.pop("label")  # as transformers' default collator
             if self.args.remove_unused_columns and self._forward_params is not None:
-                keep = self._forward_params | set(self.args.label_names or ["labels"])
+                keep = self._forward_params | set(self._label_names)
                 batch = {k: v for k, v in batch.items() if k in keep}
         return batch
 
@@ -307,10 +373,15 @@ class Trainer:
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | None = None,
     ) -> Any:
-        """The mean loss of one micro-batch: the model's own (``labels`` in the batch), or ``compute_loss_func(outputs,
-        labels, num_items_in_batch=...)``. A ``(inputs, labels)`` batch calls ``model(inputs)``."""
+        """The mean loss of one micro-batch, as Hugging Face's Trainer finds it: ``compute_loss_func(outputs, labels,
+        num_items_in_batch=...)`` when given (the labels are then taken out of the batch, as HF does), else the
+        model's own: ``outputs["loss"]`` of a dict or ``ModelOutput``, the first element of a tuple. A batch that is a
+        pair ``(inputs, labels)`` calls ``model(inputs)``. ``num_items_in_batch`` is this micro-batch's item count
+        (phalanx normalises the whole window over every rank itself)."""
         labels = self._labels(inputs)
         if isinstance(inputs, Mapping):
+            if self.compute_loss_func is not None and "labels" in inputs:
+                inputs = {k: v for k, v in inputs.items() if k != "labels"}
             outputs = model(**inputs)
         elif isinstance(inputs, (tuple, list)) and len(inputs) == 2:
             outputs = model(inputs[0])
@@ -318,29 +389,31 @@ class Trainer:
             outputs = model(inputs)
         if self.compute_loss_func is not None:
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
-        elif isinstance(outputs, Mapping) and outputs.get("loss") is not None:
-            loss = outputs["loss"]
-        elif getattr(outputs, "loss", None) is not None:
-            loss = outputs.loss
         else:
-            raise ValueError(
-                f"the model returned no loss ({type(outputs).__name__}): put labels in the batch (a 'labels' key) "
-                "for a model that computes its loss, or pass "
-                "compute_loss_func=lambda outputs, labels, num_items_in_batch: ..."
-            )
+            loss = _loss_of(outputs)
         return (loss, outputs) if return_outputs else loss
 
     def _labels(self, inputs: Any) -> Any:
+        """The batch's labels: one tensor, or a tuple of them with several ``label_names``; None when absent."""
         if isinstance(inputs, Mapping):
-            names = self.args.label_names or ["labels"]
-            return inputs.get(names[0])
+            found = tuple(inputs.get(name) for name in self._label_names)
+            if not found or any(x is None for x in found):
+                return None
+            return found[0] if len(found) == 1 else found
         if isinstance(inputs, (tuple, list)) and len(inputs) == 2:
             return inputs[1]
         return None
 
+    def _items(self, inputs: Any) -> torch.Tensor | None:
+        """The items one micro-batch's loss averages over: the labels that are not -100 (HF counts ``labels``)."""
+        if isinstance(inputs, Mapping):
+            name = "labels" if "labels" in self._label_names else self._label_names[0] if self._label_names else None
+            return items_of(inputs.get(name) if name is not None else None, self._causal)
+        return items_of(self._labels(inputs), self._causal)
+
     def training_step(self, model: nn.Module, inputs: Any) -> torch.Tensor:
         """Backward of one micro-batch; returns ``[loss sum, items]`` on the device (for the logged mean)."""
-        n = items_of(self._labels(inputs), self._causal)
+        n = self._items(inputs)
         loss = self.compute_loss(model, inputs, num_items_in_batch=n)
         if n is None:  # no labels to count: each micro-batch's mean weighs the same
             self.engine.backward(loss)
@@ -353,7 +426,7 @@ class Trainer:
         """One micro-batch's loss under the pipeline, as (sum, items) when labels can be counted. It returns on the
         last stage only (the model call ends the others' turn), so only there does it add to the logging window:
         summed over all ranks, the window holds every data-parallel replica's items once."""
-        n = items_of(self._labels(inputs), self._causal)
+        n = self._items(inputs)
         loss = self.compute_loss(model, inputs, num_items_in_batch=n)
         one = torch.ones((), dtype=torch.float64, device=loss.device)
         if n is None:  # no labels to count: each micro-batch's mean weighs the same
@@ -505,44 +578,112 @@ class Trainer:
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs=logs)
 
     # ----------------------------------------------------------------------------------- evaluate, predict
-    def _loop(self, loader: Any, prefix: str) -> PredictionOutput:
-        self.model.eval()
-        preds: list[Any] = []
-        labels: list[Any] = []
-        losses: list[torch.Tensor] = []
-        started = time.perf_counter()
+    def prediction_step(
+        self, model: nn.Module, inputs: Any, prediction_loss_only: bool, ignore_keys: list[str] | None = None
+    ) -> tuple[torch.Tensor | None, Any, Any]:
+        """One evaluation batch, as Hugging Face's: ``(loss, logits, labels)``. With labels, the loss and the model's
+        other outputs (a dict's or ``ModelOutput``'s values but ``loss`` and ``ignore_keys``, a tuple's elements after
+        the loss); without, no loss and all the outputs. Several outputs stay a tuple, one is the tensor itself."""
+        labels = self._labels(inputs)
+        if ignore_keys is None:
+            config = getattr(self.engine.unwrap_model(model), "config", None)
+            ignore_keys = list(getattr(config, "keys_to_ignore_at_inference", None) or []) if config is not None else []
         with torch.no_grad():
-            for batch in loader:
-                label = self._labels(batch)
+            if labels is not None:
                 loss, outputs = self.compute_loss(
-                    self.model, batch, return_outputs=True, num_items_in_batch=items_of(label, self._causal)
+                    model, inputs, return_outputs=True, num_items_in_batch=self._items(inputs)
                 )
-                logits = outputs.get("logits") if isinstance(outputs, Mapping) else getattr(outputs, "logits", outputs)
-                if self.preprocess_logits_for_metrics is not None:
-                    logits = self.preprocess_logits_for_metrics(logits, label)
-                size = len(typing.cast(torch.Tensor, logits))
-                # Each sample carries its batch's mean loss, so that dropping the padding counts each sample once.
-                gathered = self.engine.gather_for_metrics((logits, label, loss.detach().float().expand(size)))
-                preds.append(gathered[0].cpu())
-                labels.append(gathered[1].cpu() if gathered[1] is not None else None)
-                losses.append(gathered[2].cpu())
-                self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
+                loss = loss.detach().mean()
+            else:
+                loss = None
+                if isinstance(inputs, Mapping):
+                    outputs = model(**inputs)
+                elif isinstance(inputs, (tuple, list)) and len(inputs) == 2:
+                    outputs = model(inputs[0])
+                else:
+                    outputs = model(inputs)
+        if prediction_loss_only:
+            return loss, None, None
+        if isinstance(outputs, torch.Tensor):
+            logits: Any = outputs  # a module that returns its logits (its loss from compute_loss_func)
+        elif isinstance(outputs, Mapping):
+            logits = tuple(v for k, v in outputs.items() if k not in [*ignore_keys, "loss"])
+        else:
+            logits = tuple(outputs[1:] if loss is not None else outputs)  # a tuple starts with its loss, as in HF
+        if isinstance(logits, tuple) and len(logits) == 1:
+            logits = logits[0]
+        return loss, nested_map(logits, torch.Tensor.detach), labels
+
+    def _pad_across_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        if t.dim() < 2 or self.engine.world_size == 1:
+            return t
+        return pad_dim1(t, int(self.engine.reduce(torch.tensor(t.shape[1]), "max").item()))
+
+    def _loop(
+        self, loader: Any, prefix: str, prediction_loss_only: bool | None = None, ignore_keys: list[str] | None = None
+    ) -> PredictionOutput:
+        """Every sample once, in dataset order, batch by batch to the CPU. Batches are padded with -100 along their
+        second dimension to the longest on any rank, then to the longest so far, as HF pads them."""
+        args = self.args
+        only_loss = args.prediction_loss_only if prediction_loss_only is None else prediction_loss_only
+        keep_inputs = "inputs" in args.include_for_metrics
+        main_input = getattr(self.engine.unwrap_model(self.model), "main_input_name", "input_ids")
+        self.model.eval()
+        found: dict[str, Any] = {"preds": None, "labels": None, "inputs": None, "losses": None}
+        started = time.perf_counter()
+        for batch in loader:
+            loss, logits, labels = self.prediction_step(self.model, batch, only_loss, ignore_keys)
+            inputs = None
+            if keep_inputs:  # the batch's main input: a transformers model names it (main_input_name)
+                inputs = (
+                    batch[main_input]
+                    if isinstance(batch, Mapping)
+                    else batch[0]
+                    if isinstance(batch, (tuple, list))
+                    else batch
+                )
+            first = first_tensor(batch)
+            size = 1 if first is None or first.dim() == 0 else first.shape[0]
+            # Each tensor is padded to its longest on any rank, so that the gathered batches line up (as HF does).
+            labels, logits, inputs = (nested_map(x, self._pad_across_ranks) for x in (labels, logits, inputs))
+            if logits is not None and self.preprocess_logits_for_metrics is not None:
+                logits = self.preprocess_logits_for_metrics(logits, labels)
+            # Each sample carries its batch's mean loss, so that dropping the padding counts each sample once.
+            losses = loss.float().expand(size) if loss is not None else None
+            for key, value in (("preds", logits), ("labels", labels), ("inputs", inputs), ("losses", losses)):
+                if value is not None:
+                    gathered = nested_map(value, lambda x: self.engine.gather_for_metrics(x).cpu())
+                    found[key] = concat(found[key], gathered)
+            self.control = self.callback_handler.on_prediction_step(args, self.state, self.control)
         self.model.train()
-        predictions = torch.cat(preds) if preds else None
-        label_ids = torch.cat(labels) if labels and labels[0] is not None else None
-        metrics: dict[str, float] = {}
+        predictions, label_ids = numpify(found["preds"]), numpify(found["labels"])
+        losses_np = numpify(found["losses"])
+        metrics: dict[str, Any] = {}
         if self.compute_metrics is not None and predictions is not None and label_ids is not None:
-            metrics = {
-                f"{prefix}_{k}": v for k, v in self.compute_metrics(EvalPrediction(predictions, label_ids)).items()
+            extra = {
+                "inputs": numpify(found["inputs"]) if keep_inputs else None,
+                "losses": losses_np if "loss" in args.include_for_metrics else None,
             }
-        if losses:
-            metrics[f"{prefix}_loss"] = torch.cat(losses).mean().item()
+            metrics = dict(self.compute_metrics(EvalPrediction(predictions, label_ids, **extra)))
+        metrics = {k: _plain(v) for k, v in metrics.items()}
+        if losses_np is not None:
+            finite = np.isfinite(losses_np)
+            if args.logging_nan_inf_filter and finite.any():
+                losses_np = losses_np[finite]
+            metrics[f"{prefix}_loss"] = float(losses_np.mean())
+        metrics = {k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": v for k, v in metrics.items()}
         runtime = time.perf_counter() - started
-        n = len(predictions) if predictions is not None else 0
-        metrics |= {f"{prefix}_runtime": runtime, f"{prefix}_samples_per_second": n / max(runtime, 1e-9)}
+        samples = len(loader.dataset) if hasattr(loader, "dataset") and hasattr(loader.dataset, "__len__") else 0
+        metrics |= {
+            f"{prefix}_runtime": round(runtime, 4),
+            f"{prefix}_samples_per_second": round(samples / max(runtime, 1e-9), 3),
+            f"{prefix}_steps_per_second": round(len(loader) / max(runtime, 1e-9), 3),
+        }
         return PredictionOutput(predictions, label_ids, metrics)
 
-    def evaluate(self, eval_dataset: Dataset | None = None, metric_key_prefix: str = "eval") -> dict[str, float]:
+    def evaluate(
+        self, eval_dataset: Dataset | None = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
         """Loss and ``compute_metrics`` over every sample of the eval set exactly once; logs them and returns them."""
         if eval_dataset is None and self._eval_loader is not None:
             loader = self._eval_loader
@@ -551,18 +692,23 @@ class Trainer:
             if not self._prepared:
                 self.model = self.engine.prepare(self.model)
                 self._prepared = True
-        metrics = self._loop(loader, metric_key_prefix).metrics
+        metrics = self._loop(loader, metric_key_prefix, ignore_keys=ignore_keys).metrics
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
         if metric_key_prefix == "eval":
             record_best_metric(self.args, self.state, metrics)
         return metrics
 
-    def predict(self, test_dataset: Dataset, metric_key_prefix: str = "test") -> PredictionOutput:
+    def predict(
+        self, test_dataset: Dataset, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test"
+    ) -> PredictionOutput:
+        """Predictions (and, where the data has labels, the labels and metrics) of every sample once, in order, as
+        numpy arrays."""
         if not self._prepared:
             self.model = self.engine.prepare(self.model)
             self._prepared = True
-        out = self._loop(self.engine.prepare(self.get_eval_dataloader(test_dataset)), metric_key_prefix)
+        loader = self.engine.prepare(self.get_eval_dataloader(test_dataset))
+        out = self._loop(loader, metric_key_prefix, prediction_loss_only=False, ignore_keys=ignore_keys)
         self.control = self.callback_handler.on_predict(self.args, self.state, self.control, metrics=out.metrics)
         return out
 

@@ -1,0 +1,228 @@
+"""phalanx.Trainer with transformers' model conventions, as a script written for transformers' Trainer uses them.
+
+- ``compute_metrics`` gets an ``EvalPrediction`` that unpacks as ``predictions, labels = eval_pred``, with numpy
+  arrays; ``include_for_metrics`` adds the inputs and the losses.
+- A model may return a tuple that starts with its loss, a dict or ``ModelOutput`` with ``loss``, and several outputs;
+  ``label_names`` may name one label or several.
+- Evaluation batches of different lengths are padded with -100 to the longest (across ranks too), and ``predict`` runs
+  on data without labels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import phalanx
+
+CLASSES, VOCAB = 3, 10
+
+
+def _args(tmp: str, **kw) -> phalanx.TrainingArguments:
+    base = dict(
+        output_dir=tmp,
+        learning_rate=0.01,
+        num_train_epochs=1,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        report_to=[],
+        per_device_eval_batch_size=2,
+    )
+    return phalanx.TrainingArguments(**{**base, **kw})
+
+
+class TupleNet(nn.Module):
+    """transformers' tuple convention: ``(loss, logits)`` when given labels, ``(logits,)`` without."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, CLASSES)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        logits = self.fc(x)
+        return (logits,) if labels is None else (F.cross_entropy(logits, labels), logits)
+
+
+def _rows(n: int, with_labels: bool = True) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(n, 4, generator=g), torch.randint(0, CLASSES, (n,), generator=g)
+    return [{"x": x[i], **({"labels": y[i]} if with_labels else {})} for i in range(n)]
+
+
+def test_eval_pred_unpacks_to_numpy_predictions_and_labels(tmp_path):
+    seen = {}
+
+    def metrics(eval_pred):
+        predictions, labels = eval_pred  # the idiom of transformers' examples
+        seen["types"] = (type(predictions), type(labels))
+        seen["shapes"] = (predictions.shape, labels.shape)
+        return {"accuracy": float((predictions.argmax(-1) == labels).mean())}
+
+    rows = _rows(7)
+    trainer = phalanx.Trainer(TupleNet(), _args(str(tmp_path)), train_dataset=rows, compute_metrics=metrics)
+    trainer.train()  # a tuple that starts with the loss trains
+    out = trainer.evaluate(rows)
+    assert seen["types"] == (np.ndarray, np.ndarray) and seen["shapes"] == ((7, CLASSES), (7,))
+    assert 0.0 <= out["eval_accuracy"] <= 1.0 and isinstance(out["eval_accuracy"], float)
+    assert {"eval_loss", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second"} <= set(out)
+
+
+def test_include_for_metrics_adds_inputs_and_losses(tmp_path):
+    seen = {}
+
+    def metrics(eval_pred):
+        predictions, labels, inputs, losses = eval_pred
+        seen.update(inputs=inputs, losses=losses, predictions=predictions)
+        return {}
+
+    rows = _rows(5)
+    trainer = phalanx.Trainer(
+        TupleNet(), _args(str(tmp_path), include_for_metrics=["inputs", "loss"]), compute_metrics=metrics
+    )
+    trainer.model.main_input_name = "x"  # as a transformers model names its main input
+    trainer.evaluate(rows)
+    assert np.array_equal(seen["inputs"], torch.stack([r["x"] for r in rows]).numpy())
+    assert seen["losses"].shape == (5,) and np.isfinite(seen["losses"]).all()
+    assert seen["predictions"].shape == (5, CLASSES)
+
+
+class DictNet(nn.Module):
+    """A dict output with several entries, and two labels: a class and a regression target."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, CLASSES + 1)
+
+    def forward(self, x, labels=None, score_labels=None):  # type: ignore[no-untyped-def]
+        out = self.fc(x)
+        result = {"logits": out[:, :CLASSES], "score": out[:, CLASSES], "hidden": out}
+        if labels is not None:
+            result["loss"] = F.cross_entropy(result["logits"], labels) + F.mse_loss(result["score"], score_labels)
+        return result
+
+
+def test_several_outputs_and_several_label_names(tmp_path):
+    g = torch.Generator().manual_seed(2)
+    rows = [
+        {"x": torch.randn(4, generator=g), "labels": torch.tensor(i % CLASSES), "score_labels": torch.tensor(0.5 * i)}
+        for i in range(6)
+    ]
+    seen = {}
+
+    def metrics(eval_pred):
+        seen["predictions"], seen["labels"] = eval_pred.predictions, eval_pred.label_ids
+        return {}
+
+    args = _args(str(tmp_path), label_names=["labels", "score_labels"])
+    trainer = phalanx.Trainer(DictNet(), args, train_dataset=rows, compute_metrics=metrics)
+    trainer.train()
+    trainer.evaluate(rows, ignore_keys=["hidden"])
+    logits, score = seen["predictions"]  # every output but the loss and the ignored keys, in order
+    assert logits.shape == (6, CLASSES) and score.shape == (6,)
+    classes, scores = seen["labels"]  # one array per label name
+    assert classes.tolist() == [i % CLASSES for i in range(6)] and scores.tolist() == [0.5 * i for i in range(6)]
+
+
+class Tagger(nn.Module):
+    """A token classifier: one prediction per position, as for named entities."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = nn.Embedding(VOCAB, 8), nn.Linear(8, CLASSES)
+
+    def forward(self, input_ids, labels=None):  # type: ignore[no-untyped-def]
+        logits = self.head(self.emb(input_ids))
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        return out
+
+
+def _pad_batch(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """Pads each batch to its own longest row: batches differ in length."""
+    n = max(len(r["input_ids"]) for r in rows)
+    ids = torch.zeros(len(rows), n, dtype=torch.long)
+    labels = torch.full((len(rows), n), -100)
+    for i, r in enumerate(rows):
+        ids[i, : len(r["input_ids"])] = r["input_ids"]
+        labels[i, : len(r["labels"])] = r["labels"]
+    return {"input_ids": ids, "labels": labels}
+
+
+def _sequences(lengths: list[int]) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [
+        {
+            "input_ids": torch.randint(1, VOCAB, (n,), generator=g),
+            "labels": torch.randint(0, CLASSES, (n,), generator=g),
+        }
+        for n in lengths
+    ]
+
+
+def test_eval_batches_of_different_lengths_are_padded_with_minus_100(tmp_path):
+    rows = _sequences([2, 3, 5, 4, 1])  # batches of 2: lengths 3, 5 and 1
+    trainer = phalanx.Trainer(Tagger(), _args(str(tmp_path)), data_collator=_pad_batch)
+    out = trainer.predict(rows)
+    assert out.predictions.shape == (5, 5, CLASSES) and out.label_ids.shape == (5, 5)
+    for i, row in enumerate(rows):
+        n = len(row["input_ids"])
+        assert out.label_ids[i, :n].tolist() == row["labels"].tolist() and (out.label_ids[i, n:] == -100).all()
+    # a row of the first batch (padded to 3) is padded on to 5 with -100, as transformers pads predictions
+    assert (out.predictions[0, 3:] == -100).all() and (out.predictions[0, :3] != -100).all()
+    expected = Tagger()(rows[2]["input_ids"][None])["logits"][0].detach().numpy()
+    np.testing.assert_allclose(out.predictions[2], expected, rtol=1e-6, atol=1e-6)
+
+
+def _predict_on_ranks(tmp: str) -> dict:
+    trainer = phalanx.Trainer(Tagger(), _args(tmp), data_collator=_pad_batch)
+    out = trainer.predict(_sequences([2, 3, 5, 4, 1, 2]))  # rank 0 gets lengths 2, 3 and 1; rank 1: 5, 4 and 2
+    return {"predictions": out.predictions, "labels": out.label_ids}
+
+
+def test_predictions_of_different_lengths_line_up_across_ranks(run_ranks, tmp_path):
+    one = _predict_on_ranks(str(tmp_path / "one"))
+    for res in run_ranks(_predict_on_ranks, 2, str(tmp_path / "two")):
+        # every sample once, in dataset order, padded to the longest on any rank
+        assert res["labels"].shape == one["labels"].shape == (6, 5)
+        np.testing.assert_array_equal(res["labels"], one["labels"])
+        # Where a row has tokens the predictions agree; beyond, a rank's own batch may be shorter than the one
+        # process's (a collator pads each rank's batch), so that there they are -100 or the padding token's.
+        real = one["labels"] != -100
+        np.testing.assert_allclose(res["predictions"][real], one["predictions"][real], rtol=1e-6, atol=1e-6)
+        assert (res["predictions"][:, :, 0][~real] == -100).any()  # padded across the ranks, with -100
+
+
+def test_predict_on_data_without_labels(tmp_path):
+    rows = _rows(5, with_labels=False)
+    trainer = phalanx.Trainer(TupleNet(), _args(str(tmp_path)), compute_metrics=lambda p: {"never": 1.0})
+    out = trainer.predict(rows)
+    assert out.predictions.shape == (5, CLASSES) and out.label_ids is None
+    assert "test_loss" not in out.metrics and "test_never" not in out.metrics  # no labels: no metrics, as HF
+
+
+def test_prediction_loss_only_gathers_no_predictions(tmp_path):
+    called = []
+    rows = _rows(4)
+    args = _args(str(tmp_path), prediction_loss_only=True)
+    trainer = phalanx.Trainer(TupleNet(), args, compute_metrics=lambda p: called.append(1) or {})
+    out = trainer.evaluate(rows)
+    assert called == [] and "eval_loss" in out
+
+
+def test_a_tuple_that_does_not_start_with_a_loss_is_named(tmp_path):
+    class LogitsFirst(TupleNet):
+        def forward(self, x, labels=None):  # type: ignore[no-untyped-def]
+            logits = self.fc(x)
+            return (logits, F.cross_entropy(logits, labels))
+
+    trainer = phalanx.Trainer(LogitsFirst(), _args(str(tmp_path)), train_dataset=_rows(4))
+    with pytest.raises(ValueError, match=r"a tuple output must start with the loss .*got|first element has shape"):
+        trainer.train()
