@@ -226,3 +226,136 @@ def test_a_tuple_that_does_not_start_with_a_loss_is_named(tmp_path):
     trainer = phalanx.Trainer(LogitsFirst(), _args(str(tmp_path)), train_dataset=_rows(4))
     with pytest.raises(ValueError, match=r"a tuple output must start with the loss .*got|first element has shape"):
         trainer.train()
+
+
+# ------------------------------------------------------------------------------------------ logs and the summary
+def _lr_run(tmp: str, **kw) -> phalanx.Trainer:
+    args = _args(
+        tmp,
+        learning_rate=0.1,
+        lr_scheduler_type="cosine",
+        warmup_steps=2,
+        max_steps=6,
+        per_device_train_batch_size=2,
+        **kw,
+    )
+    trainer = phalanx.Trainer(TupleNet(), args, train_dataset=_rows(12))
+    trainer.out = trainer.train()  # type: ignore[attr-defined]
+    return trainer
+
+
+def test_the_logged_learning_rate_is_the_rate_the_step_used(tmp_path):
+    trainer = _lr_run(str(tmp_path))
+    logged = [h["learning_rate"] for h in trainer.state.log_history if "loss" in h]
+    # warmup over 2 steps from 0, then cosine over the 4 left: the rate of steps 0..5, as transformers logs it
+    import math
+
+    expected = [0.0, 0.05] + [0.1 * 0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(4)]
+    assert logged == pytest.approx(expected, abs=1e-12)
+    norms = [h["grad_norm"] for h in trainer.state.log_history if "loss" in h]
+    assert len(norms) == 6 and all(n > 0 for n in norms)  # the global norm, logged as HF logs it
+
+
+def test_the_run_ends_with_hf_s_summary_log(tmp_path):
+    seen = []
+
+    class Recorder(phalanx.TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):  # type: ignore[no-untyped-def]
+            seen.append(dict(logs))
+
+    args = _args(str(tmp_path), max_steps=6, per_device_train_batch_size=2)
+    trainer = phalanx.Trainer(TupleNet(), args, train_dataset=_rows(12), callbacks=[Recorder()])
+    out = trainer.train()
+    summary = trainer.state.log_history[-1]
+    keys = ["train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss", "epoch"]
+    assert list(summary) == [*keys, "step"] and seen[-1] == {k: summary[k] for k in keys}
+    assert list(out.metrics) == keys and out.metrics["train_loss"] == out.training_loss
+    assert summary["train_samples_per_second"] == pytest.approx(12 / summary["train_runtime"], rel=0.01)
+
+
+def test_best_without_a_metric_and_eval_without_data_are_refused_at_once(tmp_path):
+    with pytest.raises(ValueError, match="needs metric_for_best_model"):
+        phalanx.Trainer(TupleNet(), _args(str(tmp_path), save_strategy="best", eval_strategy="epoch"), eval_dataset=[])
+    with pytest.raises(ValueError, match="no eval_dataset was given"):
+        phalanx.Trainer(TupleNet(), _args(str(tmp_path), eval_strategy="steps", eval_steps=1))
+
+
+# ------------------------------------------------------------------------------------------ model_init, arguments
+def test_model_init_builds_a_fresh_seeded_model_for_each_train(tmp_path):
+    built = []
+
+    def model_init():
+        built.append(1)
+        return nn.Linear(4, CLASSES)  # initialised from the seed the Trainer sets first
+
+    args = _args(str(tmp_path), max_steps=3, per_device_train_batch_size=2, seed=5)
+    trainer = phalanx.Trainer(
+        model_init=model_init,
+        args=args,
+        train_dataset=[(r["x"], r["labels"]) for r in _rows(6)],
+        compute_loss_func=lambda out, labels, num_items_in_batch=None: F.cross_entropy(out, labels),
+    )
+    first = trainer.train().training_loss
+    weights = {k: v.clone() for k, v in trainer.engine.get_state_dict(trainer.model).items()}
+    again = phalanx.Trainer(model_init=model_init, args=args, train_dataset=trainer.train_dataset)
+    again.compute_loss_func = trainer.compute_loss_func
+    assert again.train().training_loss == first and len(built) == 4  # one at each __init__ and each train()
+    for k, v in again.engine.get_state_dict(again.model).items():
+        assert torch.equal(v, weights[k]), k
+    with pytest.raises(ValueError, match="needs a model or a model_init"):
+        phalanx.Trainer(args=args)
+
+
+def test_script_flags_and_hf_optimizers_are_accepted(tmp_path):
+    args = _args(
+        str(tmp_path),
+        do_train=True,
+        do_eval=True,
+        do_predict=False,
+        optim="sgd",
+        optim_args="momentum=0.9,nesterov=True",
+    )
+    cls, kwargs = phalanx.Trainer.get_optimizer_cls_and_kwargs(args)
+    assert cls is torch.optim.SGD and kwargs == {"lr": 0.01, "momentum": 0.9, "nesterov": True}
+    for optim, expected in (("adagrad", torch.optim.Adagrad), ("rmsprop", torch.optim.RMSprop)):
+        assert phalanx.Trainer.get_optimizer_cls_and_kwargs(_args(str(tmp_path), optim=optim))[0] is expected
+    with pytest.raises(phalanx.config.options.ConfigError, match="'nesterov' is not one of optim='adagrad'"):
+        _args(str(tmp_path), optim="adagrad", optim_args="nesterov=True")
+    with pytest.raises(phalanx.config.options.ConfigError, match="optim='adafactor' is not built in"):
+        _args(str(tmp_path), optim="adafactor")
+
+
+class NormNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.ln = nn.LayerNorm(4)
+        self.final_norm = nn.Linear(4, 4)
+        self.out = nn.Linear(4, CLASSES, bias=False)
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return self.out(self.final_norm(self.ln(self.bn(self.fc(x)))))
+
+
+def test_weight_decay_spares_what_transformers_spares(tmp_path):
+    trainer = phalanx.Trainer(NormNet(), _args(str(tmp_path), weight_decay=0.1))
+    # LayerNorm's parameters, every bias, and names with a "_norm" part; a BatchNorm's weight decays, as in HF
+    assert trainer.get_decay_parameter_names(trainer.model) == ["fc.weight", "bn.weight", "out.weight"]
+    optimizer = trainer.create_optimizer()
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+    assert [len(g["params"]) for g in optimizer.param_groups] == [3, 6]
+
+
+def test_dataloader_drop_last_applies_to_evaluation_too(tmp_path):
+    seen = {}
+
+    def metrics(eval_pred):
+        seen["rows"] = len(eval_pred.label_ids)
+        return {}
+
+    args = _args(str(tmp_path), dataloader_drop_last=True, per_device_eval_batch_size=4, dataloader_num_workers=1)
+    trainer = phalanx.Trainer(TupleNet(), args, compute_metrics=metrics)
+    assert trainer.get_eval_dataloader(_rows(9)).num_workers == 1
+    trainer.evaluate(_rows(9))
+    assert seen["rows"] == 8  # the last, incomplete batch of 1 is dropped, as transformers drops it

@@ -44,6 +44,7 @@ def test_important_defaults_are_transformers_defaults():
         "run_name": None, "disable_tqdm": None, "resume_from_checkpoint": None, "deepspeed": None,
         "gradient_checkpointing": None, "average_tokens_across_devices": True, "output_dir": None,
         "include_for_metrics": [], "prediction_loss_only": False, "logging_nan_inf_filter": True,
+        "do_train": False, "do_eval": False, "do_predict": False, "optim_args": None,
     }  # fmt: skip
     ours = {f.name: _default(f) for f in dataclasses.fields(TrainingArguments)}
     assert set(ours) == set(expected) | PHALANX_ONLY

@@ -31,8 +31,14 @@ __all__ = ["TrainingArguments", "UnknownArgumentError"]
 
 _INTERVALS = ("no", "steps", "epoch")
 _SAVES = ("no", "steps", "epoch", "best")
-# transformers' optim names that build torch's AdamW (its default since torch 2.8 is the fused kernel).
-OPTIMS = ("adamw_torch_fused", "adamw_torch")
+# transformers' optim names that build a torch optimizer (AdamW's default since torch 2.8 is the fused kernel), and
+# the optim_args each reads, as floats and as booleans.
+OPTIMS = ("adamw_torch_fused", "adamw_torch", "sgd", "adagrad", "rmsprop")
+_OPTIM_ARGS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "sgd": (("momentum", "dampening", "weight_decay"), ("nesterov",)),
+    "adagrad": (("lr_decay", "weight_decay", "eps"), ()),
+    "rmsprop": (("momentum", "alpha", "eps", "weight_decay"), ("centered",)),
+}
 _PRECISION_OF = {"bf16": "bf16-mixed", "fp16": "fp16-mixed"}
 # Engine settings that a TrainingArguments field already says; a knob of the same name would say it twice.
 _OWNED = {
@@ -48,13 +54,39 @@ _HF_ELSEWHERE = {
     "ddp_timeout": "use strategy_options={'timeout_s': ...}",
     "use_cpu": "use strategy_options={'device': 'cpu'}", "no_cuda": "use strategy_options={'device': 'cpu'}",
     "local_rank": "phalanx reads the rank from the launcher",
-    "optim_args": "pass Trainer(optimizers=(optimizer, None))",
-    "do_train": "it is a flag for your script, not for the Trainer: remove it", "do_eval": "remove it",
-    "do_predict": "remove it", "overwrite_output_dir": "remove it (phalanx never deletes output_dir)",
+    "overwrite_output_dir": "remove it (phalanx never deletes output_dir)",
     "logging_dir": "phalanx logs to output_dir (JSONL, and TensorBoard with report_to)",
     "activation_checkpointing": "use gradient_checkpointing", "push_to_hub": "push the saved directory yourself",
 }  # fmt: skip
 _WARNED: set[str] = set()
+
+
+def optimizer_cls_and_kwargs(args: TrainingArguments) -> tuple[type, dict[str, Any]]:
+    """The torch optimizer class that ``args.optim`` names and its keywords, as transformers builds them: the
+    learning rate; AdamW's betas and eps (and the fused kernel for adamw_torch_fused); ``optim_args`` for the others."""
+    import torch
+
+    kwargs: dict[str, Any] = {"lr": args.learning_rate}
+    if args.optim in ("adamw_torch", "adamw_torch_fused"):
+        kwargs |= {"betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon}
+        if args.optim == "adamw_torch_fused":
+            kwargs["fused"] = True
+        return torch.optim.AdamW, kwargs
+    floats, flags = _OPTIM_ARGS[args.optim]
+    given = {}
+    for item in (args.optim_args or "").replace(" ", "").split(","):
+        if item:
+            key, sep, value = item.partition("=")
+            if not sep or key not in floats + flags:
+                raise ConfigError(
+                    f"TrainingArguments: optim_args={args.optim_args!r}: {key!r} is not one of optim={args.optim!r}'s "
+                    f"keywords ({', '.join(floats + flags)}), each written key=value"
+                )
+            given[key] = value
+    for key, value in given.items():
+        kwargs[key] = value.lower() in ("true", "1", "yes") if key in flags else float(value)
+    cls = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "rmsprop": torch.optim.RMSprop}[args.optim]
+    return cls, kwargs
 
 
 class UnknownArgumentError(ConfigError, TypeError):
@@ -75,6 +107,12 @@ class TrainingArguments:
 
     output_dir: str | None = None
     """Where checkpoints, logs and the saved model go; None means ``trainer_output`` (as transformers)."""
+    do_train: bool = False
+    """A flag for your script (as in transformers, the Trainer does not read it)."""
+    do_eval: bool = False
+    """A flag for your script (as in transformers, the Trainer does not read it)."""
+    do_predict: bool = False
+    """A flag for your script (as in transformers, the Trainer does not read it)."""
     per_device_train_batch_size: int = 8
     """Samples per process per micro-batch in training."""
     per_device_eval_batch_size: int = 8
@@ -92,8 +130,11 @@ class TrainingArguments:
     adam_epsilon: float = 1e-8
     """AdamW's epsilon."""
     optim: str = "adamw_torch_fused"
-    """The optimizer the Trainer builds: adamw_torch_fused (torch's AdamW, fused kernel; transformers' default) or
-    adamw_torch (its foreach kernel). Any other: pass ``Trainer(optimizers=(optimizer, None))``."""
+    """The optimizer the Trainer builds: adamw_torch_fused (torch's AdamW, fused kernel; transformers' default),
+    adamw_torch (its foreach kernel), sgd, adagrad or rmsprop (torch's). Any other: pass
+    ``Trainer(optimizers=(optimizer, None))`` or ``optimizer_cls_and_kwargs``."""
+    optim_args: str | None = None
+    """More keywords of sgd, adagrad or rmsprop, as "momentum=0.9,nesterov=True" (transformers' format)."""
     max_grad_norm: float | None = 1.0
     """Clip the global gradient norm to this; 0 (or None) does not clip."""
     num_train_epochs: float = 3.0
@@ -212,15 +253,19 @@ class TrainingArguments:
         _choice("save_strategy", self.save_strategy, _SAVES)
         if self.optim not in OPTIMS:
             raise ConfigError(
-                f"TrainingArguments: optim={self.optim!r} is not built in; phalanx builds {' or '.join(OPTIMS)}. For "
-                "another optimizer, build it and pass Trainer(optimizers=(optimizer, None))"
+                f"TrainingArguments: optim={self.optim!r} is not built in; phalanx builds {', '.join(OPTIMS)}. For "
+                "another optimizer (bitsandbytes, GaLore, Adafactor, ...), build it and pass "
+                "Trainer(optimizers=(optimizer, None)), or Trainer(optimizer_cls_and_kwargs=(cls, kwargs))"
             )
+        optimizer_cls_and_kwargs(self)  # optim_args are read now, so that a bad one fails here
         kwargs = self.lr_scheduler_kwargs
         check_schedule_kwargs(self.lr_scheduler_type, kwargs if isinstance(kwargs, dict) else {})
         self._check_counts()
         self._resolve_steps()
-        if (self.load_best_model_at_end or self.save_strategy == "best") and self.metric_for_best_model is None:
-            self.metric_for_best_model = "loss"
+        if self.load_best_model_at_end and self.metric_for_best_model is None:
+            self.metric_for_best_model = (
+                "loss"  # as transformers; save_strategy='best' has no default (the Trainer says)
+            )
         if self.greater_is_better is None and self.metric_for_best_model is not None:
             self.greater_is_better = not self.metric_for_best_model.endswith("loss")
         self._check_best_model()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -30,7 +31,8 @@ from phalanx.config.dialects.dummies import DummyOptim, DummyScheduler, config_b
 from phalanx.engine.engine import Engine
 from phalanx.logging import warn_once
 from phalanx.runtime.collective_log import watched
-from phalanx.trainer.arguments import TrainingArguments
+from phalanx.runtime.world import seed_everything as phalanx_seed
+from phalanx.trainer.arguments import TrainingArguments, optimizer_cls_and_kwargs
 from phalanx.trainer.callbacks import CallbackHandler, TrainerCallback
 from phalanx.trainer.loss import as_sum, items_of
 from phalanx.trainer.nested import concat, first_tensor, nested_map, numpify, pad_dim1
@@ -87,6 +89,24 @@ def _plain(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.dim() == 0:
         return value.item()
     return value
+
+
+def _decay_parameter_names(model: nn.Module) -> list[str]:
+    """transformers' ``get_parameter_names(model, [nn.LayerNorm], forbidden name patterns)``: the names of the
+    parameters outside every ``LayerNorm`` whose lower-cased names match no pattern."""
+    patterns = [re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")]
+
+    def names(module: nn.Module) -> list[str]:
+        out = []
+        for name, child in module.named_children():
+            out += [
+                f"{name}.{n}"
+                for n in names(child)
+                if not isinstance(child, nn.LayerNorm) and not any(p.search(f"{name}.{n}".lower()) for p in patterns)
+            ]
+        return out + [k for k in module._parameters if not any(p.search(k.lower()) for p in patterns)]
+
+    return names(model)
 
 
 def _find_labels(model: nn.Module) -> list[str]:
@@ -156,15 +176,42 @@ class Trainer:
         train_dataset: Dataset | None = None,
         eval_dataset: Dataset | None = None,
         processing_class: Any = None,
+        model_init: Callable[..., nn.Module] | None = None,
         compute_loss_func: Callable | None = None,
         compute_metrics: Callable[[EvalPrediction], dict] | None = None,
         callbacks: list[TrainerCallback | type[TrainerCallback]] | None = None,
         optimizers: tuple[Any, Any] = (None, None),
+        optimizer_cls_and_kwargs: tuple[type[torch.optim.Optimizer], dict[str, Any]] | None = None,
         preprocess_logits_for_metrics: Callable | None = None,
     ) -> None:
-        if model is None:
-            raise ValueError("Trainer needs a model: Trainer(model, args, train_dataset=...)")
         self.args = args if args is not None else TrainingArguments()
+        self.model_init = model_init
+        if model is None:
+            if model_init is None:
+                raise ValueError("Trainer needs a model or a model_init: Trainer(model, args, train_dataset=...)")
+            model = self.call_model_init()
+        elif model_init is not None:
+            warn_once(
+                "Trainer got both a model and a model_init: model_init builds a fresh model at each train(), in place "
+                "of the one given (as in transformers); pass one of them"
+            )
+        if optimizer_cls_and_kwargs is not None and optimizers != (None, None):
+            raise ValueError(
+                "Trainer got both optimizers=(optimizer, scheduler) and optimizer_cls_and_kwargs: they both say which "
+                "optimizer to use; pass one of them"
+            )
+        self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
+        args_ = self.args
+        if args_.eval_strategy != "no" and eval_dataset is None:
+            raise ValueError(
+                f"eval_strategy={args_.eval_strategy!r} evaluates during training, but no eval_dataset was given to "
+                "the Trainer: pass eval_dataset=..., or set eval_strategy='no'"
+            )
+        if (args_.save_strategy == "best" or args_.load_best_model_at_end) and args_.metric_for_best_model is None:
+            raise ValueError(
+                "save_strategy='best' (or load_best_model_at_end) needs metric_for_best_model: the metric that says "
+                "which checkpoint is best, e.g. metric_for_best_model='loss' or 'accuracy'"
+            )
         self.engine = Engine(**self.args.engine_options())
         self._auto_resume = self.engine._resumer.hand_over(self.output_dir)  # resume_from: see train()
         self.model, self._raw_model = model, model
@@ -219,9 +266,39 @@ class Trainer:
         self._train_loader: Any = None
         self._train_loader_raw: Any = None
         self._last_log = (0.0, 0)  # (time, optimizer step) of the last training log, for steps_per_second
+        self._grad_norm: torch.Tensor | None = None  # the last step's global gradient norm, read when logged
+        self._learning_rate = self.args.learning_rate  # the rate the last step used
         self._eval_loader: Any = None
         self._prepared = False
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
+
+    def call_model_init(self, trial: Any = None) -> nn.Module:
+        """A fresh model from ``model_init``, which takes no argument or the trial (None here), as transformers'."""
+        assert self.model_init is not None
+        takes = len(inspect.signature(self.model_init).parameters)
+        if takes > 1:
+            raise ValueError(f"model_init should take no argument or one (the trial); it takes {takes}")
+        model = self.model_init() if takes == 0 else self.model_init(trial)
+        if model is None:
+            raise ValueError("model_init returned None: it should return the model to train")
+        return model
+
+    def _fresh_model(self) -> None:
+        """``model_init``: a new model for this train(), built after seeding, as transformers does."""
+        if self._prepared:
+            raise RuntimeError(
+                "model_init builds a fresh model at train(), but this Trainer already prepared its model (an "
+                "evaluate() or predict() came first); call train() first, or build a new Trainer for the new run"
+            )
+        phalanx_seed(self.args.seed)
+        model = self.call_model_init()
+        self.model = self._raw_model = model
+        self.optimizer, self.lr_scheduler = None, None
+        self._causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+        if self.args.label_names is None:
+            self._label_names = _find_labels(model)
+        self._forward_params = self._forward_parameters(model)
+        self.callback_handler.model = model
 
     @property
     def output_dir(self) -> str:
@@ -262,8 +339,8 @@ class Trainer:
             batch_size=batch_size,
             shuffle=shuffle,
             collate_fn=self._collate,
-            drop_last=self.args.dataloader_drop_last
-            and shuffle,  # evaluation always sees every sample once num_workers=self.args.dataloader_num_workers,
+            drop_last=self.args.dataloader_drop_last,
+            num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory and self.engine.device.type == "cuda",
         )
 
@@ -279,10 +356,21 @@ class Trainer:
         return self._loader(dataset, self.args.per_device_eval_batch_size, shuffle=False)
 
     # ----------------------------------------------------------------------------------- optimizer, schedule
+    def get_decay_parameter_names(self, model: nn.Module) -> list[str]:
+        """The parameters that weight decay applies to, by transformers' rule: none inside a ``LayerNorm``, and none
+        whose name holds ``bias``, ``layernorm``, ``rmsnorm`` or a ``norm`` part."""
+        return _decay_parameter_names(model)
+
+    @staticmethod
+    def get_optimizer_cls_and_kwargs(args: TrainingArguments, model: nn.Module | None = None) -> tuple[type, dict]:
+        """The optimizer class and keywords that ``args.optim`` (and ``optim_args``) name, as transformers'."""
+        return optimizer_cls_and_kwargs(args)
+
     def create_optimizer(self) -> Any:
-        """AdamW with the arguments' lr, betas, eps and weight decay, which spares biases and norm weights (as HF);
-        ``optim`` picks its fused or foreach kernel. A DeepSpeed config with an ``optimizer`` block builds that block
-        instead (its ``"auto"`` lr and weight_decay from the arguments), as HF's Trainer does."""
+        """The optimizer ``optim`` names (``optimizer_cls_and_kwargs`` when given), with the arguments' learning rate
+        and, for AdamW, betas and eps; weight decay spares biases and norm weights as transformers' does. A DeepSpeed
+        config with an ``optimizer`` block builds that block instead (its ``"auto"`` lr and weight_decay from the
+        arguments), as HF's Trainer does."""
         if "optimizer" in config_blocks(self.engine.config.deepspeed):
             return DummyOptim(
                 [p for p in self.model.parameters() if p.requires_grad],
@@ -291,24 +379,24 @@ class Trainer:
                 betas=[self.args.adam_beta1, self.args.adam_beta2],
                 eps=self.args.adam_epsilon,
             )
-        no_decay = {
-            id(p)
-            for m in self.model.modules()
-            for n, p in m.named_parameters(recurse=False)
-            if n.endswith("bias") or "norm" in type(m).__name__.lower()
-        }
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.optimizer_cls_and_kwargs is not None:
+            cls, kwargs = self.optimizer_cls_and_kwargs
+        else:
+            cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model)
+        decay = set(self.get_decay_parameter_names(self.model))
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         groups = [
-            {"params": [p for p in params if id(p) not in no_decay], "weight_decay": self.args.weight_decay},
-            {"params": [p for p in params if id(p) in no_decay], "weight_decay": 0.0},
+            {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
         ]
-        return torch.optim.AdamW(
-            [g for g in groups if g["params"]],
-            lr=self.args.learning_rate,
-            betas=(self.args.adam_beta1, self.args.adam_beta2),
-            eps=self.args.adam_epsilon,
-            fused=self.args.optim == "adamw_torch_fused" or None,
-        )
+        return cls(groups, **kwargs)
+
+    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        """Build the optimizer and the schedule (each unless given), as transformers' method of that name."""
+        if self.optimizer is None:
+            self.optimizer = self.create_optimizer()
+        if self.lr_scheduler is None:
+            self.lr_scheduler = self.create_scheduler(num_training_steps, self.optimizer)
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer) -> Any:
         """The ``lr_scheduler_type`` schedule, or a DeepSpeed config's ``scheduler`` block (its ``"auto"`` steps from
@@ -358,11 +446,16 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ train
     def _optimizer_step(self) -> None:
-        """The step at a window's end, between HF's two optimizer events (optimizer.step clips to max_grad_norm)."""
+        """The step at a window's end, as HF orders it: clip (or, with max_grad_norm 0, only measure the global
+        norm), the two optimizer events around ``optimizer.step()``, then the schedule. The norm and the rate this
+        step used are what the next log reports."""
+        max_norm = self.args.max_grad_norm
+        self._grad_norm = self.engine.clip_grad_norm_(max_norm if max_norm else float("inf"))
         self.control = self.callback_handler.on_pre_optimizer_step(self.args, self.state, self.control)
         self.optimizer.step()
         self.control = self.callback_handler.on_optimizer_step(self.args, self.state, self.control)
-        self.lr_scheduler.step()
+        self._learning_rate = self.optimizer.param_groups[0]["lr"]  # before the schedule moves it, as HF logs it
+        self.lr_scheduler.step()  # a prepared scheduler does not count a skipped step
         self.optimizer.zero_grad()
 
     # ------------------------------------------------- one micro-batch's loss
@@ -445,8 +538,14 @@ class Trainer:
         return self.engine.reduce(window, "sum")
 
     # ------------------------------------------------------------------ train
-    def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any) -> TrainOutput:
+        if kwargs:
+            raise TypeError(f"train() got unexpected keyword arguments: {', '.join(sorted(kwargs))}")
+        if trial is not None:
+            raise ValueError("train(trial=...) is for hyperparameter search, which phalanx does not run; drop trial")
         args = self.args
+        if self.model_init is not None:
+            self._fresh_model()
         self._train_loader_raw = self.get_train_dataloader()
         per_epoch = max(
             1, math.ceil(len(self._train_loader_raw) / self.engine.topology.dp_size / args.gradient_accumulation_steps)
@@ -475,6 +574,7 @@ class Trainer:
         window = self._window = torch.zeros(2, dtype=torch.float64, device=self.engine.device)
         total: list[Any] = [0.0, 0]
         started = time.perf_counter()
+        first_step = self.state.global_step
         self._last_log = (started, self.state.global_step)
         while self.engine.epoch < self.state.num_train_epochs and not self.control.should_training_stop:
             self.control._new_epoch()
@@ -512,17 +612,33 @@ class Trainer:
         # The steps since the last log count in train_loss too. Every rank reduces, whatever its own window holds.
         loss_sum, items = self._reduce_window(window).tolist()
         total[0], total[1] = total[0] + loss_sum, total[1] + int(items)
+        mean = total[0] / total[1] if total[1] else float("nan")
+        # The run's summary, logged as HF logs it: before the best model is loaded and train ends.
+        runtime = time.perf_counter() - started
+        trained = self.state.global_step - first_step
+        samples = self._train_samples(max_steps) * trained / max(self.state.max_steps, 1)
+        metrics = {
+            "train_runtime": round(runtime, 4),
+            "train_samples_per_second": round(samples / max(runtime, 1e-9), 3),
+            "train_steps_per_second": round(trained / max(runtime, 1e-9), 3),
+            "total_flos": self.state.total_flos,
+            "train_loss": mean,
+        }
+        self.log(dict(metrics))
         if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             self.engine.load_model(self.state.best_model_checkpoint)  # the weights only, as HF
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
-        runtime = time.perf_counter() - started
-        mean = total[0] / total[1] if total[1] else float("nan")
-        metrics = {
-            "train_runtime": runtime,
-            "train_steps_per_second": self.state.global_step / max(runtime, 1e-9),
-            "train_loss": mean,
-        }
+        metrics["epoch"] = self.state.epoch
         return TrainOutput(self.state.global_step, mean, metrics)
+
+    def _train_samples(self, max_steps: int) -> float:
+        """The samples of the whole schedule, as HF counts them: max_steps x the global batch when max_steps is set,
+        else the dataset's length x num_train_epochs."""
+        args = self.args
+        if args.max_steps > 0:
+            global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps
+            return float(max_steps * global_batch * self.engine.topology.dp_size)
+        return float(len(self.train_dataset)) * args.num_train_epochs  # type: ignore[arg-type]
 
     def _position_in_epoch(self) -> float:
         loader = self._train_loader
@@ -542,7 +658,7 @@ class Trainer:
         self.engine.load_state(str(resume))  # the TrainerState comes back with it (_StateHolder)
 
     def _log_save_evaluate(self, window: torch.Tensor, total: list[Any]) -> None:
-        if self.control.should_log:
+        if self.control.should_log and self.state.global_step > self._last_log[1]:
             # Every rank reduces (should_log follows the step count, the same everywhere), even one whose window
             # holds no item: a rank that skipped the collective would leave the others waiting.
             loss_sum, items = self._reduce_window(window).tolist()
@@ -552,7 +668,11 @@ class Trainer:
             now, (since, at) = time.perf_counter(), self._last_log
             rate = (self.state.global_step - at) / (now - since) if now > since else 0.0
             self._last_log = (now, self.state.global_step)
-            self.log({"loss": loss, "learning_rate": self.optimizer.param_groups[0]["lr"], "steps_per_second": rate})
+            logs = {"loss": loss}
+            if self._grad_norm is not None:
+                logs["grad_norm"] = float(self._grad_norm)
+            logs |= {"learning_rate": self._learning_rate, "steps_per_second": rate}
+            self.log(logs)
         metrics = None
         if self.control.should_evaluate:
             metrics = self.evaluate()
