@@ -359,3 +359,16 @@ def test_dataloader_drop_last_applies_to_evaluation_too(tmp_path):
     assert trainer.get_eval_dataloader(_rows(9)).num_workers == 1
     trainer.evaluate(_rows(9))
     assert seen["rows"] == 8  # the last, incomplete batch of 1 is dropped, as transformers drops it
+
+
+def test_progress_in_a_log_file_is_plain_lines_and_disable_tqdm_silences_it(tmp_path, capsys):
+    # Beyond transformers: its nested evaluation bar writes cursor escapes into a log file (ESC[A). stderr here is
+    # not a terminal, as a CI log is not: the progress is plain lines, one at the end of each bar at least.
+    args = _args(str(tmp_path), disable_tqdm=False, eval_strategy="steps", eval_steps=2, max_steps=4)
+    phalanx.Trainer(TupleNet(), args, train_dataset=_rows(16), eval_dataset=_rows(6)).train()
+    err = capsys.readouterr().err
+    assert "\x1b[" not in err and "\r" not in err
+    assert "train: 4/4 steps" in err and "eval: 3/3 batches" in err
+    quiet = _args(str(tmp_path / "quiet"), disable_tqdm=True, max_steps=2)
+    phalanx.Trainer(TupleNet(), quiet, train_dataset=_rows(8)).train()
+    assert "train:" not in capsys.readouterr().err

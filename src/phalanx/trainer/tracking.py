@@ -36,9 +36,9 @@ def format_count(n: float) -> str:
 class ProgressBar:
     """A tqdm bar on the main process, nothing elsewhere; ``update`` shows the latest loss and tokens/s.
 
-    Without tqdm, or with ``plain=True``, it prints one line every ``print_every_s`` seconds instead.
-    When the stream is not a terminal (a log file, CI), the bar refreshes at most every few seconds so
-    that the log does not fill with carriage returns.
+    When the stream is not a terminal (a log file, CI), without tqdm, or with ``plain=True``, it prints one plain
+    line every ``print_every_s`` seconds and one at the end instead: a bar redraws itself with carriage returns and,
+    nested (an evaluation inside training), moves the cursor up, which a log file keeps as escape codes.
     """
 
     def __init__(
@@ -61,20 +61,20 @@ class ProgressBar:
         self._start = self._last_print
         if not enabled:
             return
-        if not plain:
+        tty = hasattr(self.file, "isatty") and self.file.isatty()
+        if not plain and tty:
             try:
                 from tqdm.auto import tqdm
             except ImportError:
                 tqdm = None
             if tqdm is not None:
-                tty = hasattr(self.file, "isatty") and self.file.isatty()
                 self._bar = tqdm(
                     total=total,
                     desc=desc,
                     unit=unit,
                     file=self.file,
                     dynamic_ncols=True,
-                    mininterval=0.2 if tty else 5.0,
+                    mininterval=0.2,
                     smoothing=0.1,
                 )
 
@@ -94,8 +94,9 @@ class ProgressBar:
         if now - self._last_print >= self._print_every_s or self.n >= self.total:
             self._last_print = now
             shown = " ".join(f"{k}={v}" for k, v in self.postfix.items())
+            units = f"{self.unit}es" if self.unit.endswith(("ch", "sh", "s", "x")) else f"{self.unit}s"
             print(
-                f"{self.desc}: {self.n}/{self.total} {self.unit}s [{now - self._start:.0f}s] {shown}",
+                f"{self.desc}: {self.n}/{self.total} {units} [{now - self._start:.0f}s] {shown}".rstrip(),
                 file=self.file,
                 flush=True,
             )
