@@ -498,3 +498,39 @@ def test_memory_report_has_the_peak_measured_from_the_process():
     # A high-water mark: freeing the tensor leaves it where it was (the kernel's per-thread counters lag by a few
     # hundred KiB, so "where it was" is read with 1 MiB of slack).
     assert engine.memory_report()["peak"]["rss"] >= after - 2**20
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(torch.arange(self.n, dtype=torch.float32).unsqueeze(1))
+
+
+def _stream_batches(n: int) -> dict:
+    engine = phalanx.Engine(seed=0)
+    loader = engine.prepare(DataLoader(_Stream(n), batch_size=2))
+    first = [b.flatten().tolist() for b in loader]
+    gathered = []
+    for b in loader:
+        gathered.append(engine.gather_for_metrics(b).flatten().tolist())
+    # Resume after the first global batch: a fresh loader skips what was read.
+    state = {"epoch": 0, "samples_done": 2 * engine.world_size, "seed": 0}
+    again = engine.prepare(DataLoader(_Stream(n), batch_size=2))
+    again.load_state_dict(state)
+    return {
+        "first": first,
+        "gathered": gathered,
+        "resumed": [b.flatten().tolist() for b in again],
+        "epoch": engine.epoch,
+    }
+
+
+def test_an_iterable_dataset_is_split_by_global_batch_and_resumes(run_ranks):
+    # 9 values, global batches of 4 on 2 ranks: [0 1 | 2 3], [4 5 | 6 7], then 8 padded with the epoch's first value.
+    ranks = run_ranks(_stream_batches, 2, 9)
+    assert ranks[0]["first"] == [[0, 1], [4, 5], [8]] and ranks[1]["first"] == [[2, 3], [6, 7], [0]]
+    assert ranks[0]["gathered"] == [[0, 1, 2, 3], [4, 5, 6, 7], [8]]  # gather_for_metrics drops the padding
+    assert ranks[0]["resumed"] == [[4, 5], [8]] and ranks[1]["resumed"] == [[6, 7], [0]]
+    assert ranks[0]["epoch"] == 2  # two passes over the first prepared loader

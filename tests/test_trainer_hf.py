@@ -372,3 +372,51 @@ def test_progress_in_a_log_file_is_plain_lines_and_disable_tqdm_silences_it(tmp_
     quiet = _args(str(tmp_path / "quiet"), disable_tqdm=True, max_steps=2)
     phalanx.Trainer(TupleNet(), quiet, train_dataset=_rows(8)).train()
     assert "train:" not in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------------ streams
+class Stream(torch.utils.data.IterableDataset):
+    """A stream of rows, as a datasets IterableDataset gives them: the same on every rank, with set_epoch."""
+
+    def __init__(self, rows: list[dict]) -> None:
+        self.rows, self.epochs = rows, []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epochs.append(epoch)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.rows)
+
+
+def _stream_run(tmp: str, per_device: int) -> dict:
+    rows = _rows(10)
+    args = _args(
+        tmp, max_steps=4, per_device_train_batch_size=per_device, learning_rate=0.1, lr_scheduler_type="constant"
+    )
+    trainer = phalanx.Trainer(TupleNet(), args, train_dataset=Stream(rows), compute_metrics=lambda p: {})
+    trainer.train()
+    out = trainer.predict(Stream(rows))
+    return {
+        "state": trainer.engine.get_state_dict(trainer.model),
+        "labels": out.label_ids,
+        "epochs": trainer.train_dataset.epochs,
+    }
+
+
+def test_an_iterable_dataset_trains_evaluates_and_predicts_on_one_and_two_ranks(run_ranks, tmp_path):
+    # Global batches of 4 rows: 4 per process on one, 2 per rank on two. 4 steps read 16 rows of a stream of 10:
+    # batches of 4, 4 and 2 rows, then the stream again from its start (its second epoch).
+    one = _stream_run(str(tmp_path / "one"), 4)
+    assert one["labels"].tolist() == [r["labels"].item() for r in _rows(10)]  # every row once, in order
+    assert one["epochs"][:2] == [0, 1]
+    for res in run_ranks(_stream_run, 2, str(tmp_path / "two"), 2):
+        assert res["labels"].tolist() == one["labels"].tolist()  # the last global batch's padding dropped
+        assert res["epochs"][:2] == [0, 1]
+        for k, v in one["state"].items():
+            torch.testing.assert_close(res["state"][k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_an_iterable_dataset_needs_max_steps(tmp_path):
+    trainer = phalanx.Trainer(TupleNet(), _args(str(tmp_path)), train_dataset=Stream(_rows(4)))
+    with pytest.raises(ValueError, match="IterableDataset .* has no length to count epochs by; set max_steps"):
+        trainer.train()

@@ -18,11 +18,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler, SequentialSampler
 
 from phalanx.logging import warn_once
 
-__all__ = ["ActiveLoaders", "GlobalBatchSampler", "PreparedDataLoader", "LoaderState", "map_tensors", "move_to_device"]
+__all__ = [
+    "ActiveLoaders",
+    "GlobalBatchSampler",
+    "PreparedDataLoader",
+    "PreparedIterableLoader",
+    "LoaderState",
+    "map_tensors",
+    "move_to_device",
+]
 
 
 @dataclass
@@ -166,12 +174,6 @@ class PreparedDataLoader(DataLoader):
     def __init__(
         self, loader: DataLoader, rank: int, world_size: int, seed: int, device: torch.device, active: ActiveLoaders
     ) -> None:
-        if isinstance(loader.dataset, IterableDataset):
-            raise TypeError(
-                f"engine.prepare cannot shard an IterableDataset ({type(loader.dataset).__name__}): it has no length "
-                "or index order to split. Give it a map-style Dataset, or shard the stream yourself by engine.rank "
-                "and do not pass the loader to prepare"
-            )
         batch_size, drop_last, sampler = loader.batch_size, loader.drop_last, loader.sampler
         if batch_size is None:
             inner = loader.batch_sampler
@@ -219,6 +221,11 @@ class PreparedDataLoader(DataLoader):
     @property
     def global_sampler(self) -> GlobalBatchSampler:
         return self.batch_sampler  # type: ignore[return-value]
+
+    @property
+    def epoch(self) -> int:
+        """Passes over the data completed (the epoch being read)."""
+        return self.global_sampler.epoch
 
     def set_epoch(self, epoch: int) -> None:
         self.global_sampler.epoch = epoch
@@ -282,3 +289,113 @@ class PreparedDataLoader(DataLoader):
         sampler.seed = int(state["seed"])
         sampler.start_batch = state["samples_done"] // g
         self._batches_done = sampler.start_batch
+
+
+class PreparedIterableLoader:
+    """A DataLoader over an ``IterableDataset``, sharded as a map-style one is: every rank reads the same stream,
+    groups it into global batches of ``batch_size x world_size`` samples, and keeps its own slice of each, so that
+    the global batches are the same on any world size. The stream must give every rank the same samples in the same
+    order (seed any shuffling the same on every rank). A short last global batch is padded, as a map-style loader's
+    is, with the epoch's first samples (``gather_for_metrics`` drops them again), or dropped with ``drop_last``.
+
+    It has no length. A dataset with ``set_epoch`` is told each epoch; a resume skips the global batches already read,
+    reading them again from the stream's start.
+    """
+
+    def __init__(
+        self, loader: DataLoader, rank: int, world_size: int, device: torch.device, active: ActiveLoaders
+    ) -> None:
+        if loader.num_workers > 0:
+            raise ValueError(
+                f"engine.prepare reads an IterableDataset ({type(loader.dataset).__name__}) in the training process, "
+                f"so that every rank sees the same stream; got num_workers={loader.num_workers} (use 0; workers "
+                "would each read the whole stream)"
+            )
+        if loader.batch_size is None:
+            raise TypeError("engine.prepare needs a DataLoader with batch_size over an IterableDataset")
+        self.dataset, self.batch_size, self.drop_last = loader.dataset, loader.batch_size, loader.drop_last
+        self.collate_fn = loader.collate_fn
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.epoch = 0
+        self._batches_done = 0
+        self._skip = 0
+        self._non_blocking = loader.pin_memory and device.type == "cuda"
+        self._state = LoaderState()
+        self._active = active
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.world_size
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        raise TypeError(
+            f"a prepared loader over an IterableDataset ({type(self.dataset).__name__}) has no length: count steps "
+            "(TrainingArguments(max_steps=...)) rather than epochs"
+        )
+
+    def _global_batches(self) -> Iterator[tuple[list[Any], int]]:
+        """(the global batch, padded to split evenly over the ranks; its real samples), from the stream."""
+        g = self.global_batch_size
+        first: list[Any] = []  # the epoch's first samples, to pad a short last batch with (as a map-style loader)
+        chunk: list[Any] = []
+        for sample in self.dataset:  # type: ignore[attr-defined]
+            if len(first) < g:
+                first.append(sample)
+            chunk.append(sample)
+            if len(chunk) == g:
+                yield chunk, g
+                chunk = []
+        if chunk and not self.drop_last:
+            real = len(chunk)
+            need = -real % self.world_size
+            yield chunk + [first[i % len(first)] for i in range(need)], real
+
+    def __iter__(self) -> Iterator[Any]:
+        if callable(getattr(self.dataset, "set_epoch", None)):
+            self.dataset.set_epoch(self.epoch)  # type: ignore[attr-defined]
+        skip, self._skip = self._skip, 0
+        self._batches_done = skip
+        state = self._state
+        self._active.enter(state)
+        try:
+            batches = self._global_batches()
+            ahead = next(batches, None)  # one global batch ahead, to know which is the last
+            index = 0
+            while ahead is not None:
+                chunk, real = ahead
+                ahead = next(batches, None)
+                if index >= skip:
+                    per_rank = len(chunk) // self.world_size
+                    mine = chunk[self.rank * per_rank : (self.rank + 1) * per_rank]
+                    state.real_size, state.padded_size = real, len(chunk)
+                    state.end_of_dataloader = ahead is None
+                    self._batches_done = index + 1
+                    yield move_to_device(self.collate_fn(mine), self.device, self._non_blocking)
+                index += 1
+        finally:
+            self._active.leave(state)
+            state.real_size = state.padded_size = 0
+            state.end_of_dataloader = False
+        self._batches_done = 0
+        self.epoch += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "samples_done": self._batches_done * self.global_batch_size, "seed": 0}
+
+    def resume_problem(self, state: Mapping[str, Any]) -> str | None:
+        if state["samples_done"] % self.global_batch_size:
+            return (
+                f"cannot resume at sample {state['samples_done']} of the stream: it is not a multiple of the global "
+                f"batch size {self.global_batch_size} (batch_size {self.batch_size} x world size {self.world_size})"
+            )
+        return None
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        problem = self.resume_problem(state)
+        if problem:
+            raise ValueError(problem)
+        self.epoch = int(state["epoch"])
+        self._skip = self._batches_done = state["samples_done"] // self.global_batch_size

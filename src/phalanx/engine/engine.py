@@ -26,7 +26,7 @@ from typing import IO, Any
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 import phalanx.engine.collectives as collectives
 from phalanx.checkpoint.format import CheckpointError
@@ -37,7 +37,7 @@ from phalanx.checkpoint.state import TrainingParts, load_checkpoint, save_checkp
 from phalanx.config.dialects.dummies import DummyOptim, DummyScheduler, realise_optimizer, realise_scheduler
 from phalanx.config.registry import get_strategy_class, pipeline_stages
 from phalanx.config.settings import EngineConfig, resolve_config
-from phalanx.engine.data import ActiveLoaders, PreparedDataLoader
+from phalanx.engine.data import ActiveLoaders, PreparedDataLoader, PreparedIterableLoader
 from phalanx.engine.guards import (
     as_prepared,
     check_backward_has_a_model,
@@ -144,7 +144,7 @@ class Engine:
         self._models: list[nn.Module] = []
         self._optimizers: list[PreparedOptimizer] = []
         self._schedulers: list[PreparedScheduler] = []
-        self._prepared_loaders: list[PreparedDataLoader] = []
+        self._prepared_loaders: list[PreparedDataLoader | PreparedIterableLoader] = []
         self._loaders = ActiveLoaders()
         self.global_step = 0
         """Optimizer steps taken (of the first prepared optimizer), skipped fp16 steps included; saved in
@@ -227,11 +227,19 @@ class Engine:
         self._schedulers.append(prepared)
         return prepared
 
-    def prepare_loader(self, loader: DataLoader) -> PreparedDataLoader:
+    def prepare_loader(self, loader: DataLoader) -> PreparedDataLoader | PreparedIterableLoader:
+        """A DataLoader whose every global batch (``batch_size`` x the data-parallel world) is split over the ranks,
+        in an order drawn from the seed and the epoch; an ``IterableDataset``'s stream is split the same way."""
         check_loader_batch(loader, self.config, self._origins)
-        prepared = PreparedDataLoader(
-            loader, self.topology.dp_rank, self.topology.dp_size, self.config.seed, self.device, self._loaders
-        )
+        prepared: PreparedDataLoader | PreparedIterableLoader
+        if isinstance(loader.dataset, IterableDataset):
+            prepared = PreparedIterableLoader(
+                loader, self.topology.dp_rank, self.topology.dp_size, self.device, self._loaders
+            )
+        else:
+            prepared = PreparedDataLoader(
+                loader, self.topology.dp_rank, self.topology.dp_size, self.config.seed, self.device, self._loaders
+            )
         self._prepared_loaders.append(prepared)
         return prepared
 
@@ -606,7 +614,7 @@ class Engine:
                 "engine.epoch counts passes over the first prepared DataLoader, and no DataLoader was prepared; pass "
                 "the training loader to engine.prepare, or count epochs in your own loop"
             )
-        return self._prepared_loaders[0].global_sampler.epoch
+        return self._prepared_loaders[0].epoch
 
     # ------------------------------------------------------------ checkpoints
     def register_for_checkpointing(self, *objects: Any) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import math
 import re
+import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from phalanx.config.dialects.dummies import DummyOptim, DummyScheduler, config_blocks
 from phalanx.engine.engine import Engine
@@ -337,7 +338,7 @@ class Trainer:
         return DataLoader(
             dataset,
             batch_size=batch_size,
-            shuffle=shuffle,
+            shuffle=shuffle and not isinstance(dataset, IterableDataset),  # a stream keeps its own order
             collate_fn=self._collate,
             drop_last=self.args.dataloader_drop_last,
             num_workers=self.args.dataloader_num_workers,
@@ -547,12 +548,26 @@ class Trainer:
         if self.model_init is not None:
             self._fresh_model()
         self._train_loader_raw = self.get_train_dataloader()
-        per_epoch = max(
-            1, math.ceil(len(self._train_loader_raw) / self.engine.topology.dp_size / args.gradient_accumulation_steps)
-        )
-        max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * per_epoch)
+        streamed = isinstance(self._train_loader_raw.dataset, IterableDataset)
+        if streamed:
+            # A stream has no length: the run is counted in steps, and an "epoch" is the whole run (as HF counts it).
+            if args.max_steps <= 0:
+                raise ValueError(
+                    f"the train_dataset is an IterableDataset ({type(self.train_dataset).__name__}), which has no "
+                    f"length to count epochs by; set max_steps (got max_steps={args.max_steps})"
+                )
+            per_epoch = max_steps = args.max_steps
+        else:
+            per_epoch = max(
+                1,
+                math.ceil(
+                    len(self._train_loader_raw) / self.engine.topology.dp_size / args.gradient_accumulation_steps
+                ),
+            )
+            max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * per_epoch)
         self._prepare(max_steps)
-        per_epoch = max(1, math.ceil(len(self._train_loader) / args.gradient_accumulation_steps))
+        if not streamed:
+            per_epoch = max(1, math.ceil(len(self._train_loader) / args.gradient_accumulation_steps))
         resume = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
         auto = self._auto_resume
         if not resume and auto is not None:  # resume_from (phalanx launch --resume-from): the newest, if there is one
@@ -563,7 +578,8 @@ class Trainer:
             if auto is not None and auto.pending is not None:
                 auto.loaded(self.engine.rank, self.engine.world_size, self.engine.global_step)
         # These follow the arguments of this run, also on resume (a longer max_steps trains on), as in HF.
-        self.state.max_steps, self.state.num_train_epochs = max_steps, math.ceil(max_steps / per_epoch)
+        self.state.max_steps = max_steps
+        self.state.num_train_epochs = sys.maxsize if streamed else math.ceil(max_steps / per_epoch)  # as HF's
         self.state.train_batch_size = args.per_device_train_batch_size
         self.state.compute_steps(args, max_steps)
         self.control._new_training()
@@ -643,6 +659,9 @@ class Trainer:
     def _position_in_epoch(self) -> float:
         loader = self._train_loader
         done = loader.state_dict()["samples_done"]
+        if isinstance(loader.dataset, IterableDataset):  # as HF: the share of the run's micro-batches read
+            batches = done / max(1, loader.global_batch_size)
+            return min(1.0, batches / max(1, self.state.max_steps * self.args.gradient_accumulation_steps))
         size = max(1, len(loader.dataset)) if hasattr(loader, "dataset") else 1
         return min(1.0, float(done) / size)
 
@@ -751,7 +770,9 @@ class Trainer:
         self.model.eval()
         found: dict[str, Any] = {"preds": None, "labels": None, "inputs": None, "losses": None}
         started = time.perf_counter()
+        seen = batches = 0
         for batch in loader:
+            batches += 1
             loss, logits, labels = self.prediction_step(self.model, batch, only_loss, ignore_keys)
             inputs = None
             if keep_inputs:  # the batch's main input: a transformers model names it (main_input_name)
@@ -764,6 +785,7 @@ class Trainer:
                 )
             first = first_tensor(batch)
             size = 1 if first is None or first.dim() == 0 else first.shape[0]
+            seen += size
             # Each tensor is padded to its longest on any rank, so that the gathered batches line up (as HF does).
             labels, logits, inputs = (nested_map(x, self._pad_across_ranks) for x in (labels, logits, inputs))
             if logits is not None and self.preprocess_logits_for_metrics is not None:
@@ -793,11 +815,11 @@ class Trainer:
             metrics[f"{prefix}_loss"] = float(losses_np.mean())
         metrics = {k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": v for k, v in metrics.items()}
         runtime = time.perf_counter() - started
-        samples = len(loader.dataset) if hasattr(loader, "dataset") and hasattr(loader.dataset, "__len__") else 0
+        samples, steps = seen, batches  # counted, as a stream has no length
         metrics |= {
             f"{prefix}_runtime": round(runtime, 4),
             f"{prefix}_samples_per_second": round(samples / max(runtime, 1e-9), 3),
-            f"{prefix}_steps_per_second": round(len(loader) / max(runtime, 1e-9), 3),
+            f"{prefix}_steps_per_second": round(steps / max(runtime, 1e-9), 3),
         }
         return PredictionOutput(predictions, label_ids, metrics)
 
