@@ -105,6 +105,7 @@ def run(copy: Path, files: list[str], select: str | None, built: Path | None, py
     """pytest over ``files`` in ``copy``: each test id's outcome (passed, failed, error, skipped) and message."""
     report = copy / "report.xml"
     args = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout", "600", f"--junitxml={report}"]
+    args.append("--continue-on-collection-errors")  # a file too old or too new for the installed transformers
     args += ["-k", select] if select else []
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     if built is not None:

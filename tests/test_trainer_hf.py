@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -420,3 +422,100 @@ def test_an_iterable_dataset_needs_max_steps(tmp_path):
     trainer = phalanx.Trainer(TupleNet(), _args(str(tmp_path)), train_dataset=Stream(_rows(4)))
     with pytest.raises(ValueError, match="IterableDataset .* has no length to count epochs by; set max_steps"):
         trainer.train()
+
+
+# -------------------------------------------------------------------------------- more of transformers' arguments
+def test_label_smoothing_is_transformers_formula(tmp_path):
+    rows = _rows(6)
+    trainer = phalanx.Trainer(TupleNet(), _args(str(tmp_path), label_smoothing_factor=0.2))
+    batch = {"x": torch.stack([r["x"] for r in rows]), "labels": torch.stack([r["labels"] for r in rows])}
+    loss = trainer.compute_loss(trainer.model, batch)
+    log_probs = -F.log_softmax(trainer.model.fc(batch["x"]), dim=-1)
+    nll = log_probs.gather(1, batch["labels"][:, None]).mean()
+    expected = 0.8 * nll + 0.2 * log_probs.mean()  # (1 - eps) x nll + eps x the mean over the classes
+    torch.testing.assert_close(loss, expected)
+
+
+def test_batch_eval_metrics_sees_each_batch_and_says_which_is_last(tmp_path):
+    calls = []
+
+    def metrics(eval_pred, compute_result):
+        calls.append((len(eval_pred.label_ids), compute_result))
+        return {"batches": float(len(calls))}
+
+    trainer = phalanx.Trainer(TupleNet(), _args(str(tmp_path), batch_eval_metrics=True), compute_metrics=metrics)
+    out = trainer.evaluate(_rows(5))  # batches of 2, 2 and 1
+    assert calls == [(2, False), (2, False), (1, True)] and out["eval_batches"] == 3.0
+
+
+class Counter(phalanx.TrainerCallback):
+    """A callback with state (transformers' ExportableState): it counts the steps it has seen."""
+
+    def __init__(self, name: str = "steps") -> None:
+        self.name, self.count = name, 0
+
+    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        self.count += 1
+
+    def state(self) -> dict:
+        return {"args": {"name": self.name}, "attributes": {"count": self.count}}
+
+
+def test_callback_states_come_back_on_resume_when_asked(tmp_path):
+    args = _args(str(tmp_path), save_strategy="steps", save_steps=2, max_steps=2, per_device_train_batch_size=2)
+    phalanx.Trainer(TupleNet(), args, train_dataset=_rows(8), callbacks=[Counter()]).train()
+    saved = (tmp_path / "checkpoint-2" / "trainer_state.json").read_text()
+    assert '"Counter"' in saved and '"count": 2' in saved  # saved with the checkpoint, as HF saves it
+    for restore, expected in ((True, 3), (False, 1)):
+        resumed = dataclasses.replace(args, restore_callback_states_from_checkpoint=restore, max_steps=3)
+        trainer = phalanx.Trainer(TupleNet(), resumed, train_dataset=_rows(8), callbacks=[Counter()])
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+        (counter,) = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, Counter)]
+        assert counter.count == expected  # 2 restored + the one step after the resume, or that step only
+
+
+class _Preempt(phalanx.TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        if state.global_step == 2:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)  # what a preemption sends
+
+
+def test_a_sigterm_saves_a_checkpoint_at_the_step_and_stops(tmp_path):
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    args = _args(str(tmp_path), enable_jit_checkpoint=True, max_steps=6, per_device_train_batch_size=2)
+    trainer = phalanx.Trainer(TupleNet(), args, train_dataset=_rows(12), callbacks=[_Preempt()])
+    out = trainer.train()
+    assert out.global_step == 2 and (tmp_path / "checkpoint-2" / "trainer_state.json").exists()
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is given back
+    resumed = phalanx.Trainer(TupleNet(), _args(str(tmp_path), max_steps=6, per_device_train_batch_size=2))
+    resumed.train_dataset = _rows(12)
+    assert resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2")).global_step == 6
+
+
+def test_hf_s_trainer_helpers(tmp_path):
+    trainer = phalanx.Trainer(TupleNet(), _args(str(tmp_path), max_steps=1, per_device_train_batch_size=2))
+    assert trainer.get_num_trainable_parameters() == 4 * CLASSES + CLASSES
+    with pytest.raises(ValueError, match="no optimizer yet"):
+        trainer.get_learning_rates()
+    trainer.train_dataset = _rows(2)
+    trainer.train()
+    assert trainer.get_learning_rates() == [0.0, 0.0]  # linear decay to 0 over the one step, in both groups
+    weight = trainer.engine.unwrap_model(trainer.model).fc.weight
+    assert trainer.get_optimizer_group(weight)["weight_decay"] == 0.0  # weight_decay defaults to 0.0
+    assert len(trainer.get_optimizer_group()) == 2
+    assert trainer.accelerator is trainer.engine and trainer.model_wrapped is trainer.model
+    with pytest.raises(phalanx.config.options.ConfigError, match="auto_find_batch_size=True"):
+        _args(str(tmp_path), auto_find_batch_size=True)
+
+
+def test_torch_compile_compiles_the_prepared_model(tmp_path):
+    args = _args(str(tmp_path), torch_compile_backend="eager", max_steps=2, per_device_train_batch_size=2)
+    assert args.torch_compile  # naming a backend turns it on, as in transformers
+    trainer = phalanx.Trainer(TupleNet(), args, train_dataset=_rows(4))
+    trainer.train()
+    assert type(trainer.model).__name__ == "OptimizedModule"

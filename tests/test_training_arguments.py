@@ -45,6 +45,11 @@ def test_important_defaults_are_transformers_defaults():
         "gradient_checkpointing": None, "average_tokens_across_devices": True, "output_dir": None,
         "include_for_metrics": [], "prediction_loss_only": False, "logging_nan_inf_filter": True,
         "do_train": False, "do_eval": False, "do_predict": False, "optim_args": None,
+        "dataloader_persistent_workers": False, "dataloader_prefetch_factor": None, "label_smoothing_factor": 0.0,
+        "batch_eval_metrics": False, "eval_use_gather_object": False, "log_level": "passive",
+        "log_level_replica": "warning", "skip_memory_metrics": True, "torch_compile": False,
+        "torch_compile_backend": None, "torch_compile_mode": None, "restore_callback_states_from_checkpoint": False,
+        "auto_find_batch_size": False, "enable_jit_checkpoint": False,
     }  # fmt: skip
     ours = {f.name: _default(f) for f in dataclasses.fields(TrainingArguments)}
     assert set(ours) == set(expected) | PHALANX_ONLY

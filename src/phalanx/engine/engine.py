@@ -511,6 +511,12 @@ class Engine:
         return self.world.rank == 0
 
     @property
+    def end_of_dataloader(self) -> bool:
+        """Whether the batch just read from a prepared DataLoader is its last (Accelerate's
+        ``gradient_state.end_of_dataloader``); with loaders inside one another, the innermost one's."""
+        return self._loaders.end_of_dataloader
+
+    @property
     def is_local_main_process(self) -> bool:
         """True on the first process of each machine."""
         return self.world.local_rank == 0

@@ -25,9 +25,11 @@ from phalanx.config.general import PRECISIONS
 from phalanx.config.options import ConfigError
 from phalanx.config.registry import strategy_names
 from phalanx.config.settings import engine_fields
+from phalanx.logging import get_logger, warn_once
+from phalanx.trainer.loss import LabelSmoother
 from phalanx.trainer.schedules import check_schedule_kwargs
 
-__all__ = ["TrainingArguments", "UnknownArgumentError"]
+__all__ = ["TrainingArguments", "UnknownArgumentError", "optimizer_cls_and_kwargs", "settle_for_trainer"]
 
 _INTERVALS = ("no", "steps", "epoch")
 _SAVES = ("no", "steps", "epoch", "best")
@@ -218,6 +220,35 @@ class TrainingArguments:
     gradient_checkpointing: bool | None = None
     """Recompute activations in backward to save memory (the model's ``gradient_checkpointing_enable``); None is
     False."""
+    dataloader_persistent_workers: bool = False
+    """Keep the DataLoader's worker processes between epochs (with dataloader_num_workers > 0)."""
+    dataloader_prefetch_factor: int | None = None
+    """Batches each worker loads ahead (with dataloader_num_workers > 0)."""
+    label_smoothing_factor: float = 0.0
+    """Label smoothing of the loss (transformers' LabelSmoother over the model's logits), 0 for none."""
+    batch_eval_metrics: bool = False
+    """Call ``compute_metrics(eval_pred, compute_result=...)`` after every evaluation batch instead of once at the end,
+    with ``compute_result=True`` on the last batch (so that predictions need not all be held)."""
+    eval_use_gather_object: bool = False
+    """Gather Python objects in predictions too (phalanx gathers lists of objects in any case)."""
+    log_level: str = "passive"
+    """The level of phalanx's log on the main process: debug, info, warning, error, critical, or passive (info)."""
+    log_level_replica: str = "warning"
+    """The level of phalanx's log on the other processes."""
+    skip_memory_metrics: bool = True
+    """transformers' memory metrics are not reported: phalanx's ``engine.memory_report()`` gives each rank's bytes."""
+    torch_compile: bool = False
+    """Compile the model with ``torch.compile`` once it is prepared."""
+    torch_compile_backend: str | None = None
+    """The backend of ``torch.compile`` (default: inductor); setting it turns torch_compile on, as in transformers."""
+    torch_compile_mode: str | None = None
+    """The mode of ``torch.compile``; setting it turns torch_compile on, as in transformers."""
+    restore_callback_states_from_checkpoint: bool = False
+    """On resume, give the callbacks that save state (``ExportableState``) their state from the checkpoint."""
+    auto_find_batch_size: bool = False
+    """transformers halves the batch size after an out-of-memory error; phalanx refuses it (set the batch size)."""
+    enable_jit_checkpoint: bool = False
+    """On SIGTERM (a preemption), save a checkpoint at the end of the current optimizer step on every rank, and stop."""
     average_tokens_across_devices: bool = True
     """Normalise the loss by the item count of the whole window over all ranks (phalanx always does)."""
     strategy: str | None = None
@@ -261,6 +292,7 @@ class TrainingArguments:
         kwargs = self.lr_scheduler_kwargs
         check_schedule_kwargs(self.lr_scheduler_type, kwargs if isinstance(kwargs, dict) else {})
         self._check_counts()
+        self._check_hf_switches()
         self._resolve_steps()
         if self.load_best_model_at_end and self.metric_for_best_model is None:
             self.metric_for_best_model = (
@@ -302,6 +334,21 @@ class TrainingArguments:
             if self.warmup_ratio:
                 self.warmup_steps = self.warmup_ratio
             self.warmup_ratio = None
+
+    def _check_hf_switches(self) -> None:
+        if self.auto_find_batch_size:
+            raise ConfigError(
+                "auto_find_batch_size=True: transformers retries with half the batch after an out-of-memory error; "
+                "phalanx does not (a silent change of the batch changes the run). Set per_device_train_batch_size to "
+                "what fits, or shard the model (strategy='zero3')"
+            )
+        levels = ("passive", "debug", "info", "warning", "error", "critical")
+        for name in ("log_level", "log_level_replica"):
+            _choice(name, getattr(self, name), levels)
+        if not 0.0 <= self.label_smoothing_factor < 1.0:
+            raise ConfigError(f"invalid label_smoothing_factor: got {self.label_smoothing_factor!r} (use [0, 1))")
+        if self.torch_compile_backend is not None or self.torch_compile_mode is not None:
+            self.torch_compile = True  # as transformers: naming a backend or a mode turns compilation on
 
     def _check_counts(self) -> None:
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
@@ -544,3 +591,45 @@ def _report_to(value: str | list[str] | None) -> list[str]:
     if value == "all" or value == ["all"]:
         return ["tensorboard"] if importlib.util.find_spec("tensorboard") is not None else []
     return [value] if isinstance(value, str) else list(value)
+
+
+def settle_for_trainer(
+    args_: TrainingArguments, model: Any, eval_dataset: Any, is_main: bool, staged_by: str | None
+) -> LabelSmoother | None:
+    """What transformers' Trainer settles from its arguments when it is built: the label smoother, the log levels,
+    and the combinations it refuses at once (said here with the fix); returns the label smoother, if any.
+    ``staged_by``: the strategy's name when it runs the model in pipeline stages (None otherwise)."""
+    smoother: LabelSmoother | None = None
+    if args_.label_smoothing_factor:
+        if getattr(getattr(model, "config", None), "problem_type", None) == "multi_label_classification":
+            warn_once(
+                "label_smoothing_factor does not apply to multi-label classification (problem_type="
+                "'multi_label_classification'): this run trains without label smoothing, as transformers does"
+            )
+        else:
+            smoother = LabelSmoother(epsilon=args_.label_smoothing_factor)
+    for level, here in ((args_.log_level, is_main), (args_.log_level_replica, True)):
+        if here and level != "passive":
+            get_logger().setLevel(level.upper())
+            break
+    if args_.torch_compile and staged_by is not None:
+        raise ValueError(
+            f"torch_compile=True under strategy={staged_by!r}: the pipeline runs its stages "
+            "itself; compile the blocks before the Trainer gets the model, or leave torch_compile off"
+        )
+    if not args_.skip_memory_metrics:
+        warn_once(
+            "skip_memory_metrics=False: phalanx does not add transformers' *_mem_* metrics to the logs; "
+            "trainer.engine.memory_report() gives each rank's bytes by kind, and its peak"
+        )
+    if args_.eval_strategy != "no" and eval_dataset is None:
+        raise ValueError(
+            f"eval_strategy={args_.eval_strategy!r} evaluates during training, but no eval_dataset was given to "
+            "the Trainer: pass eval_dataset=..., or set eval_strategy='no'"
+        )
+    if (args_.save_strategy == "best" or args_.load_best_model_at_end) and args_.metric_for_best_model is None:
+        raise ValueError(
+            "save_strategy='best' (or load_best_model_at_end) needs metric_for_best_model: the metric that says "
+            "which checkpoint is best, e.g. metric_for_best_model='loss' or 'accuracy'"
+        )
+    return smoother

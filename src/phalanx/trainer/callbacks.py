@@ -15,7 +15,13 @@ from typing import Any
 from phalanx.logging import get_logger, warn_once
 from phalanx.trainer.state import TrainerControl, TrainerState, improves, metric_key, strategy_of
 
-__all__ = ["TrainerCallback", "CallbackHandler", "DefaultFlowCallback", "EarlyStoppingCallback"]
+__all__ = [
+    "TrainerCallback",
+    "CallbackHandler",
+    "DefaultFlowCallback",
+    "EarlyStoppingCallback",
+    "restore_callback_states",
+]
 
 _INTERVALS = ("no", "steps", "epoch")
 _SAVES = ("no", "steps", "epoch", "best")
@@ -68,6 +74,9 @@ class TrainerCallback:
 
     def on_log(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> Control:
         """After a record is logged; it is in ``kwargs["logs"]``."""
+
+    def on_push_begin(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> Control:
+        """Before a push to the Hub (transformers' event; phalanx does not push, so it never fires)."""
 
     def on_prediction_step(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> Control:
         """After each evaluation or prediction batch."""
@@ -360,3 +369,28 @@ class EarlyStoppingCallback(TrainerCallback):
         cb = cls(**state["args"])
         cb.early_stopping_patience_counter = int(state["attributes"]["early_stopping_patience_counter"])
         return cb
+
+
+def restore_callback_states(handler: CallbackHandler, control: TrainerControl, saved: dict[str, Any]) -> TrainerControl:
+    """transformers' ``restore_callback_states_from_checkpoint``: each saved state (``stateful_callbacks``) given back
+    to a new callback of its class, in place of the one the handler holds; the control's too, which is returned.
+    Saved classes this run does not have are named once."""
+    missing = []
+    present: list[Any] = [*handler.callbacks, control]
+    for name, states in saved.items():
+        same = [cb for cb in present if type(cb).__name__ == name]
+        if not same:
+            missing.append(name)
+            continue
+        for callback, data in zip(same, states if isinstance(states, list) else [states]):
+            fresh = type(callback)(**data.get("args", {}))
+            for attribute, value in data.get("attributes", {}).items():
+                setattr(fresh, attribute, value)
+            if isinstance(callback, TrainerControl):
+                control = fresh
+            else:
+                handler.remove_callback(callback)
+                handler.add_callback(fresh)
+    if missing:
+        warn_once(f"the checkpoint holds the state of callbacks this run does not have; not used: {', '.join(missing)}")
+    return control

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["IGNORE_INDEX", "items_of", "as_sum"]
+__all__ = ["IGNORE_INDEX", "items_of", "as_sum", "LabelSmoother"]
 
 IGNORE_INDEX = -100
 
@@ -31,3 +31,34 @@ def as_sum(mean: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     and its backward still reaches every parameter (with zero gradients), so the ranks' reductions stay in step and
     the non-finite guard sees no NaN that adds nothing."""
     return torch.where(n > 0, mean, torch.zeros_like(mean)) * n
+
+
+class LabelSmoother:
+    """transformers' label smoothing over a model's logits: ``(1 - epsilon)`` of the negative log-likelihood plus
+    ``epsilon`` of the mean over the classes, both over the labels that are not -100 (``num_items_in_batch`` of them,
+    when given)."""
+
+    def __init__(self, epsilon: float = 0.1, ignore_index: int = IGNORE_INDEX) -> None:
+        self.epsilon, self.ignore_index = epsilon, ignore_index
+
+    def __call__(
+        self, model_output: Any, labels: torch.Tensor, shift_labels: bool = False, num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        logits = model_output["logits"] if isinstance(model_output, dict) else model_output[0]
+        if shift_labels:  # a causal LM's logits at position i predict the label at i + 1
+            logits, labels = logits[..., :-1, :].contiguous(), labels[..., 1:].contiguous()
+        log_probs = -torch.nn.functional.log_softmax(logits, dim=-1)
+        if labels.dim() == log_probs.dim() - 1:
+            labels = labels.unsqueeze(-1)
+        padding = labels.eq(self.ignore_index)
+        nll = log_probs.gather(dim=-1, index=torch.clamp(labels, min=0))
+        smoothed = log_probs.sum(dim=-1, keepdim=True, dtype=torch.float32)
+        nll.masked_fill_(padding, 0.0)
+        smoothed.masked_fill_(padding, 0.0)
+        if num_items_in_batch is None:
+            count: Any = padding.numel() - padding.long().sum()
+        else:
+            count = num_items_in_batch.to(nll.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch
+        return (1 - self.epsilon) * (nll.sum() / count) + self.epsilon * (
+            smoothed.sum() / (count * log_probs.shape[-1])
+        )

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import inspect
 import math
-import re
+import signal
 import sys
 import time
+import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -30,121 +30,22 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 
 from phalanx.config.dialects.dummies import DummyOptim, DummyScheduler, config_blocks
 from phalanx.engine.engine import Engine
-from phalanx.logging import warn_once
+from phalanx.logging import get_logger, warn_once
 from phalanx.runtime.collective_log import watched
 from phalanx.runtime.world import seed_everything as phalanx_seed
-from phalanx.trainer.arguments import TrainingArguments, optimizer_cls_and_kwargs
-from phalanx.trainer.callbacks import CallbackHandler, TrainerCallback
+from phalanx.trainer.arguments import TrainingArguments, optimizer_cls_and_kwargs, settle_for_trainer
+from phalanx.trainer.callbacks import CallbackHandler, TrainerCallback, restore_callback_states
+from phalanx.trainer.conventions import decay_parameter_names, find_labels, loss_of
+from phalanx.trainer.evaluation import evaluation_loop
 from phalanx.trainer.loss import as_sum, items_of
-from phalanx.trainer.nested import concat, first_tensor, nested_map, numpify, pad_dim1
+from phalanx.trainer.nested import nested_map
+from phalanx.trainer.outputs import EvalPrediction, PredictionOutput, TrainOutput
 from phalanx.trainer.reporting import default_callbacks
 from phalanx.trainer.rotation import rotate_checkpoints, sorted_checkpoints
 from phalanx.trainer.schedules import get_scheduler
-from phalanx.trainer.state import TrainerControl, TrainerState, record_best_metric
+from phalanx.trainer.state import ExportableState, TrainerControl, TrainerState, record_best_metric
 
 __all__ = ["Trainer", "EvalPrediction", "TrainOutput", "PredictionOutput"]
-
-
-class EvalPrediction:
-    """What ``compute_metrics`` receives, as Hugging Face's: every sample's predictions and labels, in dataset order,
-    as numpy arrays (a tuple of them for several model outputs or several ``label_names``). It unpacks as
-    ``predictions, labels = eval_pred``; ``inputs`` and ``losses`` join the unpacking when ``include_for_metrics``
-    asks for them."""
-
-    def __init__(self, predictions: Any, label_ids: Any, inputs: Any = None, losses: Any = None) -> None:
-        self.predictions, self.label_ids, self.inputs, self.losses = predictions, label_ids, inputs, losses
-        self.elements: tuple[Any, ...] = (predictions, label_ids)
-        if inputs is not None:
-            self.elements += (inputs,)
-        if losses is not None:
-            self.elements += (losses,)
-
-    def __iter__(self) -> Any:
-        return iter(self.elements)
-
-    def __getitem__(self, index: int) -> Any:
-        if index < 0 or index >= len(self.elements):
-            raise IndexError("tuple index out of range")
-        return self.elements[index]
-
-    def __len__(self) -> int:
-        return len(self.elements)
-
-
-class TrainOutput(NamedTuple):
-    global_step: int
-    training_loss: float
-    metrics: dict[str, float]
-
-
-class PredictionOutput(NamedTuple):
-    predictions: Any
-    label_ids: Any
-    metrics: dict[str, float]
-
-
-def _plain(value: Any) -> Any:
-    """A metric as JSON holds it: numpy scalars and 0-d tensors as Python numbers (HF's denumpify_detensorize)."""
-    if isinstance(value, (np.generic, np.ndarray)) and np.ndim(value) == 0:
-        return value.item()
-    if isinstance(value, torch.Tensor) and value.dim() == 0:
-        return value.item()
-    return value
-
-
-def _decay_parameter_names(model: nn.Module) -> list[str]:
-    """transformers' ``get_parameter_names(model, [nn.LayerNorm], forbidden name patterns)``: the names of the
-    parameters outside every ``LayerNorm`` whose lower-cased names match no pattern."""
-    patterns = [re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")]
-
-    def names(module: nn.Module) -> list[str]:
-        out = []
-        for name, child in module.named_children():
-            out += [
-                f"{name}.{n}"
-                for n in names(child)
-                if not isinstance(child, nn.LayerNorm) and not any(p.search(f"{name}.{n}".lower()) for p in patterns)
-            ]
-        return out + [k for k in module._parameters if not any(p.search(k.lower()) for p in patterns)]
-
-    return names(model)
-
-
-def _find_labels(model: nn.Module) -> list[str]:
-    """The batch keys that hold labels when ``label_names`` is not given, as transformers finds them: the forward's
-    parameters whose names contain "label" (a question-answering model's ``start_positions`` and ``end_positions``
-    too); ``["labels"]`` for a module whose forward names none."""
-    params = inspect.signature(model.forward).parameters
-    qa = "QuestionAnswering" in type(model).__name__
-    found = [p for p in params if "label" in p or (qa and p in ("start_positions", "end_positions"))]
-    return found or ["labels"]
-
-
-def _loss_of(outputs: Any) -> torch.Tensor:
-    """The loss a model returned, as HF's Trainer reads it: a dict's (or ``ModelOutput``'s) ``loss``, a tuple's first
-    element."""
-    if isinstance(outputs, Mapping):
-        if outputs.get("loss") is None:
-            raise ValueError(
-                f"the model returned no loss, only {', '.join(map(str, outputs.keys()))}: put the labels in the batch "
-                "(a 'labels' key, or label_names) for a model that computes its loss, or pass "
-                "compute_loss_func=lambda outputs, labels, num_items_in_batch: ..."
-            )
-        return outputs["loss"]
-    if isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor):
-        if outputs[0].dim() != 0:
-            raise ValueError(
-                f"the model returned a tuple whose first element has shape {tuple(outputs[0].shape)}: a tuple output "
-                "must start with the loss (a scalar), as in transformers; return (loss, logits, ...), or pass "
-                "compute_loss_func=lambda outputs, labels, num_items_in_batch: ..."
-            )
-        return outputs[0]
-    if getattr(outputs, "loss", None) is not None:
-        return outputs.loss
-    raise ValueError(
-        f"the model returned no loss ({type(outputs).__name__}): return a dict or ModelOutput with 'loss', or a "
-        "tuple that starts with it, or pass compute_loss_func=lambda outputs, labels, num_items_in_batch: ..."
-    )
 
 
 class _StateHolder:
@@ -186,6 +87,8 @@ class Trainer:
         preprocess_logits_for_metrics: Callable | None = None,
     ) -> None:
         self.args = args if args is not None else TrainingArguments()
+        # The Engine seeds every generator (args.seed) first, so that model_init builds the same model each run.
+        self.engine = Engine(**self.args.engine_options())
         self.model_init = model_init
         if model is None:
             if model_init is None:
@@ -202,18 +105,8 @@ class Trainer:
                 "optimizer to use; pass one of them"
             )
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
-        args_ = self.args
-        if args_.eval_strategy != "no" and eval_dataset is None:
-            raise ValueError(
-                f"eval_strategy={args_.eval_strategy!r} evaluates during training, but no eval_dataset was given to "
-                "the Trainer: pass eval_dataset=..., or set eval_strategy='no'"
-            )
-        if (args_.save_strategy == "best" or args_.load_best_model_at_end) and args_.metric_for_best_model is None:
-            raise ValueError(
-                "save_strategy='best' (or load_best_model_at_end) needs metric_for_best_model: the metric that says "
-                "which checkpoint is best, e.g. metric_for_best_model='loss' or 'accuracy'"
-            )
-        self.engine = Engine(**self.args.engine_options())
+        staged = self.engine.strategy.name if self.engine.strategy.drives_backward else None
+        self.label_smoother = settle_for_trainer(self.args, model, eval_dataset, self.engine.is_main_process, staged)
         self._auto_resume = self.engine._resumer.hand_over(self.output_dir)  # resume_from: see train()
         self.model, self._raw_model = model, model
         self.data_collator, self.processing_class = data_collator, processing_class
@@ -233,7 +126,7 @@ class Trainer:
             self.lr_scheduler,
         )
         self._causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
-        self._label_names = self.args.label_names if self.args.label_names is not None else _find_labels(model)
+        self._label_names = self.args.label_names if self.args.label_names is not None else find_labels(model)
         self._window = torch.zeros(2, dtype=torch.float64)  # the pipeline's last stage adds to train()'s window
         if self.args.gradient_checkpointing:
             # transformers 5 renamed it activation_checkpointing_enable (the old name warns).
@@ -264,6 +157,8 @@ class Trainer:
                 "(optimizer, schedule, data position); call trainer.save_model(dir) for the weights alone"
             )
         self._forward_params = self._forward_parameters(model)
+        self._trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self._jit_requested = False  # enable_jit_checkpoint: a SIGTERM arrived
         self._train_loader: Any = None
         self._train_loader_raw: Any = None
         self._last_log = (0.0, 0)  # (time, optimizer step) of the last training log, for steps_per_second
@@ -297,9 +192,42 @@ class Trainer:
         self.optimizer, self.lr_scheduler = None, None
         self._causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
         if self.args.label_names is None:
-            self._label_names = _find_labels(model)
+            self._label_names = find_labels(model)
         self._forward_params = self._forward_parameters(model)
+        self._trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.callback_handler.model = model
+
+    @property
+    def accelerator(self) -> Engine:
+        """The Engine, where transformers' Trainer has its Accelerator (``gather_for_metrics``, ``num_processes``,
+        ``is_main_process``, ``unwrap_model``, ... have Accelerate's names there)."""
+        return self.engine
+
+    @property
+    def model_wrapped(self) -> nn.Module:
+        """The model as the strategy wraps it (transformers' name): the prepared model once training started."""
+        return self.model
+
+    def get_num_trainable_parameters(self) -> int:
+        """The elements of the model's trainable parameters (counted before any strategy shards them)."""
+        return self._trainable
+
+    def get_learning_rates(self) -> list[float]:
+        """The learning rate of each of the optimizer's parameter groups."""
+        if self.optimizer is None:
+            raise ValueError("the Trainer has no optimizer yet: call train() (or create_optimizer()) first")
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_optimizer_group(self, param: Any = None) -> Any:
+        """The optimizer's parameter group that holds ``param``, or every group's parameters. Under the zero strategies
+        the groups hold each rank's flat slices, not the model's parameters."""
+        if self.optimizer is None:
+            raise ValueError("the Trainer has no optimizer yet: call train() (or create_optimizer()) first")
+        if param is not None:
+            for group in self.optimizer.param_groups:
+                if any(param is p for p in group["params"]):
+                    return group
+        return [group["params"] for group in self.optimizer.param_groups]
 
     @property
     def output_dir(self) -> str:
@@ -335,13 +263,18 @@ class Trainer:
         return batch
 
     def _loader(self, dataset: Dataset, batch_size: int, shuffle: bool) -> DataLoader:
+        workers: dict[str, Any] = {}
+        if self.args.dataloader_num_workers > 0:  # torch refuses these without workers
+            workers["persistent_workers"] = self.args.dataloader_persistent_workers
+            workers["prefetch_factor"] = self.args.dataloader_prefetch_factor
         return DataLoader(
             dataset,
             batch_size=batch_size,
             shuffle=shuffle and not isinstance(dataset, IterableDataset),  # a stream keeps its own order
             collate_fn=self._collate,
-            drop_last=self.args.dataloader_drop_last,
+            drop_last=self.args.dataloader_drop_last,  # in evaluation too, as HF
             num_workers=self.args.dataloader_num_workers,
+            **workers,
             pin_memory=self.args.dataloader_pin_memory and self.engine.device.type == "cuda",
         )
 
@@ -360,7 +293,7 @@ class Trainer:
     def get_decay_parameter_names(self, model: nn.Module) -> list[str]:
         """The parameters that weight decay applies to, by transformers' rule: none inside a ``LayerNorm``, and none
         whose name holds ``bias``, ``layernorm``, ``rmsnorm`` or a ``norm`` part."""
-        return _decay_parameter_names(model)
+        return decay_parameter_names(model)
 
     @staticmethod
     def get_optimizer_cls_and_kwargs(args: TrainingArguments, model: nn.Module | None = None) -> tuple[type, dict]:
@@ -429,6 +362,9 @@ class Trainer:
         self.model, self.optimizer, self._train_loader = self.engine.prepare(
             self.model, optimizer, self._train_loader_raw
         )
+        if self.args.torch_compile:  # the prepared model, as transformers compiles the one Accelerate prepared
+            backend, mode = self.args.torch_compile_backend or "inductor", self.args.torch_compile_mode
+            self.model = typing.cast(nn.Module, torch.compile(self.model, backend=backend, mode=mode))
         # The schedule is built on the prepared optimizer: a DeepSpeed optimizer block exists only from here on.
         scheduler = (
             self.lr_scheduler if self.lr_scheduler is not None else self.create_scheduler(max_steps, self.optimizer)
@@ -473,8 +409,9 @@ class Trainer:
         pair ``(inputs, labels)`` calls ``model(inputs)``. ``num_items_in_batch`` is this micro-batch's item count
         (phalanx normalises the whole window over every rank itself)."""
         labels = self._labels(inputs)
+        smoother = self.label_smoother
         if isinstance(inputs, Mapping):
-            if self.compute_loss_func is not None and "labels" in inputs:
+            if (self.compute_loss_func is not None or smoother is not None) and "labels" in inputs:
                 inputs = {k: v for k, v in inputs.items() if k != "labels"}
             outputs = model(**inputs)
         elif isinstance(inputs, (tuple, list)) and len(inputs) == 2:
@@ -483,8 +420,10 @@ class Trainer:
             outputs = model(inputs)
         if self.compute_loss_func is not None:
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+        elif smoother is not None and labels is not None:
+            loss = smoother(outputs, labels, shift_labels=self._causal, num_items_in_batch=num_items_in_batch)
         else:
-            loss = _loss_of(outputs)
+            loss = loss_of(outputs)
         return (loss, outputs) if return_outputs else loss
 
     def _labels(self, inputs: Any) -> Any:
@@ -592,6 +531,40 @@ class Trainer:
         started = time.perf_counter()
         first_step = self.state.global_step
         self._last_log = (started, self.state.global_step)
+        previous_handler = None
+        if args.enable_jit_checkpoint:
+            self._jit_requested = False
+            previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        try:
+            self._train_loop(window, total)
+        finally:
+            if previous_handler is not None:
+                signal.signal(signal.SIGTERM, previous_handler)
+        # The steps since the last log count in train_loss too. Every rank reduces, whatever its own window holds.
+        loss_sum, items = self._reduce_window(window).tolist()
+        total[0], total[1] = total[0] + loss_sum, total[1] + int(items)
+        mean = total[0] / total[1] if total[1] else float("nan")
+        # The run's summary, logged as HF logs it: before the best model is loaded and train ends.
+        runtime = time.perf_counter() - started
+        trained = self.state.global_step - first_step
+        samples = self._train_samples(max_steps) * trained / max(self.state.max_steps, 1)
+        metrics = {
+            "train_runtime": round(runtime, 4),
+            "train_samples_per_second": round(samples / max(runtime, 1e-9), 3),
+            "train_steps_per_second": round(trained / max(runtime, 1e-9), 3),
+            "total_flos": self.state.total_flos,
+            "train_loss": mean,
+        }
+        self.log(dict(metrics))
+        if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
+            self.engine.load_model(self.state.best_model_checkpoint)  # the weights only, as HF
+        self.control = self.callback_handler.on_train_end(args, self.state, self.control)
+        metrics["epoch"] = self.state.epoch
+        return TrainOutput(self.state.global_step, mean, metrics)
+
+    def _train_loop(self, window: torch.Tensor, total: list[Any]) -> None:
+        """Epochs of optimizer steps until max_steps or a callback stops it, logging, saving and evaluating."""
+        args = self.args
         while self.engine.epoch < self.state.num_train_epochs and not self.control.should_training_stop:
             self.control._new_epoch()
             self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
@@ -617,6 +590,10 @@ class Trainer:
                 self.state.global_step += 1
                 self.state.epoch = self.engine.epoch + self._position_in_epoch()
                 self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+                if args.enable_jit_checkpoint and self._any_rank(self._jit_requested):
+                    # A preemption: this step's checkpoint on every rank, then stop (the regular save would repeat it).
+                    self._save_checkpoint(new_best=False)
+                    self.control.should_save, self.control.should_training_stop = False, True
                 self._log_save_evaluate(window, total)
                 if self.control.should_epoch_stop or self.control.should_training_stop:
                     break
@@ -625,27 +602,21 @@ class Trainer:
             self._log_save_evaluate(window, total)
             if self.state.global_step >= self.state.max_steps:
                 break
-        # The steps since the last log count in train_loss too. Every rank reduces, whatever its own window holds.
-        loss_sum, items = self._reduce_window(window).tolist()
-        total[0], total[1] = total[0] + loss_sum, total[1] + int(items)
-        mean = total[0] / total[1] if total[1] else float("nan")
-        # The run's summary, logged as HF logs it: before the best model is loaded and train ends.
-        runtime = time.perf_counter() - started
-        trained = self.state.global_step - first_step
-        samples = self._train_samples(max_steps) * trained / max(self.state.max_steps, 1)
-        metrics = {
-            "train_runtime": round(runtime, 4),
-            "train_samples_per_second": round(samples / max(runtime, 1e-9), 3),
-            "train_steps_per_second": round(trained / max(runtime, 1e-9), 3),
-            "total_flos": self.state.total_flos,
-            "train_loss": mean,
-        }
-        self.log(dict(metrics))
-        if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
-            self.engine.load_model(self.state.best_model_checkpoint)  # the weights only, as HF
-        self.control = self.callback_handler.on_train_end(args, self.state, self.control)
-        metrics["epoch"] = self.state.epoch
-        return TrainOutput(self.state.global_step, mean, metrics)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        """enable_jit_checkpoint: a preemption's SIGTERM asks for a checkpoint at the end of this optimizer step."""
+        if not self._jit_requested:
+            get_logger().warning(
+                f"SIGTERM at step {self.state.global_step}: saving a checkpoint at the end of this step, then stopping"
+            )
+        self._jit_requested = True
+
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank: every rank calls it at the same point, and all get the same answer."""
+        value = torch.tensor(float(flag), device=self.engine.device)
+        if dist.is_initialized():
+            watched(dist.all_reduce, value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
 
     def _train_samples(self, max_steps: int) -> float:
         """The samples of the whole schedule, as HF counts them: max_steps x the global batch when max_steps is set,
@@ -675,6 +646,9 @@ class Trainer:
                 )
             resume = str(found[-1][1])
         self.engine.load_state(str(resume))  # the TrainerState comes back with it (_StateHolder)
+        if self.args.restore_callback_states_from_checkpoint:
+            saved = self.state.stateful_callbacks or {}
+            self.control = restore_callback_states(self.callback_handler, self.control, saved)
 
     def _log_save_evaluate(self, window: torch.Tensor, total: list[Any]) -> None:
         if self.control.should_log and self.state.global_step > self._last_log[1]:
@@ -705,6 +679,9 @@ class Trainer:
         path = Path(self.output_dir) / f"checkpoint-{self.state.global_step}"
         if new_best:
             self.state.best_model_checkpoint = str(path)
+        # The control and the callbacks that export state (EarlyStoppingCallback's counter, say), as HF saves them.
+        exportable = [cb for cb in [*self.callback_handler.callbacks, self.control] if isinstance(cb, ExportableState)]
+        self.state.stateful_callbacks = TrainerState(stateful_callbacks=exportable).stateful_callbacks
         self.engine.save_state(path)
         if self.engine.is_main_process:
             self.state.save_to_json(path / "trainer_state.json")  # for tools that read HF's file
@@ -753,75 +730,15 @@ class Trainer:
             logits = logits[0]
         return loss, nested_map(logits, torch.Tensor.detach), labels
 
-    def _pad_across_ranks(self, t: torch.Tensor) -> torch.Tensor:
-        if t.dim() < 2 or self.engine.world_size == 1:
-            return t
-        return pad_dim1(t, int(self.engine.reduce(torch.tensor(t.shape[1]), "max").item()))
-
     def _loop(
-        self, loader: Any, prefix: str, prediction_loss_only: bool | None = None, ignore_keys: list[str] | None = None
+        self,
+        loader: Any,
+        prefix: str,
+        prediction_loss_only: bool | None = None,
+        ignore_keys: list[str] | None = None,
+        predicting: bool = False,
     ) -> PredictionOutput:
-        """Every sample once, in dataset order, batch by batch to the CPU. Batches are padded with -100 along their
-        second dimension to the longest on any rank, then to the longest so far, as HF pads them."""
-        args = self.args
-        only_loss = args.prediction_loss_only if prediction_loss_only is None else prediction_loss_only
-        keep_inputs = "inputs" in args.include_for_metrics
-        main_input = getattr(self.engine.unwrap_model(self.model), "main_input_name", "input_ids")
-        self.model.eval()
-        found: dict[str, Any] = {"preds": None, "labels": None, "inputs": None, "losses": None}
-        started = time.perf_counter()
-        seen = batches = 0
-        for batch in loader:
-            batches += 1
-            loss, logits, labels = self.prediction_step(self.model, batch, only_loss, ignore_keys)
-            inputs = None
-            if keep_inputs:  # the batch's main input: a transformers model names it (main_input_name)
-                inputs = (
-                    batch[main_input]
-                    if isinstance(batch, Mapping)
-                    else batch[0]
-                    if isinstance(batch, (tuple, list))
-                    else batch
-                )
-            first = first_tensor(batch)
-            size = 1 if first is None or first.dim() == 0 else first.shape[0]
-            seen += size
-            # Each tensor is padded to its longest on any rank, so that the gathered batches line up (as HF does).
-            labels, logits, inputs = (nested_map(x, self._pad_across_ranks) for x in (labels, logits, inputs))
-            if logits is not None and self.preprocess_logits_for_metrics is not None:
-                logits = self.preprocess_logits_for_metrics(logits, labels)
-            # Each sample carries its batch's mean loss, so that dropping the padding counts each sample once.
-            losses = loss.float().expand(size) if loss is not None else None
-            for key, value in (("preds", logits), ("labels", labels), ("inputs", inputs), ("losses", losses)):
-                if value is not None:
-                    gathered = nested_map(value, lambda x: self.engine.gather_for_metrics(x).cpu())
-                    found[key] = concat(found[key], gathered)
-            self.control = self.callback_handler.on_prediction_step(args, self.state, self.control)
-        self.model.train()
-        predictions, label_ids = numpify(found["preds"]), numpify(found["labels"])
-        losses_np = numpify(found["losses"])
-        metrics: dict[str, Any] = {}
-        if self.compute_metrics is not None and predictions is not None and label_ids is not None:
-            extra = {
-                "inputs": numpify(found["inputs"]) if keep_inputs else None,
-                "losses": losses_np if "loss" in args.include_for_metrics else None,
-            }
-            metrics = dict(self.compute_metrics(EvalPrediction(predictions, label_ids, **extra)))
-        metrics = {k: _plain(v) for k, v in metrics.items()}
-        if losses_np is not None:
-            finite = np.isfinite(losses_np)
-            if args.logging_nan_inf_filter and finite.any():
-                losses_np = losses_np[finite]
-            metrics[f"{prefix}_loss"] = float(losses_np.mean())
-        metrics = {k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": v for k, v in metrics.items()}
-        runtime = time.perf_counter() - started
-        samples, steps = seen, batches  # counted, as a stream has no length
-        metrics |= {
-            f"{prefix}_runtime": round(runtime, 4),
-            f"{prefix}_samples_per_second": round(samples / max(runtime, 1e-9), 3),
-            f"{prefix}_steps_per_second": round(steps / max(runtime, 1e-9), 3),
-        }
-        return PredictionOutput(predictions, label_ids, metrics)
+        return evaluation_loop(self, loader, prefix, prediction_loss_only, ignore_keys, predicting)
 
     def evaluate(
         self, eval_dataset: Dataset | None = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
@@ -850,7 +767,9 @@ class Trainer:
             self.model = self.engine.prepare(self.model)
             self._prepared = True
         loader = self.engine.prepare(self.get_eval_dataloader(test_dataset))
-        out = self._loop(loader, metric_key_prefix, prediction_loss_only=False, ignore_keys=ignore_keys)
+        out = self._loop(
+            loader, metric_key_prefix, prediction_loss_only=False, ignore_keys=ignore_keys, predicting=True
+        )
         self.control = self.callback_handler.on_predict(self.args, self.state, self.control, metrics=out.metrics)
         return out
 
