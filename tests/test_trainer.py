@@ -508,7 +508,8 @@ def test_a_deepspeed_config_with_optimizer_and_scheduler_blocks_builds_them(tmp_
         and inner.defaults["momentum"] == 0.9
         and inner.defaults["weight_decay"] == 0.01
     )
-    assert trainer.lr_scheduler.scheduler.last_epoch == 4 and inner.param_groups[0]["lr"] == pytest.approx(0.05)
+    # trainer.lr_scheduler is the schedule itself, as in transformers (the engine steps it through its wrapper)
+    assert trainer.lr_scheduler.last_epoch == 4 and inner.param_groups[0]["lr"] == pytest.approx(0.05)
     # An optimizer block alone: the arguments' schedule (constant here) runs on the block's optimizer.
     only = {
         "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}
@@ -521,6 +522,6 @@ def test_a_deepspeed_config_with_optimizer_and_scheduler_blocks_builds_them(tmp_
     )
     trainer.train()
     inner = trainer.optimizer.optimizer
-    assert isinstance(inner, torch.optim.AdamW) and trainer.lr_scheduler.scheduler.last_epoch == 2
+    assert isinstance(inner, torch.optim.AdamW) and trainer.lr_scheduler.last_epoch == 2
     assert inner.defaults["betas"] == (0.9, 0.999) and inner.defaults["eps"] == 1e-8  # HF's "auto": the arguments'
     assert inner.param_groups[0]["lr"] == 0.01  # lr_scheduler_type="constant" of _args, on the block's optimizer

@@ -519,3 +519,57 @@ def test_torch_compile_compiles_the_prepared_model(tmp_path):
     trainer = phalanx.Trainer(TupleNet(), args, train_dataset=_rows(4))
     trainer.train()
     assert type(trainer.model).__name__ == "OptimizedModule"
+
+
+# ------------------------------------------------------------------------------------------------------ schedules
+def test_more_of_transformers_schedules_follow_its_formulas(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from phalanx.trainer.schedules import get_scheduler
+
+    for name, kwargs in (
+        ("cosine_with_restarts", {"num_cycles": 2}),
+        ("cosine_warmup_with_min_lr", {"min_lr_rate": 0.1}),
+        ("cosine_warmup_with_min_lr", {"min_lr": 0.01, "warmup_lr_rate": 0.2}),
+    ):
+        ours_opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+        theirs_opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+        ours = get_scheduler(name, ours_opt, 3, 12, kwargs)
+        theirs = transformers.get_scheduler(name, theirs_opt, 3, 12, scheduler_specific_kwargs=dict(kwargs))
+        for _ in range(12):
+            assert ours.get_last_lr() == pytest.approx(theirs.get_last_lr(), abs=1e-12), name
+            ours_opt.step()
+            theirs_opt.step()
+            ours.step()
+            theirs.step()
+
+
+def test_reduce_lr_on_plateau_steps_on_the_evaluation_metric(tmp_path):
+    # A metric that never improves: from the second evaluation on, each halves the rate (patience 0).
+    flat = {"compute_metrics": lambda p: {"flat": 1.0}}
+    args = _args(
+        str(tmp_path),
+        lr_scheduler_type="reduce_lr_on_plateau",
+        lr_scheduler_kwargs={"patience": 0, "factor": 0.5},
+        eval_strategy="steps",
+        eval_steps=1,
+        max_steps=3,
+        per_device_train_batch_size=2,
+        learning_rate=0.1,
+    )
+    assert args.metric_for_best_model == "loss"  # its default, as in transformers
+    args = dataclasses.replace(args, metric_for_best_model="flat", greater_is_better=False)
+    trainer = phalanx.Trainer(TupleNet(), args, train_dataset=_rows(6), eval_dataset=_rows(4), **flat)
+    trainer.train()
+    lrs = [h["learning_rate"] for h in trainer.state.log_history if "loss" in h]
+    assert lrs == pytest.approx([0.1, 0.1, 0.05])  # stepped after each evaluation, not at each optimizer step
+    # One given through optimizers= steps the same way (its step() without the metric used to crash).
+    model = TupleNet()
+    custom = torch.optim.SGD(model.parameters(), lr=0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(custom, patience=0, factor=0.5)
+    args2 = dataclasses.replace(args, output_dir=str(tmp_path / "given"))
+    given = phalanx.Trainer(
+        model, args2, train_dataset=_rows(6), eval_dataset=_rows(4), optimizers=(custom, plateau), **flat
+    )
+    given.train()
+    assert custom.param_groups[0]["lr"] == pytest.approx(0.025)  # halved at the 2nd and 3rd evaluations
+    assert isinstance(given.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)  # the user's object, as in HF

@@ -49,7 +49,7 @@ def test_important_defaults_are_transformers_defaults():
         "batch_eval_metrics": False, "eval_use_gather_object": False, "log_level": "passive",
         "log_level_replica": "warning", "skip_memory_metrics": True, "torch_compile": False,
         "torch_compile_backend": None, "torch_compile_mode": None, "restore_callback_states_from_checkpoint": False,
-        "auto_find_batch_size": False, "enable_jit_checkpoint": False,
+        "auto_find_batch_size": False, "enable_jit_checkpoint": False, "eval_delay": 0, "eval_accumulation_steps": None,
     }  # fmt: skip
     ours = {f.name: _default(f) for f in dataclasses.fields(TrainingArguments)}
     assert set(ours) == set(expected) | PHALANX_ONLY
@@ -199,8 +199,8 @@ def test_choices_and_counts_are_checked():
         TrainingArguments(save_strategy="always")
     with pytest.raises(ConfigError, match="unknown lr_scheduler_type 'cosin'; did you mean 'cosine'?"):
         TrainingArguments(lr_scheduler_type="cosin")
-    with pytest.raises(ConfigError, match="'cosine_with_restarts' is a transformers schedule that phalanx does not"):
-        TrainingArguments(lr_scheduler_type="cosine_with_restarts")
+    with pytest.raises(ConfigError, match="'warmup_stable_decay' is a transformers schedule that phalanx does not"):
+        TrainingArguments(lr_scheduler_type="warmup_stable_decay")
     with pytest.raises(ConfigError, match="lr_scheduler_kwargs key 'power' is not read by lr_scheduler_type='cosine'"):
         TrainingArguments(lr_scheduler_type="cosine", lr_scheduler_kwargs={"power": 2.0})
     with pytest.raises(ConfigError, match="needs exactly one of min_lr or min_lr_rate"):

@@ -101,6 +101,11 @@ class GlobalBatchSampler(Sampler[list[int]]):
     def global_batch_size(self) -> int:
         return self.batch_size * self.world_size
 
+    @property
+    def total_batch_size(self) -> int:
+        """The global batch (Accelerate's name)."""
+        return self.global_batch_size
+
     def global_order(self, epoch: int) -> list[int]:
         if self.base_sampler is not None:
             if hasattr(self.base_sampler, "set_epoch"):
@@ -226,6 +231,11 @@ class PreparedDataLoader(DataLoader):
     def epoch(self) -> int:
         """Passes over the data completed (the epoch being read)."""
         return self.global_sampler.epoch
+
+    @property
+    def total_batch_size(self) -> int:
+        """The global batch: ``batch_size`` x the data-parallel world (Accelerate's name)."""
+        return self.global_sampler.global_batch_size
 
     def set_epoch(self, epoch: int) -> None:
         self.global_sampler.epoch = epoch

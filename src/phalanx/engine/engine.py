@@ -57,6 +57,7 @@ from phalanx.runtime.memory import peak_memory_bytes, set_mmap_threshold
 from phalanx.runtime.topology import Topology
 from phalanx.runtime.watchdog import start_watchdog
 from phalanx.runtime.world import WorldInfo, detect_world, init_distributed, pick_device, seed_everything
+from phalanx.strategies.base import drop_hooks_of
 from phalanx.strategies.deferred_init import (
     DeferredInit,
     check_init_fn_applies,
@@ -254,7 +255,7 @@ class Engine:
         """
         for model in self._models:
             self._released.add(self.unwrap_model(model))
-            _drop_hooks_of(self.strategy, model)
+            drop_hooks_of(self.strategy, model)
         self._start_training_state()
         gc.collect()
         if self.device.type == "cuda":
@@ -787,13 +788,3 @@ class Engine:
             optimizers=[o.optimizer for o in self._optimizers],
             comm_dtype=self.strategy.comm_dtype(),
         )
-
-
-def _drop_hooks_of(strategy: Any, model: nn.Module) -> None:
-    """Remove ``strategy``'s post-accumulate-grad hooks from ``model``'s parameters. torch holds those hooks where the
-    garbage collector cannot see them, so that one would keep the strategy, and every model and buffer it holds,
-    alive for as long as the process runs."""
-    for p in model.parameters():
-        hooks = getattr(p, "_post_accumulate_grad_hooks", None) or {}
-        for key in [k for k, hook in hooks.items() if getattr(hook, "__self__", None) is strategy]:
-            del hooks[key]

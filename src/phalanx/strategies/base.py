@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from phalanx.engine.precision import Precision
     from phalanx.runtime.topology import Topology
 
-__all__ = ["Strategy", "uncompiled"]
+__all__ = ["Strategy", "uncompiled", "drop_hooks_of"]
 
 
 def uncompiled(model: nn.Module) -> nn.Module:
@@ -160,3 +160,13 @@ class Strategy(ABC):
 
     def describe(self) -> dict[str, Any]:
         return {"strategy": self.name}
+
+
+def drop_hooks_of(strategy: Any, model: nn.Module) -> None:
+    """Remove ``strategy``'s post-accumulate-grad hooks from ``model``'s parameters. torch holds those hooks where the
+    garbage collector cannot see them, so that one would keep the strategy, and every model and buffer it holds,
+    alive for as long as the process runs."""
+    for p in model.parameters():
+        hooks = getattr(p, "_post_accumulate_grad_hooks", None) or {}
+        for key in [k for k, hook in hooks.items() if getattr(hook, "__self__", None) is strategy]:
+            del hooks[key]

@@ -144,7 +144,9 @@ class TrainingArguments:
     max_steps: int = -1
     """Optimizer steps to train; when positive it overrides num_train_epochs."""
     lr_scheduler_type: str = "linear"
-    """linear, cosine, cosine_with_min_lr, constant, constant_with_warmup, polynomial or inverse_sqrt."""
+    """linear, cosine, cosine_with_min_lr, cosine_warmup_with_min_lr, cosine_with_restarts, constant,
+    constant_with_warmup, polynomial, inverse_sqrt, or reduce_lr_on_plateau (stepped on each evaluation's
+    metric_for_best_model)."""
     lr_scheduler_kwargs: dict[str, Any] | str | None = None
     """The schedule's own keywords (e.g. ``{"min_lr_rate": 0.1}``); a JSON object as a string is read."""
     warmup_steps: float = 0
@@ -163,6 +165,11 @@ class TrainingArguments:
     """Deprecated spelling of eval_strategy (removed in transformers 5); read into eval_strategy with a warning."""
     eval_steps: float | None = None
     """Optimizer steps between evaluations under eval_strategy='steps'; unset means logging_steps."""
+    eval_delay: float = 0
+    """Epochs (eval_strategy='epoch') or steps (eval_strategy='steps') to wait before the first evaluation."""
+    eval_accumulation_steps: int | None = None
+    """transformers moves predictions to the host every this many batches; phalanx moves every batch (to keep none
+    on the device), so any value behaves as 1."""
     eval_on_start: bool = False
     """Evaluate once before the first step, as a sanity check."""
     save_strategy: str = "steps"
@@ -294,7 +301,9 @@ class TrainingArguments:
         self._check_counts()
         self._check_hf_switches()
         self._resolve_steps()
-        if self.load_best_model_at_end and self.metric_for_best_model is None:
+        if (self.load_best_model_at_end or self.lr_scheduler_type == "reduce_lr_on_plateau") and (
+            self.metric_for_best_model is None
+        ):
             self.metric_for_best_model = (
                 "loss"  # as transformers; save_strategy='best' has no default (the Trainer says)
             )

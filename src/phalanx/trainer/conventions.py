@@ -11,7 +11,14 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["decay_parameter_names", "find_labels", "loss_of"]
+__all__ = [
+    "decay_parameter_names",
+    "find_labels",
+    "loss_of",
+    "get_num_trainable_parameters",
+    "get_learning_rates",
+    "get_optimizer_group",
+]
 
 
 def decay_parameter_names(model: nn.Module) -> list[str]:
@@ -67,3 +74,28 @@ def loss_of(outputs: Any) -> torch.Tensor:
         f"the model returned no loss ({type(outputs).__name__}): return a dict or ModelOutput with 'loss', or a "
         "tuple that starts with it, or pass compute_loss_func=lambda outputs, labels, num_items_in_batch: ..."
     )
+
+
+# Trainer methods, as transformers keeps them beside its Trainer (trainer_pt_utils) and binds them to it.
+def get_num_trainable_parameters(self: Any) -> int:
+    """The elements of the model's trainable parameters (counted before any strategy shards them)."""
+    return self._trainable
+
+
+def get_learning_rates(self: Any) -> list[float]:
+    """The learning rate of each of the optimizer's parameter groups."""
+    if self.optimizer is None:
+        raise ValueError("the Trainer has no optimizer yet: call train() (or create_optimizer()) first")
+    return [group["lr"] for group in self.optimizer.param_groups]
+
+
+def get_optimizer_group(self: Any, param: Any = None) -> Any:
+    """The optimizer's parameter group that holds ``param``, or every group's parameters. Under the zero strategies
+    the groups hold each rank's flat slices, not the model's parameters."""
+    if self.optimizer is None:
+        raise ValueError("the Trainer has no optimizer yet: call train() (or create_optimizer()) first")
+    if param is not None:
+        for group in self.optimizer.param_groups:
+            if any(param is p for p in group["params"]):
+                return group
+    return [group["params"] for group in self.optimizer.param_groups]

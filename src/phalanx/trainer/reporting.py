@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from phalanx.trainer.tracking import JsonlMetrics, ProgressBar
 
 __all__ = [
     "ProgressCallback",
+    "PrinterCallback",
     "JsonlLoggingCallback",
     "TensorBoardCallback",
     "reporting_callbacks",
@@ -228,6 +230,19 @@ def reporting_callbacks(args: Any) -> list[TrainerCallback]:
         return []  # "all" takes only what is installed
 
 
+class PrinterCallback(TrainerCallback):
+    """transformers' callback when ``disable_tqdm`` is set: each log record printed on the main process, as it is."""
+
+    def on_log(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> Control:
+        logs = {k: v for k, v in (kwargs.get("logs") or {}).items() if k != "total_flos"}
+        if state.is_local_process_zero:
+            sys.stdout.write(f"{logs}\n")
+            sys.stdout.flush()
+        return None
+
+
 def default_callbacks(args: Any) -> list[TrainerCallback]:
-    """Flow, JSONL log, the sinks ``report_to`` asks for, then the progress bar: what a Trainer starts with."""
-    return [DefaultFlowCallback(), JsonlLoggingCallback(), *reporting_callbacks(args), ProgressCallback()]
+    """Flow, JSONL log, the sinks ``report_to`` asks for, then the progress bar, or with ``disable_tqdm`` a printer of
+    the logs (as transformers): what a Trainer starts with."""
+    progress = PrinterCallback() if getattr(args, "disable_tqdm", False) else ProgressCallback()
+    return [DefaultFlowCallback(), JsonlLoggingCallback(), *reporting_callbacks(args), progress]

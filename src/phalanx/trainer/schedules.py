@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 from torch.optim import Optimizer
-from torch.optim.lr_scheduler import LRScheduler
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from phalanx.config.options import ConfigError
 from phalanx.logging import warn_once
@@ -25,7 +25,7 @@ from phalanx.logging import warn_once
 if TYPE_CHECKING:
     from phalanx.trainer.arguments import TrainingArguments
 
-__all__ = ["SCHEDULES", "SCHEDULE_KWARGS", "WarmupSchedule", "get_scheduler", "warmup_steps_for"]
+__all__ = ["SCHEDULES", "SCHEDULE_KWARGS", "PLATEAU", "WarmupSchedule", "get_scheduler", "warmup_steps_for"]
 
 
 def _warmup(step: int, warmup: int) -> float:
@@ -73,30 +73,59 @@ def _inverse_sqrt(step: int, warmup: int, total: int, p: dict[str, Any]) -> floa
     return 1.0 / math.sqrt((step + timescale - warmup) / timescale)
 
 
+def _cosine_with_restarts(step: int, warmup: int, total: int, p: dict[str, Any]) -> float:
+    if step < warmup:
+        return _warmup(step, warmup)
+    progress = (step - warmup) / max(1, total - warmup)
+    if progress >= 1.0:
+        return 0.0
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * ((float(p["num_cycles"]) * progress) % 1.0))))
+
+
+def _cosine_warmup_with_min_lr(step: int, warmup: int, total: int, p: dict[str, Any]) -> float:
+    # transformers' variant: the warmup starts above 0 (at warmup_lr_rate, or 1/warmup) and the cosine is one step on.
+    if step < warmup:
+        rate = p.get("warmup_lr_rate")
+        if rate is None:
+            return (step + 1.0) / max(1.0, warmup)
+        return float(rate) + (1.0 - float(rate)) * step / max(1, warmup - 1)
+    progress = (step - warmup + 1.0) / max(1.0, total - warmup)
+    factor = 0.5 * (1.0 + math.cos(math.pi * float(p["num_cycles"]) * 2.0 * progress))
+    rate = float(p.get("min_lr_rate", 0.0))
+    return max(0.0, factor * (1.0 - rate) + rate)
+
+
 _FACTORS: dict[str, Callable[[int, int, int, dict[str, Any]], float]] = {
     "linear": _linear, "cosine": _cosine, "cosine_with_min_lr": _cosine, "constant": _constant,
     "constant_with_warmup": _constant_with_warmup, "polynomial": _polynomial, "inverse_sqrt": _inverse_sqrt,
+    "cosine_with_restarts": _cosine_with_restarts, "cosine_warmup_with_min_lr": _cosine_warmup_with_min_lr,
 }  # fmt: skip
+PLATEAU = "reduce_lr_on_plateau"
+"""torch's ReduceLROnPlateau, which the Trainer steps with the evaluation's metric rather than at every step."""
 
-SCHEDULES: tuple[str, ...] = tuple(_FACTORS)
+SCHEDULES: tuple[str, ...] = (*_FACTORS, PLATEAU)
 """The ``lr_scheduler_type`` names phalanx implements, as transformers spells them."""
 
 SCHEDULE_KWARGS: dict[str, dict[str, Any]] = {
     "linear": {}, "cosine": {"num_cycles": 0.5}, "cosine_with_min_lr": {"num_cycles": 0.5, "min_lr": None,
     "min_lr_rate": None}, "constant": {}, "constant_with_warmup": {}, "polynomial": {"lr_end": 1e-7, "power": 1.0},
-    "inverse_sqrt": {"timescale": None},
+    "inverse_sqrt": {"timescale": None}, "cosine_with_restarts": {"num_cycles": 1},
+    "cosine_warmup_with_min_lr": {"num_cycles": 0.5, "min_lr": None, "min_lr_rate": None, "warmup_lr_rate": None},
+    PLATEAU: {"mode": "min", "factor": 0.1, "patience": 10, "threshold": 1e-4, "threshold_mode": "rel",
+              "cooldown": 0, "min_lr": 0, "eps": 1e-8},
 }  # fmt: skip
 """The ``lr_scheduler_kwargs`` each schedule accepts, with transformers' defaults."""
 
-_NEEDS_TOTAL = ("linear", "cosine", "cosine_with_min_lr", "polynomial")
-# transformers names that phalanx does not implement (yet), so that the error says so rather than "unknown".
-_ELSEWHERE = (
+_NEEDS_TOTAL = (
+    "linear",
+    "cosine",
+    "cosine_with_min_lr",
+    "polynomial",
     "cosine_with_restarts",
-    "reduce_lr_on_plateau",
     "cosine_warmup_with_min_lr",
-    "warmup_stable_decay",
-    "greedy",
 )
+# transformers names that phalanx does not implement (yet), so that the error says so rather than "unknown".
+_ELSEWHERE = ("warmup_stable_decay", "greedy")
 
 
 class WarmupSchedule(LRScheduler):
@@ -161,6 +190,8 @@ def get_scheduler(
     name = str(getattr(name, "value", name))
     kwargs = dict(scheduler_specific_kwargs or {})
     check_schedule_kwargs(name, kwargs)
+    if name == PLATEAU:  # torch's own: its state is plain numbers already
+        return ReduceLROnPlateau(optimizer, **kwargs)  # type: ignore[return-value]
     if name == "constant":
         if num_warmup_steps:
             warn_once(
@@ -180,7 +211,7 @@ def get_scheduler(
         )
     params = {k: v for k, v in SCHEDULE_KWARGS[name].items() if v is not None} | kwargs
     lr_init = float(optimizer.defaults["lr"])
-    if name == "cosine_with_min_lr":
+    if name in ("cosine_with_min_lr", "cosine_warmup_with_min_lr"):
         min_lr = params.pop("min_lr", None)
         params["min_lr_rate"] = float(min_lr) / lr_init if min_lr is not None else float(params["min_lr_rate"])
     elif name == "polynomial":
@@ -214,11 +245,11 @@ def check_schedule_kwargs(name: str, kwargs: dict[str, Any]) -> None:
                 f"lr_scheduler_kwargs key {key!r} is not read by lr_scheduler_type={name!r} (it takes: "
                 f"{takes}); remove it or pick the schedule that reads it"
             )
-    if name == "cosine_with_min_lr":
+    if name in ("cosine_with_min_lr", "cosine_warmup_with_min_lr"):
         given = [k for k in ("min_lr", "min_lr_rate") if kwargs.get(k) is not None]
         if len(given) != 1:
             raise ConfigError(
-                f"lr_scheduler_type='cosine_with_min_lr' needs exactly one of min_lr or min_lr_rate in "
+                f"lr_scheduler_type={name!r} needs exactly one of min_lr or min_lr_rate in "
                 f"lr_scheduler_kwargs; got {kwargs!r} (e.g. lr_scheduler_kwargs={{'min_lr_rate': 0.1}})"
             )
 

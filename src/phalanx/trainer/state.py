@@ -25,6 +25,8 @@ __all__ = [
     "TrainerState",
     "TrainerControl",
     "ExportableState",
+    "arguments_that_differ",
+    "TrainerStateHolder",
     "TRAINER_STATE_NAME",
     "metric_key",
     "greater_is_better",
@@ -256,3 +258,34 @@ def record_best_metric(args: Any, state: TrainerState, metrics: dict[str, Any]) 
     if strategy_of(args, "save_strategy", ("no", "steps", "epoch", "best")) != "no":
         state.best_global_step = state.global_step
     return True
+
+
+def arguments_that_differ(args: Any, state: TrainerState) -> list[str]:
+    """The step counts and batch size of ``args`` that differ from those a checkpoint's state was saved with, as
+    transformers lists them on a resume: ``"save_steps: 10 (from args) != 5 (from trainer_state.json)"``."""
+    return [
+        f"{name}: {mine} (from args) != {saved} (from trainer_state.json)"
+        for name, mine, saved in (
+            ("logging_steps", args.logging_steps, state.logging_steps),
+            ("eval_steps", args.eval_steps, state.eval_steps),
+            ("save_steps", args.save_steps, state.save_steps),
+            ("per_device_train_batch_size", args.per_device_train_batch_size, state.train_batch_size),
+        )
+        if mine is not None and saved is not None and mine != saved
+    ]
+
+
+class TrainerStateHolder:
+    """Puts the TrainerState inside the engine's atomic checkpoint, so that a resume finds it with the weights."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"trainer_state": dataclasses.asdict(self.trainer.state)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = dict(state["trainer_state"])
+        for key in ("is_local_process_zero", "is_world_process_zero"):
+            saved[key] = getattr(self.trainer.state, key)
+        self.trainer.state = TrainerState(**saved)

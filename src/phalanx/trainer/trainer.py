@@ -35,7 +35,14 @@ from phalanx.runtime.collective_log import watched
 from phalanx.runtime.world import seed_everything as phalanx_seed
 from phalanx.trainer.arguments import TrainingArguments, optimizer_cls_and_kwargs, settle_for_trainer
 from phalanx.trainer.callbacks import CallbackHandler, TrainerCallback, restore_callback_states
-from phalanx.trainer.conventions import decay_parameter_names, find_labels, loss_of
+from phalanx.trainer.conventions import (
+    decay_parameter_names,
+    find_labels,
+    get_learning_rates,
+    get_num_trainable_parameters,
+    get_optimizer_group,
+    loss_of,
+)
 from phalanx.trainer.evaluation import evaluation_loop
 from phalanx.trainer.loss import as_sum, items_of
 from phalanx.trainer.nested import nested_map
@@ -43,27 +50,16 @@ from phalanx.trainer.outputs import EvalPrediction, PredictionOutput, TrainOutpu
 from phalanx.trainer.reporting import default_callbacks
 from phalanx.trainer.rotation import rotate_checkpoints, sorted_checkpoints
 from phalanx.trainer.schedules import get_scheduler
-from phalanx.trainer.state import ExportableState, TrainerControl, TrainerState, record_best_metric
+from phalanx.trainer.state import (
+    ExportableState,
+    TrainerControl,
+    TrainerState,
+    TrainerStateHolder,
+    arguments_that_differ,
+    record_best_metric,
+)
 
 __all__ = ["Trainer", "EvalPrediction", "TrainOutput", "PredictionOutput"]
-
-
-class _StateHolder:
-    """Puts the TrainerState inside the engine's atomic checkpoint, so that a resume finds it with the weights."""
-
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-
-    def state_dict(self) -> dict[str, Any]:
-        import dataclasses
-
-        return {"trainer_state": dataclasses.asdict(self.trainer.state)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = dict(state["trainer_state"])
-        for key in ("is_local_process_zero", "is_world_process_zero"):
-            saved[key] = getattr(self.trainer.state, key)
-        self.trainer.state = TrainerState(**saved)
 
 
 class Trainer:
@@ -159,6 +155,7 @@ class Trainer:
         self._forward_params = self._forward_parameters(model)
         self._trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self._jit_requested = False  # enable_jit_checkpoint: a SIGTERM arrived
+        self._scheduler: Any = None  # the prepared lr_scheduler, through which it steps
         self._train_loader: Any = None
         self._train_loader_raw: Any = None
         self._last_log = (0.0, 0)  # (time, optimizer step) of the last training log, for steps_per_second
@@ -208,26 +205,10 @@ class Trainer:
         """The model as the strategy wraps it (transformers' name): the prepared model once training started."""
         return self.model
 
-    def get_num_trainable_parameters(self) -> int:
-        """The elements of the model's trainable parameters (counted before any strategy shards them)."""
-        return self._trainable
-
-    def get_learning_rates(self) -> list[float]:
-        """The learning rate of each of the optimizer's parameter groups."""
-        if self.optimizer is None:
-            raise ValueError("the Trainer has no optimizer yet: call train() (or create_optimizer()) first")
-        return [group["lr"] for group in self.optimizer.param_groups]
-
-    def get_optimizer_group(self, param: Any = None) -> Any:
-        """The optimizer's parameter group that holds ``param``, or every group's parameters. Under the zero strategies
-        the groups hold each rank's flat slices, not the model's parameters."""
-        if self.optimizer is None:
-            raise ValueError("the Trainer has no optimizer yet: call train() (or create_optimizer()) first")
-        if param is not None:
-            for group in self.optimizer.param_groups:
-                if any(param is p for p in group["params"]):
-                    return group
-        return [group["params"] for group in self.optimizer.param_groups]
+    # transformers' helpers, bound here as transformers binds its own (trainer_pt_utils)
+    get_num_trainable_parameters = get_num_trainable_parameters
+    get_learning_rates = get_learning_rates
+    get_optimizer_group = get_optimizer_group
 
     @property
     def output_dir(self) -> str:
@@ -305,14 +286,17 @@ class Trainer:
         and, for AdamW, betas and eps; weight decay spares biases and norm weights as transformers' does. A DeepSpeed
         config with an ``optimizer`` block builds that block instead (its ``"auto"`` lr and weight_decay from the
         arguments), as HF's Trainer does."""
+        if self.optimizer is not None:
+            return self.optimizer  # as transformers: built once (or given through optimizers=)
         if "optimizer" in config_blocks(self.engine.config.deepspeed):
-            return DummyOptim(
+            self.optimizer = DummyOptim(
                 [p for p in self.model.parameters() if p.requires_grad],
                 lr=self.args.learning_rate,
                 weight_decay=self.args.weight_decay,
                 betas=[self.args.adam_beta1, self.args.adam_beta2],
                 eps=self.args.adam_epsilon,
             )
+            return self.optimizer
         if self.optimizer_cls_and_kwargs is not None:
             cls, kwargs = self.optimizer_cls_and_kwargs
         else:
@@ -323,7 +307,8 @@ class Trainer:
             {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
             {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
         ]
-        return cls(groups, **kwargs)
+        self.optimizer = cls(groups, **kwargs)
+        return self.optimizer
 
     def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
         """Build the optimizer and the schedule (each unless given), as transformers' method of that name."""
@@ -332,27 +317,32 @@ class Trainer:
         if self.lr_scheduler is None:
             self.lr_scheduler = self.create_scheduler(num_training_steps, self.optimizer)
 
-    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer) -> Any:
-        """The ``lr_scheduler_type`` schedule, or a DeepSpeed config's ``scheduler`` block (its ``"auto"`` steps from
-        the run's length and warmup)."""
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """The ``lr_scheduler_type`` schedule (once, as transformers: a given or built one stays), or a DeepSpeed
+        config's ``scheduler`` block (its ``"auto"`` steps from the run's length and warmup)."""
+        if self.lr_scheduler is not None:
+            return self.lr_scheduler
+        optimizer = optimizer if optimizer is not None else self.optimizer
         warmup = self.args.get_warmup_steps(num_training_steps)
         if "scheduler" in config_blocks(self.engine.config.deepspeed):
             # transformers fills these "auto" values so: the peak is the learning rate, the floor 0.
-            return DummyScheduler(
+            self.lr_scheduler = DummyScheduler(
                 optimizer,
                 total_num_steps=num_training_steps,
                 warmup_num_steps=warmup,
                 warmup_max_lr=self.args.learning_rate,
                 warmup_min_lr=0.0,
             )
+            return self.lr_scheduler
         kwargs = self.args.lr_scheduler_kwargs
-        return get_scheduler(
+        self.lr_scheduler = get_scheduler(
             self.args.lr_scheduler_type,
             optimizer,
             warmup,
             num_training_steps,
             kwargs if isinstance(kwargs, dict) else None,
         )
+        return self.lr_scheduler
 
     def _prepare(self, max_steps: int) -> None:
         """Prepare the model, optimizer, loaders and schedule once, in a fixed order (resume needs the same)."""
@@ -366,13 +356,14 @@ class Trainer:
             backend, mode = self.args.torch_compile_backend or "inductor", self.args.torch_compile_mode
             self.model = typing.cast(nn.Module, torch.compile(self.model, backend=backend, mode=mode))
         # The schedule is built on the prepared optimizer: a DeepSpeed optimizer block exists only from here on.
-        scheduler = (
-            self.lr_scheduler if self.lr_scheduler is not None else self.create_scheduler(max_steps, self.optimizer)
-        )
-        self.lr_scheduler = self.engine.prepare(scheduler)
+        # self.lr_scheduler stays the user's (or the built) object, as in transformers; it steps through the engine's
+        # wrapper, which counts only the optimizer steps that happened.
+        self._scheduler = self.engine.prepare(self.create_scheduler(max_steps, self.optimizer))
+        if isinstance(self.lr_scheduler, DummyScheduler):
+            self.lr_scheduler = self._scheduler.scheduler  # the DeepSpeed block's schedule, made real by prepare
         if self.eval_dataset is not None:
             self._eval_loader = self.engine.prepare(self.get_eval_dataloader())
-        self.engine.register_for_checkpointing(_StateHolder(self))
+        self.engine.register_for_checkpointing(TrainerStateHolder(self))
         for name in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, name, getattr(self, name))
         self.callback_handler.train_dataloader, self.callback_handler.eval_dataloader = (
@@ -392,7 +383,8 @@ class Trainer:
         self.optimizer.step()
         self.control = self.callback_handler.on_optimizer_step(self.args, self.state, self.control)
         self._learning_rate = self.optimizer.param_groups[0]["lr"]  # before the schedule moves it, as HF logs it
-        self.lr_scheduler.step()  # a prepared scheduler does not count a skipped step
+        if not self._plateau():
+            self._scheduler.step()  # a prepared scheduler does not count a skipped step
         self.optimizer.zero_grad()
 
     # ------------------------------------------------- one micro-batch's loss
@@ -603,6 +595,9 @@ class Trainer:
             if self.state.global_step >= self.state.max_steps:
                 break
 
+    def _plateau(self) -> bool:
+        return isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         """enable_jit_checkpoint: a preemption's SIGTERM asks for a checkpoint at the end of this optimizer step."""
         if not self._jit_requested:
@@ -645,7 +640,10 @@ class Trainer:
                     "(train without it to start fresh, or give the checkpoint's path)"
                 )
             resume = str(found[-1][1])
-        self.engine.load_state(str(resume))  # the TrainerState comes back with it (_StateHolder)
+        self.engine.load_state(str(resume))  # the TrainerState comes back with it (TrainerStateHolder)
+        differ = arguments_that_differ(self.args, self.state)
+        if differ:  # as transformers warns: this run follows its own arguments
+            warn_once(f"arguments that differ from the checkpoint's ({resume}): " + "; ".join(differ))
         if self.args.restore_callback_states_from_checkpoint:
             saved = self.state.stateful_callbacks or {}
             self.control = restore_callback_states(self.callback_handler, self.control, saved)
@@ -669,6 +667,14 @@ class Trainer:
         metrics = None
         if self.control.should_evaluate:
             metrics = self.evaluate()
+            if self._plateau():  # ReduceLROnPlateau steps on the evaluation's metric, as in HF
+                key = f"eval_{(self.args.metric_for_best_model or 'loss').removeprefix('eval_')}"
+                if key not in metrics:
+                    raise KeyError(
+                        f"ReduceLROnPlateau steps on {key!r} (metric_for_best_model), which the evaluation did not "
+                        f"return; it returned {sorted(metrics)}"
+                    )
+                self._scheduler.step(metrics[key])
         if self.control.should_save:
             self._save_checkpoint(
                 new_best=metrics is not None and self.state.best_global_step == self.state.global_step
