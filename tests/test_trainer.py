@@ -305,21 +305,50 @@ def _bert_run(tmp: str) -> dict:
         }
         for i in range(32)
     ]
-    trainer = phalanx.Trainer(
-        model, _args(tmp, per_device_train_batch_size=4, strategy="zero3", max_steps=3), train_dataset=rows
-    )
+    # checkpoint-3/ gets model.safetensors streamed from the zero3 shards in pieces of at most 4 KiB (recorded)
+    from phalanx.checkpoint import pretrained
+    from phalanx.checkpoint.read import Checkpoint
+
+    pretrained._CHUNK_BYTES, pieces, read = 4096, [], Checkpoint.read
+    Checkpoint.read = lambda self, key, a, b: pieces.append(b - a) or read(self, key, a, b)
+    args = _args(tmp, per_device_train_batch_size=4, strategy="zero3", max_steps=3, save_strategy="steps", save_steps=3)
+    trainer = phalanx.Trainer(model, args, train_dataset=rows)
     trainer.train()
     trainer.save_model(f"{tmp}/final")
     ours = {k: v.clone() for k, v in trainer.engine.get_state_dict(trainer.model).items()}
-    loaded = transformers.BertForSequenceClassification.from_pretrained(f"{tmp}/final").state_dict()
-    same = all(torch.equal(loaded[k], v) for k, v in ours.items() if k in loaded)
-    return {"same": same, "missing": sorted(set(ours) - set(loaded)), "steps": trainer.state.global_step}
+    out = {"steps": trainer.state.global_step, "largest_piece": max(pieces, default=0), "same": {}, "missing": {}}
+    for name in ("final", "checkpoint-3"):
+        loaded = transformers.BertForSequenceClassification.from_pretrained(f"{tmp}/{name}").state_dict()
+        out["same"][name] = all(torch.equal(loaded[k], v) for k, v in ours.items() if k in loaded)
+        out["missing"][name] = sorted(set(ours) - set(loaded))
+    if trainer.engine.is_main_process:  # and as shards with an index, once over max_shard_size
+        with Checkpoint(f"{tmp}/checkpoint-3") as ck:
+            files = pretrained.export_model_files(
+                ck, trainer.engine.unwrap_model(trainer.model), Path(tmp) / "sharded", max_shard_size=20_000
+            )
+        loaded = transformers.BertForSequenceClassification.from_pretrained(f"{tmp}/sharded").state_dict()
+        out["shards"] = len(files)
+        out["same"]["sharded"] = all(torch.equal(loaded[k], v) for k, v in ours.items())
+    return out
 
 
 def test_a_transformers_model_trains_under_zero3_and_saves_for_from_pretrained(run_ranks, tmp_path):
+    """save_model() and every checkpoint-N/ load with from_pretrained; a checkpoint's weights are streamed from the
+    zero3 shards piece by piece (never the whole model in one rank's memory), and sharded with an index when
+    large, as save_pretrained writes them."""
     pytest.importorskip("transformers")
-    for result in run_ranks(_bert_run, 2, str(tmp_path)):
-        assert result["steps"] == 3 and result["same"] and result["missing"] == [], result
+    main, other = run_ranks(_bert_run, 2, str(tmp_path))
+    for result in (main, other):
+        assert result["steps"] == 3 and all(result["same"].values()), result
+        assert result["missing"] == {"final": [], "checkpoint-3": []}, result
+    assert main["same"]["sharded"] and main["shards"] > 2, main
+    assert 0 < main["largest_piece"] <= 1024, main  # 4 KiB of fp32
+    assert sorted(p.name for p in (tmp_path / "checkpoint-3").iterdir() if not p.name.startswith("shard-")) == [
+        "config.json",
+        "manifest.json",
+        "model.safetensors",
+        "trainer_state.json",
+    ]
 
 
 def test_phalanx_plot_reads_the_trainer_log(tmp_path):

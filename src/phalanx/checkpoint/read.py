@@ -154,6 +154,10 @@ class Checkpoint:
     def dtype(self, key: str) -> torch.dtype:
         return DTYPES[self.tensors[key]["dtype"]]
 
+    def tensor_bytes(self, key: str) -> int:
+        """The bytes of the whole tensor ``key``."""
+        return math.prod(self.tensors[key]["shape"]) * self.dtype(key).itemsize
+
     def read(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Elements ``[start, stop)`` of the flattened tensor ``key``, in new memory."""
         out = torch.empty(stop - start, dtype=self.dtype(key))

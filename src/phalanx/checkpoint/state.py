@@ -37,6 +37,7 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -106,9 +107,12 @@ def save_checkpoint(
     topology: Topology,
     device: torch.device,
     keep_last: int | None = None,
+    also_write: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write a checkpoint of ``parts`` to ``path``. A collective: every rank calls it, and every rank returns once
-    the checkpoint is complete at ``path`` (or raises the same error)."""
+    the checkpoint is complete at ``path`` (or raises the same error). ``also_write(directory)`` runs on rank 0 once
+    the checkpoint is whole in its staging directory, before it moves into place, to add files beside it (the
+    Trainer's ``model.safetensors``): they appear with the checkpoint or not at all."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 (the number of checkpoints to keep); got {keep_last}")
     target = Path(os.path.abspath(os.path.expanduser(path)))
@@ -164,6 +168,8 @@ def save_checkpoint(
             assert state is not None
             manifest = _manifest(state, reports, strategy, topology)
             write_json_durably(staging / MANIFEST, manifest)
+            if also_write is not None:
+                also_write(staging)
             swap_into_place(staging, target)
             if keep_last is not None:
                 rotate(target, keep_last)

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, IterableDataset
 import phalanx.engine.collectives as collectives
 from phalanx.checkpoint.format import CheckpointError
 from phalanx.checkpoint.model_files import load_weights
-from phalanx.checkpoint.pretrained import write_model_dir
+from phalanx.checkpoint.pretrained import model_files_writer, write_model_dir
 from phalanx.checkpoint.resume import Resumer
 from phalanx.checkpoint.state import TrainingParts, load_checkpoint, save_checkpoint
 from phalanx.config.dialects.dummies import DummyOptim, DummyScheduler, realise_optimizer, realise_scheduler
@@ -637,13 +637,17 @@ class Engine:
             self._checkpointed.append(obj)
         self._resume_if_ready()
 
-    def save_state(self, output_dir: str | os.PathLike[str], keep_last: int | None = None) -> Path:
+    def save_state(
+        self, output_dir: str | os.PathLike[str], keep_last: int | None = None, model_files: bool = False
+    ) -> Path:
         """Save everything needed to resume: models and optimizer state (each rank its shards, in parallel),
         schedulers, the loss scaler, loader positions, every rank's RNG, ``global_step`` and registered objects.
 
         Every rank must call it, at the end of an accumulation window. The directory appears only once it is
         complete; ``keep_last=k`` then deletes all but the k most recent checkpoints beside it. Loads on any world
         size and under any strategy (``load_state``); ``phalanx checkpoint consolidate`` makes a plain state dict.
+        ``model_files=True`` also writes the (one) model as ``save_model`` does, ``model.safetensors`` and
+        ``config.json``, streamed from the shards, so that ``from_pretrained(output_dir)`` loads the checkpoint.
         """
         if self._micro_steps != 0 or self._in_accumulate:
             raise RuntimeError(
@@ -651,7 +655,10 @@ class Engine:
                 f"grad_accum_steps={self.config.grad_accum_steps}), where gradients are partial and are not saved; "
                 "call it after the window's optimizer.step()"
             )
-        return save_checkpoint(output_dir, self._parts(), self.strategy, self.topology, self.device, keep_last)
+        also_write = model_files_writer(self._models, self.unwrap_model) if model_files else None
+        return save_checkpoint(
+            output_dir, self._parts(), self.strategy, self.topology, self.device, keep_last, also_write
+        )
 
     def load_state(self, input_dir: str | os.PathLike[str] | None, verify: bool = True) -> None:
         """Resume from a ``save_state`` checkpoint, saved on any world size under any strategy. Prepare the same
@@ -673,13 +680,9 @@ class Engine:
         self._resumer.done = True  # loaded once (by resume_from or by the script itself): never another on top
 
     def _prepared_counts(self) -> dict[str, int]:
-        return {
-            "models": len(self._models),
-            "optimizers": len(self._optimizers),
-            "schedulers": len(self._schedulers),
-            "loaders": len(self._prepared_loaders),
-            "objects": len(self._checkpointed),
-        }
+        objects: tuple[list[Any], ...] = (self._models, self._optimizers, self._schedulers)
+        objects += (self._prepared_loaders, self._checkpointed)
+        return dict(zip(("models", "optimizers", "schedulers", "loaders", "objects"), map(len, objects)))
 
     def _resume_if_ready(self) -> None:
         """``resume_from``: load the newest checkpoint there once everything it holds is prepared (see resume.py)."""

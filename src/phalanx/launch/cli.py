@@ -160,9 +160,12 @@ def _env_report() -> str:
 
 
 def _checkpoint_command(ns: argparse.Namespace) -> int:
+    import math
     from pathlib import Path
 
-    from phalanx.checkpoint.state import Checkpoint, CheckpointError, save_model_file
+    from phalanx.checkpoint.format import model_key
+    from phalanx.checkpoint.pretrained import write_safetensors_streamed
+    from phalanx.checkpoint.state import Checkpoint, CheckpointError
 
     try:
         ck = Checkpoint(ns.directory)
@@ -176,11 +179,15 @@ def _checkpoint_command(ns: argparse.Namespace) -> int:
         problems = ck.verify()
         if problems:
             raise CheckpointError("; ".join(problems))
-        with ck:
-            state = ck.state_dict(ns.model)
-        save_model_file(state, Path(ns.output), metadata={"format": "pt"})
+        models = ck.manifest["models"]
+        if not 0 <= ns.model < len(models):
+            raise CheckpointError(f"{ck.path} holds {len(models)} model(s); there is no model {ns.model}")
+        keys = [(k, model_key("model", ns.model, stored)) for k, stored in models[ns.model]["state_dict_keys"].items()]
+        with ck:  # tensor by tensor, in pieces: the whole model is never in memory
+            write_safetensors_streamed(ck, keys, Path(ns.output))
+        elements = sum(math.prod(ck.tensors[key]["shape"]) for _, key in keys)
         print(
-            f"wrote {ns.output}: {len(state)} tensors, {sum(t.numel() for t in state.values()):,} elements "
+            f"wrote {ns.output}: {len(keys)} tensors, {elements:,} elements "
             f"(load it with model.load_state_dict(safetensors.torch.load_file({ns.output!r})))"
         )
         return 0

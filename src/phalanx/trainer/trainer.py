@@ -688,7 +688,7 @@ class Trainer:
         # The control and the callbacks that export state (EarlyStoppingCallback's counter, say), as HF saves them.
         exportable = [cb for cb in [*self.callback_handler.callbacks, self.control] if isinstance(cb, ExportableState)]
         self.state.stateful_callbacks = TrainerState(stateful_callbacks=exportable).stateful_callbacks
-        self.engine.save_state(path)
+        self.engine.save_state(path, model_files=True)  # model.safetensors + config.json: from_pretrained loads it
         if self.engine.is_main_process:
             self.state.save_to_json(path / "trainer_state.json")  # for tools that read HF's file
             rotate_checkpoints(self.output_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
