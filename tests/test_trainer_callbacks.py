@@ -406,4 +406,26 @@ def test_report_to() -> None:
     else:
         assert [type(c).__name__ for c in reporting_callbacks(Args(report_to="tensorboard"))] == ["TensorBoardCallback"]
     names = [type(c).__name__ for c in default_callbacks(Args())]
-    assert names == ["DefaultFlowCallback", "JsonlLoggingCallback", "ProgressCallback"]
+    assert names == ["DefaultFlowCallback", "ProgressCallback"]  # transformers' list; log.jsonl is the Trainer's own
+    assert [type(c).__name__ for c in default_callbacks(Args(disable_tqdm=True))][-1] == "PrinterCallback"
+
+
+def test_the_handler_dispatches_every_event_a_callback_can_have() -> None:
+    events = sorted(name for name in vars(TrainerCallback) if name.startswith("on_"))
+    assert "on_push_begin" in events and "on_pre_optimizer_step" in events  # transformers' full set
+
+    class Recorder(TrainerCallback):
+        def __init__(self) -> None:
+            self.seen: list[str] = []
+
+        def __getattribute__(self, name: str) -> Any:
+            if name.startswith("on_"):
+                return lambda *a, **k: object.__getattribute__(self, "seen").append(name)
+            return object.__getattribute__(self, name)
+
+    recorder = Recorder()
+    handler = CallbackHandler([DefaultFlowCallback, recorder])
+    for event in events:
+        kwargs = {"metrics": {}} if event in ("on_evaluate", "on_predict") else {}
+        getattr(handler, event)(Args(), TrainerState(), TrainerControl(), **kwargs)
+    assert recorder.seen == events

@@ -232,6 +232,9 @@ class CallbackHandler(TrainerCallback):
     ) -> TrainerControl:
         return self.call_event("on_prediction_step", args, state, control, **kwargs)
 
+    def on_push_begin(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> TrainerControl:
+        return self.call_event("on_push_begin", args, state, control, **kwargs)
+
 
 def _every(step: int, interval: int) -> bool:
     return interval > 0 and step % interval == 0

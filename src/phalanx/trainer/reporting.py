@@ -242,7 +242,8 @@ class PrinterCallback(TrainerCallback):
 
 
 def default_callbacks(args: Any) -> list[TrainerCallback]:
-    """Flow, JSONL log, the sinks ``report_to`` asks for, then the progress bar, or with ``disable_tqdm`` a printer of
-    the logs (as transformers): what a Trainer starts with."""
+    """Flow, the sinks ``report_to`` asks for, then the progress bar, or with ``disable_tqdm`` a printer of the logs:
+    what a Trainer starts with, as in transformers. (The Trainer writes ``log.jsonl`` itself, outside this list, so
+    that the list is transformers' own.)"""
     progress = PrinterCallback() if getattr(args, "disable_tqdm", False) else ProgressCallback()
-    return [DefaultFlowCallback(), JsonlLoggingCallback(), *reporting_callbacks(args), progress]
+    return [DefaultFlowCallback(), *reporting_callbacks(args), progress]

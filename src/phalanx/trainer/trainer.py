@@ -47,7 +47,7 @@ from phalanx.trainer.evaluation import evaluation_loop
 from phalanx.trainer.loss import as_sum, items_of
 from phalanx.trainer.nested import nested_map
 from phalanx.trainer.outputs import EvalPrediction, PredictionOutput, TrainOutput
-from phalanx.trainer.reporting import default_callbacks
+from phalanx.trainer.reporting import JsonlLoggingCallback, default_callbacks
 from phalanx.trainer.rotation import rotate_checkpoints, sorted_checkpoints
 from phalanx.trainer.schedules import get_scheduler
 from phalanx.trainer.state import (
@@ -113,7 +113,7 @@ class Trainer:
         self.state = TrainerState(
             is_local_process_zero=self.engine.is_local_main_process, is_world_process_zero=self.engine.is_main_process
         )
-        self.control = TrainerControl()
+        self.control, self._log_file = TrainerControl(), JsonlLoggingCallback()  # log.jsonl: phalanx's, not a callback
         self.callback_handler = CallbackHandler(
             [*default_callbacks(self.args), *(callbacks or [])],
             model,
@@ -551,6 +551,7 @@ class Trainer:
         if args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             self.engine.load_model(self.state.best_model_checkpoint)  # the weights only, as HF
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
+        self._log_file.on_train_end(args, self.state, self.control)
         metrics["epoch"] = self.state.epoch
         return TrainOutput(self.state.global_step, mean, metrics)
 
@@ -697,6 +698,7 @@ class Trainer:
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         logs = {**logs, "epoch": self.state.epoch}
         self.state.log_history.append({**logs, "step": self.state.global_step})
+        self._log_file.on_log(self.args, self.state, self.control, logs=logs)
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs=logs)
 
     # ----------------------------------------------------------------------------------- evaluate, predict
