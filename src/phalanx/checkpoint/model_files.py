@@ -21,7 +21,7 @@ import torch
 from phalanx.checkpoint.format import DTYPES, MANIFEST, SAFETENSORS_DTYPE, CheckpointError
 from phalanx.checkpoint.read import _pread_exactly, _read_header
 
-__all__ = ["SafetensorsReader", "open_weights"]
+__all__ = ["SafetensorsReader", "WithOptimizerState", "open_weights"]
 
 _FROM_SAFETENSORS = {code: DTYPES[name] for name, code in SAFETENSORS_DTYPE.items()}
 INDEX = "model.safetensors.index.json"
@@ -168,10 +168,51 @@ def open_weights(
     return SafetensorsReader(where, {k: files[k] for k in names.values()}, names, kept), missing, unexpected
 
 
+class WithOptimizerState:
+    """A weights reader plus optimizer state held in memory, as ``optim/<parameter name>/<state>`` keys: what a
+    strategy's ``load_sharded_state`` reads to restore both (transformers' ``optimizer.pt`` beside its weights)."""
+
+    def __init__(self, reader: Any, state: dict[str, dict[str, Any]]) -> None:
+        self.reader = reader
+        self.extra = {
+            f"optim/{name}/{k}": (v if v.dim() else v.reshape(())).detach()
+            for name, per_param in state.items()
+            for k, v in per_param.items()
+            if isinstance(v, torch.Tensor)
+        }
+
+    def keys(self) -> Iterable[str]:
+        return [*self.reader.keys(), *self.extra]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.extra[key].shape) if key in self.extra else self.reader.shape(key)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self.extra[key].dtype if key in self.extra else self.reader.dtype(key)
+
+    def read(self, key: str, start: int, stop: int) -> torch.Tensor:
+        if key in self.extra:
+            return self.extra[key].reshape(-1)[start:stop].clone()
+        return self.reader.read(key, start, stop)
+
+    def read_into(self, key: str, start: int, stop: int, out: torch.Tensor) -> None:
+        if key in self.extra:
+            out.copy_(self.extra[key].reshape(-1)[start:stop])
+        else:
+            self.reader.read_into(key, start, stop, out)
+
+
 def load_weights(
-    strategy: Any, model: torch.nn.Module, path: str | os.PathLike[str], model_index: int, device: torch.device
+    strategy: Any,
+    model: torch.nn.Module,
+    path: str | os.PathLike[str],
+    model_index: int,
+    device: torch.device,
+    optimizers: list[Any] | None = None,
+    optimizer_state: dict[str, dict[str, Any]] | None = None,
 ) -> None:
-    """``engine.load_model``: check on every rank, then let the strategy read this rank's slices of the weights."""
+    """``engine.load_model``: check on every rank, then let the strategy read this rank's slices of the weights, and
+    of ``optimizer_state`` (by parameter name) into ``optimizers`` when given."""
     import torch.distributed as dist
 
     from phalanx.checkpoint.read import Checkpoint
@@ -208,6 +249,12 @@ def load_weights(
             for n, s in wanted.items()
             if f"model/{n}" in available and tuple(reader.shape("model/" + n)) != tuple(s)
         ]
+        if optimizer_state is not None:
+            params = {n for n, _ in strategy.unwrap_model(model).named_parameters()}
+            problems += [
+                f"{n}: optimizer state for a parameter the model has not" for n in optimizer_state if n not in params
+            ]
+            reader = WithOptimizerState(reader, optimizer_state)
         if problems:
             error = (
                 f"{p} does not match {type(strategy.unwrap_model(model)).__name__} ({len(problems)} difference(s)): "
@@ -220,7 +267,7 @@ def load_weights(
     try:
         agree(error, device, f"engine.load_model({str(path)!r})")
         assert reader is not None
-        strategy.load_sharded_state(model, [], reader)
+        strategy.load_sharded_state(model, list(optimizers or []), reader)
     finally:
         if closer is not None:
             closer.close()

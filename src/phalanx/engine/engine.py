@@ -492,20 +492,10 @@ class Engine:
     def world_size(self) -> int:
         return self.world.world_size
 
-    @property
-    def num_processes(self) -> int:
-        """Accelerate's name for ``world_size``: the number of processes in the job."""
-        return self.world.world_size
-
-    @property
-    def process_index(self) -> int:
-        """Accelerate's name for ``rank``: this process's index in the job."""
-        return self.world.rank
-
-    @property
-    def local_process_index(self) -> int:
-        """Accelerate's name for ``local_rank``: this process's index on its machine."""
-        return self.world.local_rank
+    # Accelerate's names for world_size, rank and local_rank.
+    num_processes = property(lambda self: self.world.world_size, doc="The number of processes in the job.")
+    process_index = property(lambda self: self.world.rank, doc="This process's index in the job.")
+    local_process_index = property(lambda self: self.world.local_rank, doc="This process's index on its machine.")
 
     @property
     def is_main_process(self) -> bool:
@@ -710,9 +700,17 @@ class Engine:
             "before the first backward"
         )
 
-    def load_model(self, path: str | os.PathLike[str], model: nn.Module | None = None) -> None:
+    def load_model(
+        self,
+        path: str | os.PathLike[str],
+        model: nn.Module | None = None,
+        optimizer_state: dict[str, dict[str, torch.Tensor]] | None = None,
+    ) -> None:
         """Load weights only into a prepared model (the only one, or ``model``): the optimizer, schedulers, loaders,
         counters and RNG stay as they are. Every rank must call it; each reads only the slices it holds.
+        ``optimizer_state`` ({parameter name: {"exp_avg": tensor, ...}}, whole tensors) is loaded with the weights
+        into the prepared optimizers, each rank taking its share: how a torch optimizer's ``state_dict()`` (after
+        mapping its indices to names) moves into a sharded run.
 
         ``path`` is a ``save_state`` checkpoint (saved on any world size under any strategy), a ``.safetensors``
         file, or a directory that ``save_model`` or transformers' ``save_pretrained`` wrote (``model.safetensors``,
@@ -729,7 +727,8 @@ class Engine:
         index = next((i for i, m in enumerate(self._models) if model is m or model is self.unwrap_model(m)), None)
         if index is None:
             raise ValueError("engine.load_model(model=...) got a model that engine.prepare did not return")
-        load_weights(self.strategy, self._models[index], path, index, self.device)
+        optimizers = [o.optimizer for o in self._optimizers] if optimizer_state is not None else None
+        load_weights(self.strategy, self._models[index], path, index, self.device, optimizers, optimizer_state)
         mark_loaded(self.unwrap_model(self._models[index]))
 
     def save_model(self, *args: Any, metadata: dict[str, str] | None = None) -> Path:

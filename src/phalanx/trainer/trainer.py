@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
-from phalanx.config.dialects.dummies import DummyOptim, DummyScheduler, config_blocks
+from phalanx.config.dialects.dummies import DummyScheduler
 from phalanx.engine.engine import Engine
 from phalanx.logging import get_logger, warn_once
 from phalanx.runtime.collective_log import watched
@@ -46,10 +46,10 @@ from phalanx.trainer.conventions import (
 from phalanx.trainer.evaluation import evaluation_loop
 from phalanx.trainer.loss import as_sum, items_of
 from phalanx.trainer.nested import nested_map
+from phalanx.trainer.optimization import create_optimizer, create_optimizer_and_scheduler, create_scheduler
 from phalanx.trainer.outputs import EvalPrediction, PredictionOutput, TrainOutput
 from phalanx.trainer.reporting import JsonlLoggingCallback, default_callbacks
 from phalanx.trainer.rotation import rotate_checkpoints, sorted_checkpoints
-from phalanx.trainer.schedules import get_scheduler
 from phalanx.trainer.state import (
     ExportableState,
     TrainerControl,
@@ -57,6 +57,11 @@ from phalanx.trainer.state import (
     TrainerStateHolder,
     arguments_that_differ,
     record_best_metric,
+)
+from phalanx.trainer.transformers_checkpoint import (
+    is_transformers_checkpoint,
+    latest_transformers_checkpoint,
+    resume_from_transformers,
 )
 
 __all__ = ["Trainer", "EvalPrediction", "TrainOutput", "PredictionOutput"]
@@ -281,74 +286,19 @@ class Trainer:
         """The optimizer class and keywords that ``args.optim`` (and ``optim_args``) name, as transformers'."""
         return optimizer_cls_and_kwargs(args)
 
-    def create_optimizer(self) -> Any:
-        """The optimizer ``optim`` names (``optimizer_cls_and_kwargs`` when given), with the arguments' learning rate
-        and, for AdamW, betas and eps; weight decay spares biases and norm weights as transformers' does. A DeepSpeed
-        config with an ``optimizer`` block builds that block instead (its ``"auto"`` lr and weight_decay from the
-        arguments), as HF's Trainer does."""
-        if self.optimizer is not None:
-            return self.optimizer  # as transformers: built once (or given through optimizers=)
-        if "optimizer" in config_blocks(self.engine.config.deepspeed):
-            self.optimizer = DummyOptim(
-                [p for p in self.model.parameters() if p.requires_grad],
-                lr=self.args.learning_rate,
-                weight_decay=self.args.weight_decay,
-                betas=[self.args.adam_beta1, self.args.adam_beta2],
-                eps=self.args.adam_epsilon,
-            )
-            return self.optimizer
-        if self.optimizer_cls_and_kwargs is not None:
-            cls, kwargs = self.optimizer_cls_and_kwargs
-        else:
-            cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model)
-        decay = set(self.get_decay_parameter_names(self.model))
-        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
-            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
-        ]
-        self.optimizer = cls(groups, **kwargs)
-        return self.optimizer
-
-    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
-        """Build the optimizer and the schedule (each unless given), as transformers' method of that name."""
-        if self.optimizer is None:
-            self.optimizer = self.create_optimizer()
-        if self.lr_scheduler is None:
-            self.lr_scheduler = self.create_scheduler(num_training_steps, self.optimizer)
-
-    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
-        """The ``lr_scheduler_type`` schedule (once, as transformers: a given or built one stays), or a DeepSpeed
-        config's ``scheduler`` block (its ``"auto"`` steps from the run's length and warmup)."""
-        if self.lr_scheduler is not None:
-            return self.lr_scheduler
-        optimizer = optimizer if optimizer is not None else self.optimizer
-        warmup = self.args.get_warmup_steps(num_training_steps)
-        if "scheduler" in config_blocks(self.engine.config.deepspeed):
-            # transformers fills these "auto" values so: the peak is the learning rate, the floor 0.
-            self.lr_scheduler = DummyScheduler(
-                optimizer,
-                total_num_steps=num_training_steps,
-                warmup_num_steps=warmup,
-                warmup_max_lr=self.args.learning_rate,
-                warmup_min_lr=0.0,
-            )
-            return self.lr_scheduler
-        kwargs = self.args.lr_scheduler_kwargs
-        self.lr_scheduler = get_scheduler(
-            self.args.lr_scheduler_type,
-            optimizer,
-            warmup,
-            num_training_steps,
-            kwargs if isinstance(kwargs, dict) else None,
-        )
-        return self.lr_scheduler
+    # transformers' three builders (trainer/optimization.py), methods here so that a subclass may override them
+    create_optimizer = create_optimizer
+    create_optimizer_and_scheduler = create_optimizer_and_scheduler
+    create_scheduler = create_scheduler
 
     def _prepare(self, max_steps: int) -> None:
         """Prepare the model, optimizer, loaders and schedule once, in a fixed order (resume needs the same)."""
         if self._prepared:
             return
         optimizer = self.optimizer if self.optimizer is not None else self.create_optimizer()
+        names = {id(p): n for n, p in self.model.named_parameters()}  # transformers' optimizer.pt numbers them so
+        groups = getattr(optimizer, "param_groups", [])  # a DeepSpeed block's DummyOptim has none yet
+        self._optimizer_order = [[names.get(id(p), "") for p in g["params"]] for g in groups]
         self.model, self.optimizer, self._train_loader = self.engine.prepare(
             self.model, optimizer, self._train_loader_raw
         )
@@ -505,7 +455,7 @@ class Trainer:
             auto.look(self.engine.rank, self.engine._share_from_rank0)
             resume = str(auto.pending) if auto.pending is not None else None
         if resume:
-            self._resume(resume)
+            self._resume(resume, per_epoch)
             if auto is not None and auto.pending is not None:
                 auto.loaded(self.engine.rank, self.engine.world_size, self.engine.global_step)
         # These follow the arguments of this run, also on resume (a longer max_steps trains on), as in HF.
@@ -632,16 +582,20 @@ class Trainer:
         size = max(1, len(loader.dataset)) if hasattr(loader, "dataset") else 1
         return min(1.0, float(done) / size)
 
-    def _resume(self, resume: str | bool) -> None:
+    def _resume(self, resume: str | bool, per_epoch: int) -> None:
         if resume is True:
             found = sorted_checkpoints(self.output_dir)
-            if not found:
+            theirs = latest_transformers_checkpoint(self.output_dir) if not found else None
+            if not found and theirs is None:
                 raise ValueError(
                     f"resume_from_checkpoint=True found no complete checkpoint-<step> in {self.args.output_dir!r} "
                     "(train without it to start fresh, or give the checkpoint's path)"
                 )
-            resume = str(found[-1][1])
-        self.engine.load_state(str(resume))  # the TrainerState comes back with it (TrainerStateHolder)
+            resume = str(found[-1][1] if found else theirs)
+        if is_transformers_checkpoint(path := str(resume)):  # written by transformers' Trainer: read as it is
+            resume_from_transformers(self, Path(path), per_epoch)
+        else:
+            self.engine.load_state(path)  # the TrainerState comes back with it (TrainerStateHolder)
         differ = arguments_that_differ(self.args, self.state)
         if differ:  # as transformers warns: this run follows its own arguments
             warn_once(f"arguments that differ from the checkpoint's ({resume}): " + "; ".join(differ))
