@@ -1,5 +1,8 @@
 """phalanx.Trainer next to the real transformers.Trainer, on one process, on the same model, data and arguments.
 
+- A whole run, differentially: shuffled data (the order from HF's ``data_seed``), accumulation, warmup and cosine,
+  evaluation with a metric, early stopping and the best model loaded at the end. The weights, the logs, the metrics,
+  the predictions, the best checkpoint and every callback event, in order, are transformers'.
 - Resuming: phalanx goes on from a ``checkpoint-N/`` that transformers wrote (weights, optimizer moments, schedule,
   RNG, trainer state, the next batch) and reaches the weights transformers reaches by resuming there itself.
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -38,8 +42,8 @@ class Regressor(nn.Module):
         return {"logits": pred} if labels is None else {"loss": F.mse_loss(pred, labels), "logits": pred}
 
 
-def _rows(n: int = 32) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
+def _rows(n: int = 32, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 4, generator=g)
     y = x @ torch.tensor([0.5, -1.0, 2.0, 0.25]) + 0.1 * torch.randn(n, generator=g)
     return [{"x": x[i], "labels": y[i]} for i in range(n)]
@@ -69,6 +73,90 @@ def _arguments(module, output_dir: Path, **kw):
 
 def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _recorder(base: type) -> type:
+    """A callback class on ``base`` that records every event transformers' TrainerCallback has, in order."""
+    events = [name for name in vars(transformers.TrainerCallback) if name.startswith("on_")]
+
+    def event(name: str):
+        return lambda self, args, state, control, **kwargs: self.seen.append(name)
+
+    return type("Recorder", (base,), {"seen": None, **{name: event(name) for name in events}})
+
+
+def _mse(prediction) -> dict[str, float]:
+    predictions, labels = prediction  # HF's idiom: numpy arrays
+    return {"mse": float(((predictions - labels) ** 2).mean())}
+
+
+def _run(module, output_dir: Path) -> dict:
+    recorder = _recorder(module.TrainerCallback)()
+    recorder.seen = []
+    args = _arguments(
+        module,
+        output_dir,
+        learning_rate=0.2,  # high enough for the metric to turn: the best (step 8) is not the last (step 12)
+        num_train_epochs=4,  # 16 steps unless early stopping ends the run first
+        save_steps=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="mse",
+        greater_is_better=False,
+        data_seed=11,
+        per_device_eval_batch_size=3,  # batches of 3, 3, 2: uneven, as the last batch of an eval set often is
+    )
+    trainer = module.Trainer(
+        Regressor(),
+        args,
+        train_dataset=_rows(),
+        eval_dataset=_rows(8, seed=2),
+        compute_metrics=_mse,
+        callbacks=[module.EarlyStoppingCallback(early_stopping_patience=2, early_stopping_threshold=0.02), recorder],
+    )
+    trainer.train()
+    weights = _weights(trainer.model if module is transformers else trainer.engine.unwrap_model(trainer.model))
+    predictions = trainer.predict(_rows(5, seed=3))
+    return {
+        "weights": weights,
+        "logs": trainer.state.log_history,
+        "predictions": predictions.predictions,
+        "metrics": predictions.metrics,
+        "best": Path(trainer.state.best_model_checkpoint).name,
+        "step": trainer.state.global_step,
+        "events": recorder.seen,
+    }
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= TOL
+
+
+def test_the_same_run_as_transformers_trainer(tmp_path):
+    theirs, ours = _run(transformers, tmp_path / "hf"), _run(phalanx, tmp_path / "ph")
+    assert theirs["step"] < 16 and theirs["best"] != f"checkpoint-{theirs['step']}", (theirs["step"], theirs["best"])
+    assert ours["step"] == theirs["step"] and ours["best"] == theirs["best"]
+    for k in theirs["weights"]:
+        torch.testing.assert_close(ours["weights"][k], theirs["weights"][k], rtol=0, atol=TOL, msg=k)
+    np.testing.assert_allclose(ours["predictions"], theirs["predictions"], rtol=0, atol=TOL)
+    assert _close(ours["metrics"]["test_mse"], theirs["metrics"]["test_mse"])
+    assert _close(ours["metrics"]["test_loss"], theirs["metrics"]["test_loss"])
+
+    def kind(log: dict) -> str:
+        return "train" if "loss" in log else "eval" if "eval_loss" in log else "summary"
+
+    assert [kind(h) for h in ours["logs"]] == [kind(h) for h in theirs["logs"]]
+    for a, b in zip(ours["logs"], theirs["logs"]):
+        assert a["step"] == b["step"] and _close(a["epoch"], b["epoch"]), (a, b)
+        if kind(b) == "train":
+            assert _close(a["loss"], b["loss"]) and _close(a["learning_rate"], b["learning_rate"]), (a, b)
+            assert _close(a["grad_norm"], b["grad_norm"]), (a, b)
+        elif kind(b) == "eval":
+            assert _close(a["eval_loss"], b["eval_loss"]) and _close(a["eval_mse"], b["eval_mse"]), (a, b)
+        else:
+            assert _close(a["train_loss"], b["train_loss"]), (a, b)
+    assert ours["events"] == theirs["events"]
 
 
 def test_resumes_from_a_transformers_checkpoint_where_transformers_itself_would(tmp_path):

@@ -147,11 +147,6 @@ class Trainer:
                 "of the whole window over every rank, which is what makes the gradient equal one process's on the full "
                 "batch (leave it True)"
             )
-        if self.args.data_seed is not None and self.args.data_seed != self.args.seed:
-            warn_once(
-                f"data_seed={self.args.data_seed} is not honoured: the data order follows seed={self.args.seed} (one "
-                "seed drives both in phalanx, so the order is the same on any world size); set seed instead"
-            )
         if self.args.save_only_model:
             warn_once(
                 "save_only_model=True is not honoured: a phalanx checkpoint always holds what resuming needs "
@@ -302,6 +297,8 @@ class Trainer:
         self.model, self.optimizer, self._train_loader = self.engine.prepare(
             self.model, optimizer, self._train_loader_raw
         )
+        if self.args.data_seed is not None and hasattr(self._train_loader, "global_sampler"):
+            self._train_loader.global_sampler.seed = self.args.data_seed  # the order of epoch e: seed + e, as HF's
         if self.args.torch_compile:  # the prepared model, as transformers compiles the one Accelerate prepared
             backend, mode = self.args.torch_compile_backend or "inductor", self.args.torch_compile_mode
             self.model = typing.cast(nn.Module, torch.compile(self.model, backend=backend, mode=mode))
