@@ -573,3 +573,54 @@ def test_reduce_lr_on_plateau_steps_on_the_evaluation_metric(tmp_path):
     given.train()
     assert custom.param_groups[0]["lr"] == pytest.approx(0.025)  # halved at the 2nd and 3rd evaluations
     assert isinstance(given.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)  # the user's object, as in HF
+
+
+def test_named_eval_sets_are_evaluated_each_under_its_name(tmp_path):
+    """eval_dataset as a dict, as in transformers: each set evaluated under eval_<name>_..., the best model chosen by
+    one of them, and get_eval_dataloader(name) gives one set's loader."""
+    first, second = _rows(6), _rows(10)[4:]
+    args = _args(
+        str(tmp_path),
+        eval_strategy="epoch",
+        save_strategy="epoch",
+        num_train_epochs=2,
+        metric_for_best_model="second_loss",  # "eval_" is added, as HF adds it
+        greater_is_better=False,
+    )
+    trainer = phalanx.Trainer(TupleNet(), args, train_dataset=_rows(8), eval_dataset={"first": first, "second": second})
+    assert len(trainer.get_eval_dataloader("second").dataset) == 6
+    with pytest.raises(KeyError, match="no eval set named 'third'"):
+        trainer.get_eval_dataloader("third")
+    trainer.train()
+    evals = [h for h in trainer.state.log_history if any(k.startswith("eval_") for k in h)]
+    assert [sorted(k for k in h if k.endswith("_loss")) for h in evals] == [
+        ["eval_first_loss"],
+        ["eval_second_loss"],
+    ] * 2
+    seconds = [h["eval_second_loss"] for h in evals if "eval_second_loss" in h]
+    assert trainer.state.best_metric == min(seconds)
+    alone = trainer.evaluate(second, metric_key_prefix="again")  # one set given: evaluated alone, as given
+    assert alone["again_loss"] == pytest.approx(trainer.evaluate()["eval_second_loss"], abs=1e-6)
+
+
+def test_a_train_loader_that_is_not_a_dataloader_is_refused_with_the_way_out(tmp_path):
+    class Chained:
+        def __init__(self, loaders):
+            self.loaders = loaders
+
+        def __iter__(self):
+            for loader in self.loaders:
+                yield from loader
+
+        def __len__(self):
+            return sum(len(loader) for loader in self.loaders)
+
+    class TwoLoaders(phalanx.Trainer):
+        def get_train_dataloader(self):
+            return Chained([super().get_train_dataloader(), super().get_train_dataloader()])
+
+    trainer = TwoLoaders(TupleNet(), _args(str(tmp_path)), train_dataset=_rows(8))
+    with pytest.raises(
+        TypeError, match=r"get_train_dataloader\(\) returned a Chained, not a torch DataLoader.*Return a"
+    ):
+        trainer.train()

@@ -162,6 +162,7 @@ class Trainer:
         self._grad_norm: torch.Tensor | None = None  # the last step's global gradient norm, read when logged
         self._learning_rate = self.args.learning_rate  # the rate the last step used
         self._eval_loader: Any = None
+        self._eval_loaders: dict[str, Any] = {}  # prepared once per named eval set (eval_dataset a dict)
         self._prepared = False
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
 
@@ -264,10 +265,20 @@ class Trainer:
             raise ValueError("Trainer.train needs a train_dataset: Trainer(model, args, train_dataset=...)")
         return self._loader(self.train_dataset, self.args.per_device_train_batch_size, shuffle=True)
 
-    def get_eval_dataloader(self, eval_dataset: Dataset | None = None) -> DataLoader:
+    def get_eval_dataloader(self, eval_dataset: Dataset | dict[str, Dataset] | str | None = None) -> DataLoader:
+        """A loader over ``eval_dataset``, or the Trainer's eval set, or (a name) one of its named eval sets."""
+        if isinstance(eval_dataset, str):
+            if not isinstance(self.eval_dataset, dict) or eval_dataset not in self.eval_dataset:
+                names: list[str] = sorted(self.eval_dataset) if isinstance(self.eval_dataset, dict) else []
+                raise KeyError(f"no eval set named {eval_dataset!r}: the Trainer's named eval sets are {names}")
+            eval_dataset = self.eval_dataset[eval_dataset]
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("Trainer.evaluate needs an eval_dataset (given to Trainer or to evaluate)")
+        if isinstance(dataset, dict):
+            raise TypeError(
+                f"the eval sets are named ({sorted(dataset)}): get_eval_dataloader(name) gives one set's loader"
+            )
         return self._loader(dataset, self.args.per_device_eval_batch_size, shuffle=False)
 
     # ----------------------------------------------------------------------------------- optimizer, schedule
@@ -309,7 +320,13 @@ class Trainer:
         if isinstance(self.lr_scheduler, DummyScheduler):
             self.lr_scheduler = self._scheduler.scheduler  # the DeepSpeed block's schedule, made real by prepare
         if self.eval_dataset is not None:
-            self._eval_loader = self.engine.prepare(self.get_eval_dataloader())
+            if isinstance(self.eval_dataset, dict):  # every named set prepared now: a resume finds them all
+                self._eval_loaders = {
+                    n: self.engine.prepare(_loader_from(self.get_eval_dataloader(n), "get_eval_dataloader"))
+                    for n in self.eval_dataset
+                }
+            else:
+                self._eval_loader = self.engine.prepare(_loader_from(self.get_eval_dataloader(), "get_eval_dataloader"))
         self.engine.register_for_checkpointing(TrainerStateHolder(self))
         for name in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, name, getattr(self, name))
@@ -425,7 +442,7 @@ class Trainer:
         args = self.args
         if self.model_init is not None:
             self._fresh_model()
-        self._train_loader_raw = self.get_train_dataloader()
+        self._train_loader_raw = _loader_from(self.get_train_dataloader(), "get_train_dataloader")
         streamed = isinstance(self._train_loader_raw.dataset, IterableDataset)
         if streamed:
             # A stream has no length: the run is counted in steps, and an "epoch" is the whole run (as HF counts it).
@@ -700,13 +717,28 @@ class Trainer:
         return evaluation_loop(self, loader, prefix, prediction_loss_only, ignore_keys, predicting)
 
     def evaluate(
-        self, eval_dataset: Dataset | None = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
+        self,
+        eval_dataset: Dataset | dict[str, Dataset] | str | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
     ) -> dict[str, float]:
-        """Loss and ``compute_metrics`` over every sample of the eval set exactly once; logs them and returns them."""
+        """Loss and ``compute_metrics`` over every sample of the eval set exactly once; logs them and returns them.
+        Named eval sets (a dict) are evaluated one by one, each under ``{metric_key_prefix}_{name}``, as in HF."""
+        named = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(named, dict):
+            metrics = {}
+            for name, dataset in named.items():
+                which = dataset if eval_dataset is not None else name
+                metrics.update(self.evaluate(which, ignore_keys, f"{metric_key_prefix}_{name}"))
+            if metric_key_prefix == "eval":
+                record_best_metric(self.args, self.state, metrics)
+            return metrics
         if eval_dataset is None and self._eval_loader is not None:
             loader = self._eval_loader
+        elif isinstance(eval_dataset, str) and eval_dataset in self._eval_loaders:
+            loader = self._eval_loaders[eval_dataset]
         else:
-            loader = self.engine.prepare(self.get_eval_dataloader(eval_dataset))
+            loader = self.engine.prepare(_loader_from(self.get_eval_dataloader(eval_dataset), "get_eval_dataloader"))
             if not self._prepared:
                 self.model = self.engine.prepare(self.model)
                 self._prepared = True
@@ -725,7 +757,7 @@ class Trainer:
         if not self._prepared:
             self.model = self.engine.prepare(self.model)
             self._prepared = True
-        loader = self.engine.prepare(self.get_eval_dataloader(test_dataset))
+        loader = self.engine.prepare(_loader_from(self.get_eval_dataloader(test_dataset), "get_eval_dataloader"))
         out = self._loop(
             loader, metric_key_prefix, prediction_loss_only=False, ignore_keys=ignore_keys, predicting=True
         )
@@ -736,3 +768,14 @@ class Trainer:
         """The whole model as a directory ``from_pretrained`` loads (weights gathered under every strategy)."""
         target = self.model if self._prepared else self.engine.prepare(self.model)
         return self.engine.save_model(target, output_dir or self.output_dir)
+
+
+def _loader_from(obj: Any, method: str) -> DataLoader:
+    """What an overridden ``get_train_dataloader``/``get_eval_dataloader`` returned, if it is a torch DataLoader."""
+    if not isinstance(obj, DataLoader):
+        raise TypeError(
+            f"{method}() returned a {type(obj).__name__}, not a torch DataLoader: phalanx splits each global batch of "
+            "a DataLoader over the ranks and records its position for resuming, which it cannot do for another "
+            "iterable. Return a DataLoader (over an IterableDataset that chains your sources, for instance)"
+        )
+    return obj
