@@ -575,6 +575,60 @@ def test_reduce_lr_on_plateau_steps_on_the_evaluation_metric(tmp_path):
     assert isinstance(given.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)  # the user's object, as in HF
 
 
+def test_greedy_schedule_steps_on_the_metric_and_resumes(tmp_path):
+    # A metric that improves at every evaluation: with patience 0 each evaluation doubles the rate (factor 0.5).
+    calls = []
+
+    def falling(p):
+        calls.append(1)
+        return {"score": 1.0 / len(calls)}
+
+    args = _args(
+        str(tmp_path),
+        lr_scheduler_type="greedy",
+        lr_scheduler_kwargs={"patience": 0, "factor": 0.5, "max_lr": 0.3},
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="steps",
+        save_steps=2,
+        max_steps=4,
+        per_device_train_batch_size=2,
+        learning_rate=0.05,
+        metric_for_best_model="score",
+        greater_is_better=False,
+    )
+    trainer = phalanx.Trainer(TupleNet(), args, train_dataset=_rows(8), eval_dataset=_rows(4), compute_metrics=falling)
+    trainer.train()
+    lrs = [h["learning_rate"] for h in trainer.state.log_history if "loss" in h]
+    assert lrs == pytest.approx([0.05, 0.1, 0.2, 0.3])  # doubled after each evaluation, up to max_lr
+    weights = trainer.model.fc.weight.detach().clone()
+    # Resumed at step 2, the schedule's state (best metric, counters, rate) comes back with the checkpoint.
+    calls[:] = [1, 1]  # the metric continues from where the first run was at step 2
+    again = phalanx.Trainer(TupleNet(), args, train_dataset=_rows(8), eval_dataset=_rows(4), compute_metrics=falling)
+    again.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert [h["learning_rate"] for h in again.state.log_history if "loss" in h] == pytest.approx(lrs)
+    torch.testing.assert_close(again.model.fc.weight, weights, rtol=0, atol=0)
+
+
+def test_a_transformers_greedy_lr_given_through_optimizers_steps_on_the_metric(tmp_path):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (a test extra)")
+    model = TupleNet()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    greedy = transformers.optimization.GreedyLR(sgd, patience=0, factor=0.5, min_lr=0.01)
+    args = _args(str(tmp_path), eval_strategy="steps", eval_steps=1, max_steps=3, per_device_train_batch_size=2)
+    flat = {"compute_metrics": lambda p: {"flat": 1.0}}
+    args = dataclasses.replace(args, metric_for_best_model="flat", greater_is_better=False)
+    trainer = phalanx.Trainer(
+        model, args, train_dataset=_rows(6), eval_dataset=_rows(4), optimizers=(sgd, greedy), **flat
+    )
+    trainer.train()
+    assert trainer.lr_scheduler is greedy  # the user's object, as in transformers
+    # The first evaluation beats the initial best (inf) and doubles the rate; the flat ones after it halve it.
+    assert [h["learning_rate"] for h in trainer.state.log_history if "loss" in h] == pytest.approx([0.1, 0.2, 0.1])
+    assert sgd.param_groups[0]["lr"] == pytest.approx(0.05)
+    assert greedy.last_epoch == 3  # stepped once per evaluation, never at an optimizer step
+
+
 def test_named_eval_sets_are_evaluated_each_under_its_name(tmp_path):
     """eval_dataset as a dict, as in transformers: each set evaluated under eval_<name>_..., the best model chosen by
     one of them, and get_eval_dataloader(name) gives one set's loader."""

@@ -1,4 +1,5 @@
-"""The seven Hugging Face LR schedules: hand-computed values, transformers' own schedulers, JSON state and resume."""
+"""Hugging Face's LR schedules: hand-computed values, transformers' own schedulers, JSON state and resume; the two that
+step on a metric (reduce_lr_on_plateau, greedy) apart."""
 
 from __future__ import annotations
 
@@ -11,7 +12,15 @@ import torch
 from phalanx.checkpoint.format import from_json, to_json
 from phalanx.config.settings import ConfigError
 from phalanx.trainer.arguments import TrainingArguments
-from phalanx.trainer.schedules import PLATEAU, SCHEDULES, WarmupSchedule, get_scheduler, warmup_steps_for
+from phalanx.trainer.schedules import (
+    GREEDY,
+    PLATEAU,
+    SCHEDULES,
+    GreedyLR,
+    WarmupSchedule,
+    get_scheduler,
+    warmup_steps_for,
+)
 
 LR = 0.1
 
@@ -46,7 +55,16 @@ CASES = [
     ("inverse_sqrt", 4, None, None, {2: 0.5, 4: 1.0, 12: 1 / math.sqrt(3)}),
     ("inverse_sqrt", 4, None, {"timescale": 10}, {4: 1 / math.sqrt(1.0 + 0 / 10), 10: 1 / math.sqrt(1.6)}),
     ("inverse_sqrt", 0, None, None, {0: 1.0, 30_000: 0.5}),  # timescale defaults to 10_000 without warmup
-]
+    # warmup 2, then 10 - 2 - 4 = 4 stable steps, then a half-cosine over 4 steps down to 0.
+    ("warmup_stable_decay", 2, 10, {"num_decay_steps": 4}, {1: 0.5, 2: 1.0, 5: 1.0, 6: 1.0, 8: 0.5, 10: 0.0}),
+    # the same run with a linear decay to a floor of 0.2: each factor is 0.2 + 0.8 x the plain one.
+    ("warmup_stable_decay", 2, 10, {"num_decay_steps": 4, "decay_type": "linear", "min_lr_ratio": 0.2},
+     {1: 0.6, 4: 1.0, 8: 0.6, 10: 0.2, 12: 0.2}),
+    ("warmup_stable_decay", 2, None, {"num_decay_steps": 4, "num_stable_steps": 2, "warmup_type": "1-sqrt",
+     "decay_type": "1-sqrt"}, {1: 1 - math.sqrt(0.5), 2: 1.0, 3: 1.0, 5: 0.5, 8: 0.0}),
+    ("warmup_stable_decay", 4, None, {"num_decay_steps": 2, "num_stable_steps": 0, "warmup_type": "cosine"},
+     {2: 0.5, 4: 1.0, 5: 0.5, 6: 0.0}),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("name,warmup,total,kwargs,expected", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
@@ -84,9 +102,10 @@ def test_same_lrs_as_transformers(name, warmup, total, kwargs):
     )
 
 
-@pytest.mark.parametrize("name", [s for s in SCHEDULES if s != PLATEAU])  # torch's own ReduceLROnPlateau aside
+@pytest.mark.parametrize("name", [s for s in SCHEDULES if s not in (PLATEAU, GREEDY)])  # they step on a metric
 def test_state_dict_is_json_and_resume_continues_the_sequence(name):
     kwargs = {"min_lr_rate": 0.2} if name in ("cosine_with_min_lr", "cosine_warmup_with_min_lr") else None
+    kwargs = {"num_decay_steps": 4} if name == "warmup_stable_decay" else kwargs
     straight = _lrs(get_scheduler(name, _optimizer(), 3, 12, kwargs), 12)
     first = get_scheduler(name, _optimizer(), 3, 12, kwargs)
     head = _lrs(first, 5)
@@ -134,3 +153,77 @@ def test_warmup_steps_for_the_arguments():
         args.lr_scheduler_type, _optimizer(), warmup_steps_for(args, 8), 8, args.lr_scheduler_kwargs
     )
     assert [round(lr[0] / LR, 6) for lr in _lrs(scheduler, 3)] == [0.0, 0.5, 1.0]
+
+
+def _metrics() -> list[float]:
+    """An evaluation metric that falls, stalls and climbs, with noise: every branch of GreedyLR is taken."""
+    g = torch.Generator().manual_seed(0)
+    trend = [1.0 - 0.04 * i for i in range(20)] + [0.2] * 20 + [0.2 + 0.03 * i for i in range(20)]
+    return [t + 0.01 * float(torch.randn((), generator=g)) for t in trend] * 2
+
+
+GREEDY_CASES = [
+    {"patience": 1, "factor": 0.5},
+    {"patience": 2, "cooldown": 2, "warmup": 1, "threshold_mode": "rel", "threshold": 0.01, "min_lr": 0.01,
+     "max_lr": 0.3},
+    {"mode": "max", "smooth": True, "window_size": 3, "patience": 1, "reset_start": 2, "min_lr": [0.05, 0.02],
+     "factor": 0.5},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kwargs", GREEDY_CASES, ids=["plain", "rel-cooldown-warmup", "max-smooth-reset"])
+def test_greedy_same_lrs_as_transformers(kwargs):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (a test extra)")
+    ours = get_scheduler(GREEDY, _optimizer((LR, 0.3)), 0, 10, kwargs)
+    theirs = transformers.get_scheduler(GREEDY, _optimizer((LR, 0.3)), 0, 10, scheduler_specific_kwargs=kwargs)
+    assert isinstance(ours, GreedyLR)
+    seen = set()
+    for metric in _metrics():
+        ours.step(metric)
+        theirs.step(metric)
+        lrs = [g["lr"] for g in ours.optimizer.param_groups]
+        assert lrs == pytest.approx([g["lr"] for g in theirs.optimizer.param_groups], rel=1e-12)
+        assert ours.get_last_lr() == pytest.approx(theirs.get_last_lr(), rel=1e-12)
+        seen.add(tuple(lrs))
+    assert len(seen) > 3  # the rates did move, up and down
+    mine, reference = ours.state_dict(), theirs.state_dict()
+    assert set(mine) == set(reference)  # transformers' keys: a scheduler.pt of theirs loads here
+    if "_streaming_avg" in mine:  # the window of the last metrics
+        assert mine.pop("_streaming_avg")["values"] == pytest.approx(reference.pop("_streaming_avg")["values"])
+    for key, value in reference.items():
+        assert mine[key] == (value if isinstance(value, str) else pytest.approx(value, rel=1e-12)), key
+
+
+def test_greedy_state_is_json_and_resume_continues():
+    kwargs = {"patience": 1, "cooldown": 1, "smooth": True, "window_size": 4}
+    metrics = _metrics()[:50]
+    straight = get_scheduler(GREEDY, _optimizer(), 0, None, kwargs)
+    expected = []
+    for m in metrics:
+        straight.step(m)
+        expected.append(straight.get_last_lr()[0])
+    first = get_scheduler(GREEDY, _optimizer(), 0, None, kwargs)
+    for m in metrics[:25]:
+        first.step(m)
+    saved = json.loads(json.dumps(to_json(first.state_dict(), "scheduler0", None)))
+    resumed = get_scheduler(GREEDY, _optimizer(), 0, None, kwargs)
+    resumed.load_state_dict(from_json(saved, None))
+    assert resumed.optimizer.param_groups[0]["lr"] == expected[24]  # the groups take the saved rate at once
+    tail = []
+    for m in metrics[25:]:
+        resumed.step(m)
+        tail.append(resumed.get_last_lr()[0])
+    assert expected[:25] + tail == pytest.approx(expected) and len(set(expected)) > 2
+
+
+def test_metric_schedules_need_an_evaluation_and_wsd_its_decay():
+    for name in (PLATEAU, GREEDY):
+        with pytest.raises(ConfigError, match=f"lr_scheduler_type='{name}' steps on each evaluation's metric"):
+            TrainingArguments(lr_scheduler_type=name)
+        assert TrainingArguments(lr_scheduler_type=name, eval_strategy="epoch").metric_for_best_model == "loss"
+    with pytest.raises(ConfigError, match="GreedyLR factor must be below 1"):
+        get_scheduler(GREEDY, _optimizer(), 0, None, {"factor": 1.5})
+    with pytest.raises(ConfigError, match="needs lr_scheduler_kwargs num_decay_steps"):
+        get_scheduler("warmup_stable_decay", _optimizer(), 0, 10)
+    with pytest.raises(ConfigError, match="decay_type='square' is not one of linear, cosine, 1-sqrt"):
+        get_scheduler("warmup_stable_decay", _optimizer(), 0, 10, {"num_decay_steps": 2, "decay_type": "square"})

@@ -199,8 +199,8 @@ def test_choices_and_counts_are_checked():
         TrainingArguments(save_strategy="always")
     with pytest.raises(ConfigError, match="unknown lr_scheduler_type 'cosin'; did you mean 'cosine'?"):
         TrainingArguments(lr_scheduler_type="cosin")
-    with pytest.raises(ConfigError, match="'warmup_stable_decay' is a transformers schedule that phalanx does not"):
-        TrainingArguments(lr_scheduler_type="warmup_stable_decay")
+    with pytest.raises(ConfigError, match="key 'decay_steps' is not read by lr_scheduler_type='warmup_stable_decay'"):
+        TrainingArguments(lr_scheduler_type="warmup_stable_decay", lr_scheduler_kwargs={"decay_steps": 2})
     with pytest.raises(ConfigError, match="lr_scheduler_kwargs key 'power' is not read by lr_scheduler_type='cosine'"):
         TrainingArguments(lr_scheduler_type="cosine", lr_scheduler_kwargs={"power": 2.0})
     with pytest.raises(ConfigError, match="needs exactly one of min_lr or min_lr_rate"):

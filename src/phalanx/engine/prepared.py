@@ -127,7 +127,7 @@ def kind_of(obj: Any) -> str:
         return "model"  # a list of blocks (pipeline stages are cut between them)
     if isinstance(obj, (torch.optim.Optimizer, DummyOptim)):
         return "optimizer"
-    if isinstance(obj, (LRScheduler, DummyScheduler)):
+    if isinstance(obj, (LRScheduler, DummyScheduler)) or _scheduler_like(obj):
         return "scheduler"
     if isinstance(obj, DataLoader):
         return "loader"
@@ -135,6 +135,13 @@ def kind_of(obj: Any) -> str:
         f"engine.prepare does not know what to do with a {type(obj).__name__}; it takes nn.Module, "
         "torch.optim.Optimizer, torch.utils.data.DataLoader and LR schedulers"
     )
+
+
+def _scheduler_like(obj: Any) -> bool:
+    """A scheduler that is not torch's class (transformers' GreedyLR, say): it drives an optimizer's param_groups and
+    has step and a state to checkpoint. Accelerate takes any such object too."""
+    has = all(callable(getattr(obj, m, None)) for m in ("step", "state_dict", "load_state_dict"))
+    return has and hasattr(getattr(obj, "optimizer", None), "param_groups")
 
 
 def autocast_forward(module: nn.Module, precision: Precision) -> None:

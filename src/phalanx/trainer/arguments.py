@@ -145,8 +145,8 @@ class TrainingArguments:
     """Optimizer steps to train; when positive it overrides num_train_epochs."""
     lr_scheduler_type: str = "linear"
     """linear, cosine, cosine_with_min_lr, cosine_warmup_with_min_lr, cosine_with_restarts, constant,
-    constant_with_warmup, polynomial, inverse_sqrt, or reduce_lr_on_plateau (stepped on each evaluation's
-    metric_for_best_model)."""
+    constant_with_warmup, polynomial, inverse_sqrt, warmup_stable_decay, or reduce_lr_on_plateau and greedy
+    (these two step on each evaluation's metric_for_best_model)."""
     lr_scheduler_kwargs: dict[str, Any] | str | None = None
     """The schedule's own keywords (e.g. ``{"min_lr_rate": 0.1}``); a JSON object as a string is read."""
     warmup_steps: float = 0
@@ -301,9 +301,13 @@ class TrainingArguments:
         self._check_counts()
         self._check_hf_switches()
         self._resolve_steps()
-        if (self.load_best_model_at_end or self.lr_scheduler_type == "reduce_lr_on_plateau") and (
-            self.metric_for_best_model is None
-        ):
+        on_metric = self.lr_scheduler_type in ("reduce_lr_on_plateau", "greedy")
+        if on_metric and self.eval_strategy == "no":
+            raise ConfigError(
+                f"lr_scheduler_type={self.lr_scheduler_type!r} steps on each evaluation's metric, and eval_strategy="
+                "'no' never evaluates: set eval_strategy='steps' (with eval_steps) or 'epoch'"
+            )
+        if (self.load_best_model_at_end or on_metric) and self.metric_for_best_model is None:
             self.metric_for_best_model = (
                 "loss"  # as transformers; save_strategy='best' has no default (the Trainer says)
             )

@@ -25,7 +25,10 @@ from phalanx.logging import warn_once
 if TYPE_CHECKING:
     from phalanx.trainer.arguments import TrainingArguments
 
-__all__ = ["SCHEDULES", "SCHEDULE_KWARGS", "PLATEAU", "WarmupSchedule", "get_scheduler", "warmup_steps_for"]
+__all__ = [
+    "SCHEDULES", "SCHEDULE_KWARGS", "PLATEAU", "GREEDY", "GreedyLR", "WarmupSchedule", "get_scheduler",
+    "warmup_steps_for",
+]  # fmt: skip
 
 
 def _warmup(step: int, warmup: int) -> float:
@@ -95,15 +98,42 @@ def _cosine_warmup_with_min_lr(step: int, warmup: int, total: int, p: dict[str, 
     return max(0.0, factor * (1.0 - rate) + rate)
 
 
+_SHAPES: dict[str, Callable[[float], float]] = {  # progress in [0, 1] -> the rising (warmup) factor
+    "linear": lambda x: x,
+    "cosine": lambda x: 0.5 * (1.0 - math.cos(math.pi * x)),
+    "1-sqrt": lambda x: 1.0 - math.sqrt(1.0 - x),
+}
+
+
+def _warmup_stable_decay(step: int, warmup: int, total: int, p: dict[str, Any]) -> float:
+    # Warm up, hold at the peak for num_stable_steps, decay over num_decay_steps, then stay at min_lr_ratio.
+    floor, stable, decay = float(p["min_lr_ratio"]), int(p["num_stable_steps"]), int(p["num_decay_steps"])
+    if step < warmup:
+        return max(0.0, _SHAPES[p["warmup_type"]](step / max(1, warmup)) * (1.0 - floor) + floor)
+    if step < warmup + stable:
+        return 1.0
+    if step >= warmup + stable + decay:
+        return floor
+    progress = (step - warmup - stable) / max(1, decay)
+    if p["decay_type"] == "cosine":
+        down = 0.5 * (1.0 + math.cos(math.pi * float(p["num_cycles"]) * 2.0 * progress))
+    else:  # linear and 1-sqrt fall as the warmup shape rises, mirrored
+        down = 1.0 - (progress if p["decay_type"] == "linear" else math.sqrt(progress))
+    return max(0.0, down * (1.0 - floor) + floor)
+
+
 _FACTORS: dict[str, Callable[[int, int, int, dict[str, Any]], float]] = {
     "linear": _linear, "cosine": _cosine, "cosine_with_min_lr": _cosine, "constant": _constant,
     "constant_with_warmup": _constant_with_warmup, "polynomial": _polynomial, "inverse_sqrt": _inverse_sqrt,
     "cosine_with_restarts": _cosine_with_restarts, "cosine_warmup_with_min_lr": _cosine_warmup_with_min_lr,
+    "warmup_stable_decay": _warmup_stable_decay,
 }  # fmt: skip
 PLATEAU = "reduce_lr_on_plateau"
 """torch's ReduceLROnPlateau, which the Trainer steps with the evaluation's metric rather than at every step."""
+GREEDY = "greedy"
+""":class:`GreedyLR`, stepped on the evaluation's metric too."""
 
-SCHEDULES: tuple[str, ...] = (*_FACTORS, PLATEAU)
+SCHEDULES: tuple[str, ...] = (*_FACTORS, PLATEAU, GREEDY)
 """The ``lr_scheduler_type`` names phalanx implements, as transformers spells them."""
 
 SCHEDULE_KWARGS: dict[str, dict[str, Any]] = {
@@ -113,6 +143,11 @@ SCHEDULE_KWARGS: dict[str, dict[str, Any]] = {
     "cosine_warmup_with_min_lr": {"num_cycles": 0.5, "min_lr": None, "min_lr_rate": None, "warmup_lr_rate": None},
     PLATEAU: {"mode": "min", "factor": 0.1, "patience": 10, "threshold": 1e-4, "threshold_mode": "rel",
               "cooldown": 0, "min_lr": 0, "eps": 1e-8},
+    "warmup_stable_decay": {"num_decay_steps": None, "num_stable_steps": None, "warmup_type": "linear",
+                            "decay_type": "cosine", "min_lr_ratio": 0.0, "num_cycles": 0.5},
+    GREEDY: {"mode": "min", "factor": 0.95, "patience": 10, "threshold": 1e-6, "threshold_mode": "abs",
+             "cooldown": 0, "warmup": 0, "min_lr": 1e-3, "max_lr": 1.0, "eps": 1e-8, "verbose": False,
+             "smooth": False, "window_size": 50, "reset_start": 500},
 }  # fmt: skip
 """The ``lr_scheduler_kwargs`` each schedule accepts, with transformers' defaults."""
 
@@ -124,8 +159,6 @@ _NEEDS_TOTAL = (
     "cosine_with_restarts",
     "cosine_warmup_with_min_lr",
 )
-# transformers names that phalanx does not implement (yet), so that the error says so rather than "unknown".
-_ELSEWHERE = ("warmup_stable_decay", "greedy")
 
 
 class WarmupSchedule(LRScheduler):
@@ -192,6 +225,8 @@ def get_scheduler(
     check_schedule_kwargs(name, kwargs)
     if name == PLATEAU:  # torch's own: its state is plain numbers already
         return ReduceLROnPlateau(optimizer, **kwargs)  # type: ignore[return-value]
+    if name == GREEDY:
+        return GreedyLR(optimizer, **kwargs)  # type: ignore[return-value]
     if name == "constant":
         if num_warmup_steps:
             warn_once(
@@ -221,19 +256,42 @@ def get_scheduler(
                 f"{lr_init!r} (lower lr_end, or raise learning_rate)"
             )
         params["lr_init"] = lr_init
+    elif name == "warmup_stable_decay":
+        _settle_stable_steps(params, num_warmup_steps, num_training_steps)
     elif name == "inverse_sqrt" and params.get("timescale") is None:
         params["timescale"] = num_warmup_steps or 10_000
     return WarmupSchedule(optimizer, name, num_warmup_steps, num_training_steps, params)
 
 
+def _settle_stable_steps(params: dict[str, Any], warmup: int, total: int | None) -> None:
+    """warmup_stable_decay's plateau: num_stable_steps if given, else what num_training_steps leaves after the warmup
+    and the decay (transformers' rule)."""
+    for key in ("warmup_type", "decay_type"):
+        if params[key] not in _SHAPES:
+            raise ConfigError(f"lr_scheduler_kwargs {key}={params[key]!r} is not one of {', '.join(_SHAPES)}")
+    if params.get("num_decay_steps") is None:
+        raise ConfigError(
+            "lr_scheduler_type='warmup_stable_decay' needs lr_scheduler_kwargs num_decay_steps (the steps of the final "
+            "decay), e.g. lr_scheduler_kwargs={'num_decay_steps': 100}"
+        )
+    if params.get("num_stable_steps") is None:
+        if total is None:
+            raise ConfigError(
+                "lr_scheduler_type='warmup_stable_decay' needs num_training_steps (max_steps) or lr_scheduler_kwargs "
+                "num_stable_steps, to know how long the plateau lasts"
+            )
+        params["num_stable_steps"] = total - warmup - int(params["num_decay_steps"])
+    elif total is not None:
+        warn_once(
+            f"warmup_stable_decay: num_stable_steps={params['num_stable_steps']} is used and the run's length "
+            f"({total} steps) is not, as in transformers; the decay ends at step "
+            f"{warmup + int(params['num_stable_steps']) + int(params['num_decay_steps'])}"
+        )
+
+
 def check_schedule_kwargs(name: str, kwargs: dict[str, Any]) -> None:
     """An unknown schedule, or a keyword it does not take, is a ConfigError that names it and the choices."""
     if name not in SCHEDULE_KWARGS:
-        if name in _ELSEWHERE:
-            raise ConfigError(
-                f"lr_scheduler_type={name!r} is a transformers schedule that phalanx does not implement; "
-                f"use one of: {', '.join(SCHEDULES)}"
-            )
         close = difflib.get_close_matches(name, SCHEDULES, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ConfigError(f"unknown lr_scheduler_type {name!r}; {hint}valid: {', '.join(SCHEDULES)}")
@@ -259,3 +317,134 @@ def warmup_steps_for(args: TrainingArguments, num_training_steps: int) -> int:
     (rounded up)."""
     steps = float(args.warmup_steps)
     return int(steps) if steps >= 1 else math.ceil(num_training_steps * steps)
+
+
+class GreedyLR:
+    """transformers' ``greedy`` schedule (GreedyLR, arXiv 2512.14527), stepped with a metric as ReduceLROnPlateau is.
+
+    After more than ``patience`` evaluations that improve on the best by more than ``threshold``, each group's lr is
+    divided by ``factor`` (up to ``max_lr``), then ``warmup`` evaluations pass unjudged; after more than ``patience``
+    that do not, it is multiplied by ``factor`` (down to ``min_lr``), then ``cooldown`` pass unjudged. Changes below
+    ``eps`` are not made. Once every group sits at ``min_lr`` for ``reset_start`` more reductions, the lrs, the best
+    and the counters start over. ``smooth`` judges the mean of the last ``window_size`` metrics instead of the last.
+    The arithmetic follows transformers' class, so a run gives the same rates; the state is plain numbers.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        mode: str = "min",
+        factor: float = 0.95,
+        patience: int = 10,
+        threshold: float = 1e-6,
+        threshold_mode: str = "abs",
+        cooldown: int = 0,
+        warmup: int = 0,
+        min_lr: float | list[float] = 1e-3,
+        max_lr: float | list[float] = 1.0,
+        eps: float = 1e-8,
+        verbose: bool = False,
+        smooth: bool = False,
+        window_size: int = 50,
+        reset_start: int = 500,
+    ) -> None:
+        groups = len(optimizer.param_groups)
+        if not factor < 1.0:
+            raise ConfigError(f"GreedyLR factor must be below 1 (it divides the lr on improvement); got {factor!r}")
+        if mode not in ("min", "max") or threshold_mode not in ("rel", "abs"):
+            raise ConfigError(f"GreedyLR mode must be min or max and threshold_mode rel or abs; got {mode!r}, "
+                              f"{threshold_mode!r}")  # fmt: skip
+        bounds = {}
+        for name, value in (("min_lr", min_lr), ("max_lr", max_lr)):
+            listed = list(value) if isinstance(value, (list, tuple)) else [value] * groups
+            if len(listed) != groups:
+                raise ConfigError(f"GreedyLR {name} has {len(listed)} values for {groups} parameter groups")
+            bounds[name] = [float(v) for v in listed]
+        self.optimizer = optimizer
+        self.mode, self.factor, self.patience, self.threshold = mode, float(factor), int(patience), float(threshold)
+        self.threshold_mode, self.cooldown, self.warmup, self.eps = threshold_mode, int(cooldown), int(warmup), eps
+        self.verbose, self.smooth, self.window_size = verbose, smooth, int(window_size)
+        self.min_lrs, self.max_lrs = bounds["min_lr"], bounds["max_lr"]
+        self.reset_start = self.reset_start_original = int(reset_start)
+        self._init_lrs = [float(g["lr"]) for g in optimizer.param_groups]
+        self._last_lr = list(self._init_lrs)
+        self._window: list[float] = []
+        self.last_epoch = 0
+        self._start_over()
+
+    def _start_over(self) -> None:
+        self.best = math.inf if self.mode == "min" else -math.inf
+        self.num_bad_epochs = self.num_good_epochs = self.cooldown_counter = self.warmup_counter = 0
+        self.reset_start = self.reset_start_original
+        self._window = []
+
+    def _improves(self, value: float) -> bool:
+        rel = self.threshold_mode == "rel"
+        if self.mode == "min":
+            return value < (self.best * (1.0 - self.threshold) if rel else self.best - self.threshold)
+        return value > (self.best * (1.0 + self.threshold) if rel else self.best + self.threshold)
+
+    def step(self, metrics: float, epoch: int | None = None) -> None:
+        value = float(metrics)
+        if self.smooth:
+            self._window = [*self._window, value][-self.window_size :]
+            value = sum(self._window) / len(self._window)
+        self.last_epoch = self.last_epoch + 1 if epoch is None else epoch
+        if self.cooldown_counter > 0:  # a pause after a cut: nothing is judged
+            self.cooldown_counter -= 1
+            self.num_bad_epochs = self.num_good_epochs = 0
+        elif self.warmup_counter > 0:  # a pause after a raise
+            self.warmup_counter -= 1
+            self.num_bad_epochs = self.num_good_epochs = 0
+        else:
+            if self._improves(value):
+                self.best, self.num_bad_epochs, self.num_good_epochs = value, 0, self.num_good_epochs + 1
+            else:
+                self.num_bad_epochs, self.num_good_epochs = self.num_bad_epochs + 1, 0
+            if self.num_good_epochs > self.patience:
+                self._scale(up=True)
+                self.warmup_counter, self.num_good_epochs = self.warmup, 0
+            elif self.num_bad_epochs > self.patience:
+                self._scale(up=False)
+                self.cooldown_counter, self.num_bad_epochs = self.cooldown, 0
+        self._last_lr = [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def _scale(self, up: bool) -> None:
+        for i, group in enumerate(self.optimizer.param_groups):
+            old = float(group["lr"])
+            new = min(old / self.factor, self.max_lrs[i]) if up else max(old * self.factor, self.min_lrs[i])
+            if (new - old if up else old - new) > self.eps:
+                group["lr"] = new
+                if self.verbose:
+                    print(f"GreedyLR: group {i} lr {old:.4e} -> {new:.4e}")
+        if up:
+            self.reset_start = self.reset_start_original
+        elif all(float(g["lr"]) <= m for g, m in zip(self.optimizer.param_groups, self.min_lrs)):
+            self.reset_start -= 1
+            if self.reset_start <= 0:  # stuck at the floor: back to the start
+                for group, lr in zip(self.optimizer.param_groups, self._init_lrs):
+                    group["lr"] = lr
+                self._start_over()
+
+    def get_last_lr(self) -> list[float]:
+        return self._last_lr
+
+    _FIELDS = ("mode", "factor", "patience", "threshold", "threshold_mode", "cooldown", "warmup", "eps", "verbose",
+               "smooth", "window_size", "min_lrs", "max_lrs", "reset_start", "reset_start_original", "best",
+               "num_bad_epochs", "num_good_epochs", "cooldown_counter", "warmup_counter", "last_epoch", "_last_lr",
+               "_init_lrs")  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain numbers, under transformers' keys (a transformers scheduler.pt of a GreedyLR loads here)."""
+        state = {key: getattr(self, key) for key in self._FIELDS}
+        if self.smooth:
+            state["_streaming_avg"] = {"window_size": self.window_size, "values": list(self._window)}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for key in self._FIELDS:
+            if key in state_dict:
+                setattr(self, key, state_dict[key])
+        self._window = list(state_dict.get("_streaming_avg", {}).get("values", self._window))
+        for group, lr in zip(self.optimizer.param_groups, self._last_lr):
+            group["lr"] = lr

@@ -159,6 +159,7 @@ class Trainer:
         self._train_loader: Any = None
         self._train_loader_raw: Any = None
         self._last_log = (0.0, 0)  # (time, optimizer step) of the last training log, for steps_per_second
+        self._log_extra: dict[str, float] = {}  # what log.jsonl gets beyond the log itself
         self._grad_norm: torch.Tensor | None = None  # the last step's global gradient norm, read when logged
         self._learning_rate = self.args.learning_rate  # the rate the last step used
         self._eval_loader: Any = None
@@ -249,7 +250,7 @@ class Trainer:
         if self.args.dataloader_num_workers > 0:  # torch refuses these without workers
             workers["persistent_workers"] = self.args.dataloader_persistent_workers
             workers["prefetch_factor"] = self.args.dataloader_prefetch_factor
-        return DataLoader(
+        loader = DataLoader(
             dataset,
             batch_size=batch_size,
             shuffle=shuffle and not isinstance(dataset, IterableDataset),  # a stream keeps its own order
@@ -259,6 +260,9 @@ class Trainer:
             **workers,
             pin_memory=self.args.dataloader_pin_memory and self.engine.device.type == "cuda",
         )
+        # Not yet split over the ranks (train() prepares it); the global batch it will give, as HF's prepared one says.
+        loader.total_batch_size = batch_size * self.engine.num_processes  # type: ignore[attr-defined]
+        return loader
 
     def get_train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
@@ -561,7 +565,9 @@ class Trainer:
                 break
 
     def _plateau(self) -> bool:
-        return isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        """A schedule that steps on the evaluation's metric (ReduceLROnPlateau, GreedyLR), not on each step."""
+        step = getattr(self.lr_scheduler, "step", None)
+        return step is not None and "metrics" in inspect.signature(step).parameters
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         """enable_jit_checkpoint: a preemption's SIGTERM asks for a checkpoint at the end of this optimizer step."""
@@ -602,10 +608,16 @@ class Trainer:
             theirs = latest_transformers_checkpoint(self.output_dir) if not found else None
             if not found and theirs is None:
                 raise ValueError(
-                    f"resume_from_checkpoint=True found no complete checkpoint-<step> in {self.args.output_dir!r} "
-                    "(train without it to start fresh, or give the checkpoint's path)"
+                    f"No valid checkpoint found in output directory ({self.args.output_dir}): resume_from_checkpoint="
+                    "True looks there for a complete checkpoint-<step> (train without it to start fresh, or give the "
+                    "checkpoint's path)"
                 )
             resume = str(found[-1][1] if found else theirs)
+        if not Path(str(resume)).is_dir():
+            raise ValueError(
+                f"Can't find a valid checkpoint at {resume}: resume_from_checkpoint names a checkpoint-<step> "
+                "directory that does not exist (give an existing one, or True for the latest in output_dir)"
+            )
         if is_transformers_checkpoint(path := str(resume)):  # written by transformers' Trainer: read as it is
             resume_from_transformers(self, Path(path), per_epoch)
         else:
@@ -631,7 +643,8 @@ class Trainer:
             logs = {"loss": loss}
             if self._grad_norm is not None:
                 logs["grad_norm"] = float(self._grad_norm)
-            logs |= {"learning_rate": self._learning_rate, "steps_per_second": rate}
+            logs["learning_rate"] = self._learning_rate
+            self._log_extra = {"steps_per_second": rate}  # log.jsonl only: log_history stays HF's, and replayable
             self.log(logs)
         metrics = None
         if self.control.should_evaluate:
@@ -640,7 +653,8 @@ class Trainer:
                 key = f"eval_{(self.args.metric_for_best_model or 'loss').removeprefix('eval_')}"
                 if key not in metrics:
                     raise KeyError(
-                        f"ReduceLROnPlateau steps on {key!r} (metric_for_best_model), which the evaluation did not "
+                        f"{type(self.lr_scheduler).__name__} steps on {key!r} (metric_for_best_model), which the "
+                        "evaluation did not "
                         f"return; it returned {sorted(metrics)}"
                     )
                 self._scheduler.step(metrics[key])
@@ -666,7 +680,8 @@ class Trainer:
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         logs = {**logs, "epoch": self.state.epoch}
         self.state.log_history.append({**logs, "step": self.state.global_step})
-        self._log_file.on_log(self.args, self.state, self.control, logs=logs)
+        extra, self._log_extra = self._log_extra, {}
+        self._log_file.on_log(self.args, self.state, self.control, logs={**logs, **extra})
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs=logs)
 
     # ----------------------------------------------------------------------------------- evaluate, predict
