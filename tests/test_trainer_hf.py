@@ -678,3 +678,34 @@ def test_a_train_loader_that_is_not_a_dataloader_is_refused_with_the_way_out(tmp
         TypeError, match=r"get_train_dataloader\(\) returned a Chained, not a torch DataLoader.*Return a"
     ):
         trainer.train()
+
+
+def test_persistent_workers_keep_one_eval_loader_per_eval_set(tmp_path):
+    # transformers keeps the loader (and so its workers) across evaluations; it keys it by name, so that another
+    # dataset passed to evaluate() gets the eval set's loader. Here each set keeps its own.
+    args = _args(str(tmp_path), dataloader_num_workers=1, dataloader_persistent_workers=True)
+    eval_rows, other = _rows(4), _rows(6)
+    trainer = phalanx.Trainer(TupleNet(), args, train_dataset=_rows(8), eval_dataset=eval_rows)
+    first = trainer.get_eval_dataloader()
+    assert trainer.get_eval_dataloader(eval_rows) is first and first.persistent_workers
+    assert trainer.get_eval_dataloader(other) is not first and trainer.get_eval_dataloader(other).dataset is other
+    plain = phalanx.Trainer(TupleNet(), _args(str(tmp_path)), train_dataset=_rows(8), eval_dataset=eval_rows)
+    assert plain.get_eval_dataloader() is not plain.get_eval_dataloader()  # without workers nothing is kept
+
+
+def test_a_second_callback_of_a_class_and_an_unused_saved_state_are_said(tmp_path, monkeypatch):
+    # transformers warns on its own logger; phalanx says the same once, on phalanx's.
+    import phalanx.logging as plog
+
+    said: list[str] = []
+    monkeypatch.setattr(plog, "_WARNED", set())
+    monkeypatch.setattr(plog.get_logger(), "warning", lambda msg, *a: said.append(msg % a if a else msg))
+    args = _args(str(tmp_path), save_strategy="steps", save_steps=2, max_steps=2, per_device_train_batch_size=2)
+    trainer = phalanx.Trainer(TupleNet(), args, train_dataset=_rows(8), callbacks=[Counter()])
+    trainer.add_callback(Counter)
+    assert any("adding a second Counter" in m for m in said)
+    trainer.train()
+    said.clear()
+    asked = dataclasses.replace(args, restore_callback_states_from_checkpoint=True, max_steps=3)
+    phalanx.Trainer(TupleNet(), asked, train_dataset=_rows(8)).train(str(tmp_path / "checkpoint-2"))
+    assert any("callbacks this run does not have; not used: Counter" in m for m in said), said

@@ -44,6 +44,7 @@ from phalanx.trainer.conventions import (
     loss_of,
 )
 from phalanx.trainer.evaluation import evaluation_loop
+from phalanx.trainer.loaders import build_loader, eval_set, loader_from
 from phalanx.trainer.loss import as_sum, items_of
 from phalanx.trainer.nested import nested_map
 from phalanx.trainer.optimization import create_optimizer, create_optimizer_and_scheduler, create_scheduler
@@ -160,6 +161,7 @@ class Trainer:
         self._train_loader_raw: Any = None
         self._last_log = (0.0, 0)  # (time, optimizer step) of the last training log, for steps_per_second
         self._log_extra: dict[str, float] = {}  # what log.jsonl gets beyond the log itself
+        self._persistent_eval: dict[int, tuple[Any, DataLoader]] = {}  # eval loaders kept for persistent workers
         self._grad_norm: torch.Tensor | None = None  # the last step's global gradient norm, read when logged
         self._learning_rate = self.args.learning_rate  # the rate the last step used
         self._eval_loader: Any = None
@@ -246,23 +248,7 @@ class Trainer:
         return batch
 
     def _loader(self, dataset: Dataset, batch_size: int, shuffle: bool) -> DataLoader:
-        workers: dict[str, Any] = {}
-        if self.args.dataloader_num_workers > 0:  # torch refuses these without workers
-            workers["persistent_workers"] = self.args.dataloader_persistent_workers
-            workers["prefetch_factor"] = self.args.dataloader_prefetch_factor
-        loader = DataLoader(
-            dataset,
-            batch_size=batch_size,
-            shuffle=shuffle and not isinstance(dataset, IterableDataset),  # a stream keeps its own order
-            collate_fn=self._collate,
-            drop_last=self.args.dataloader_drop_last,  # in evaluation too, as HF
-            num_workers=self.args.dataloader_num_workers,
-            **workers,
-            pin_memory=self.args.dataloader_pin_memory and self.engine.device.type == "cuda",
-        )
-        # Not yet split over the ranks (train() prepares it); the global batch it will give, as HF's prepared one says.
-        loader.total_batch_size = batch_size * self.engine.num_processes  # type: ignore[attr-defined]
-        return loader
+        return build_loader(self.args, self.engine, self._collate, dataset, batch_size, shuffle)
 
     def get_train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
@@ -271,19 +257,16 @@ class Trainer:
 
     def get_eval_dataloader(self, eval_dataset: Dataset | dict[str, Dataset] | str | None = None) -> DataLoader:
         """A loader over ``eval_dataset``, or the Trainer's eval set, or (a name) one of its named eval sets."""
-        if isinstance(eval_dataset, str):
-            if not isinstance(self.eval_dataset, dict) or eval_dataset not in self.eval_dataset:
-                names: list[str] = sorted(self.eval_dataset) if isinstance(self.eval_dataset, dict) else []
-                raise KeyError(f"no eval set named {eval_dataset!r}: the Trainer's named eval sets are {names}")
-            eval_dataset = self.eval_dataset[eval_dataset]
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if dataset is None:
-            raise ValueError("Trainer.evaluate needs an eval_dataset (given to Trainer or to evaluate)")
-        if isinstance(dataset, dict):
-            raise TypeError(
-                f"the eval sets are named ({sorted(dataset)}): get_eval_dataloader(name) gives one set's loader"
-            )
-        return self._loader(dataset, self.args.per_device_eval_batch_size, shuffle=False)
+        dataset = eval_set(self.eval_dataset, eval_dataset)
+        if not self.args.dataloader_persistent_workers or self.args.dataloader_num_workers == 0:
+            return self._loader(dataset, self.args.per_device_eval_batch_size, shuffle=False)
+        # Persistent workers outlive an evaluation only if the loader does: one loader per eval set, as in HF (which
+        # keys it by name, so that another dataset would get the eval set's loader; here it is keyed by the set).
+        cached = self._persistent_eval.get(id(dataset))
+        if cached is None or cached[0] is not dataset:
+            loader = self._loader(dataset, self.args.per_device_eval_batch_size, shuffle=False)
+            cached = self._persistent_eval[id(dataset)] = (dataset, loader)
+        return cached[1]
 
     # ----------------------------------------------------------------------------------- optimizer, schedule
     def get_decay_parameter_names(self, model: nn.Module) -> list[str]:
@@ -326,11 +309,11 @@ class Trainer:
         if self.eval_dataset is not None:
             if isinstance(self.eval_dataset, dict):  # every named set prepared now: a resume finds them all
                 self._eval_loaders = {
-                    n: self.engine.prepare(_loader_from(self.get_eval_dataloader(n), "get_eval_dataloader"))
+                    n: self.engine.prepare(loader_from(self.get_eval_dataloader(n), "get_eval_dataloader"))
                     for n in self.eval_dataset
                 }
             else:
-                self._eval_loader = self.engine.prepare(_loader_from(self.get_eval_dataloader(), "get_eval_dataloader"))
+                self._eval_loader = self.engine.prepare(loader_from(self.get_eval_dataloader(), "get_eval_dataloader"))
         self.engine.register_for_checkpointing(TrainerStateHolder(self))
         for name in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, name, getattr(self, name))
@@ -446,7 +429,7 @@ class Trainer:
         args = self.args
         if self.model_init is not None:
             self._fresh_model()
-        self._train_loader_raw = _loader_from(self.get_train_dataloader(), "get_train_dataloader")
+        self._train_loader_raw = loader_from(self.get_train_dataloader(), "get_train_dataloader")
         streamed = isinstance(self._train_loader_raw.dataset, IterableDataset)
         if streamed:
             # A stream has no length: the run is counted in steps, and an "epoch" is the whole run (as HF counts it).
@@ -753,7 +736,7 @@ class Trainer:
         elif isinstance(eval_dataset, str) and eval_dataset in self._eval_loaders:
             loader = self._eval_loaders[eval_dataset]
         else:
-            loader = self.engine.prepare(_loader_from(self.get_eval_dataloader(eval_dataset), "get_eval_dataloader"))
+            loader = self.engine.prepare(loader_from(self.get_eval_dataloader(eval_dataset), "get_eval_dataloader"))
             if not self._prepared:
                 self.model = self.engine.prepare(self.model)
                 self._prepared = True
@@ -772,7 +755,7 @@ class Trainer:
         if not self._prepared:
             self.model = self.engine.prepare(self.model)
             self._prepared = True
-        loader = self.engine.prepare(_loader_from(self.get_eval_dataloader(test_dataset), "get_eval_dataloader"))
+        loader = self.engine.prepare(loader_from(self.get_eval_dataloader(test_dataset), "get_eval_dataloader"))
         out = self._loop(
             loader, metric_key_prefix, prediction_loss_only=False, ignore_keys=ignore_keys, predicting=True
         )
@@ -783,14 +766,3 @@ class Trainer:
         """The whole model as a directory ``from_pretrained`` loads (weights gathered under every strategy)."""
         target = self.model if self._prepared else self.engine.prepare(self.model)
         return self.engine.save_model(target, output_dir or self.output_dir)
-
-
-def _loader_from(obj: Any, method: str) -> DataLoader:
-    """What an overridden ``get_train_dataloader``/``get_eval_dataloader`` returned, if it is a torch DataLoader."""
-    if not isinstance(obj, DataLoader):
-        raise TypeError(
-            f"{method}() returned a {type(obj).__name__}, not a torch DataLoader: phalanx splits each global batch of "
-            "a DataLoader over the ranks and records its position for resuming, which it cannot do for another "
-            "iterable. Return a DataLoader (over an IterableDataset that chains your sources, for instance)"
-        )
-    return obj
