@@ -9,6 +9,19 @@ one pinned commit; ``SOURCE.md`` there says which. The second run changes only t
 ... import`` of ``Trainer, TrainingArguments, TrainerCallback, EarlyStoppingCallback, TrainerState, TrainerControl``
 or ``EvalPrediction`` (at the top of a file or inside a function) is followed by the same names from phalanx.
 
+The files used for the counts in docs/trainer.md (transformers 5.24 installed; no single commit holds them all at
+a 5.x version, so each is the latest reachable version that imports on 5.24), each from
+``https://raw.githubusercontent.com/huggingface/transformers/<commit>/tests/trainer/<file>``:
+
+    trainer_test_utils.py           fef6f3591b8998bd9ddd80b793b25e0c861ca3c7
+    test_trainer_checkpointing.py   abee4b14abf32637fe72990d0c409eaba189b31a
+    test_trainer_data.py            003432ac431659ea2564483634f35e4a2ee4c391
+    test_trainer_optimizers.py      0d7e95d96b4e187c651e2b2406ed98ed40d74963
+    test_trainer_callback.py        020a37d2264e60dc7beb9634c3e87ad870073e2c
+    test_trainer_evaluation.py      0941546be77e98e3382d8467bbd98f892cfeda3d  (does not import on 5.24: GlueDataset)
+
+with empty ``tests/__init__.py`` and ``tests/trainer/__init__.py``, and ``parameterized`` installed.
+
 A test counts when it passes as transformers wrote it and builds one of those objects (the first run records which
 tests do); the script prints how many of those pass with phalanx's names, and each failure's first line, grouped.
 """
