@@ -414,7 +414,8 @@ def _items_inside_no_sync() -> float:
 
 
 def _two_optimizers_fp16_clip() -> dict:
-    engine = phalanx.Engine(precision="fp16-mixed")
+    # At the default scale of 65536 the bias gradient (1 x 65536) overflows fp16 and the step is skipped.
+    engine = phalanx.Engine(precision="fp16-mixed", loss_scale_init=4096.0)
     torch.manual_seed(0)
     a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
     opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)

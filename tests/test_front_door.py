@@ -3,6 +3,7 @@ says so once, with the fix (issue: the front door). Each test is one row of what
 
 from __future__ import annotations
 
+import copy
 import json
 import warnings
 
@@ -74,6 +75,37 @@ def _backward_without_prepare() -> str:
     except RuntimeError as e:
         return str(e)
     return "no error"
+
+
+def _backward_beside_an_unprepared_model(strategy: str, accum: int) -> tuple[float, float]:
+    # Accelerate's test_sync: engine.backward on a prepared model and on a plain one, each rank with its own data.
+    engine = phalanx.Engine(strategy=strategy, grad_accum_steps=accum)
+    rank, world = engine.process_index, engine.num_processes
+    torch.manual_seed(0)
+    plain = OddNet()
+    prepared, reference, everyone = (copy.deepcopy(plain) for _ in range(3))
+    prepared, _ = engine.prepare(prepared, torch.optim.SGD(prepared.parameters(), lr=0.1))
+    x, y = make_data(8 * world)
+    mine = slice(8 * rank, 8 * rank + 8)
+    for _ in range(accum):
+        with engine.accumulate(prepared):
+            engine.backward(F.mse_loss(plain(x[mine]), y[mine]))
+            engine.backward(F.mse_loss(prepared(x[mine]), y[mine]))
+    F.mse_loss(reference(x[mine]), y[mine]).backward()  # this rank's data, once
+    F.mse_loss(everyone(x), y).backward()  # every rank's data
+    # The plain model keeps its own gradients (the window's micro-batches add up to one batch's, as in Accelerate);
+    # the prepared one holds the mean over the ranks.
+    off_plain = max((p.grad - r.grad).abs().max().item() for p, r in zip(plain.parameters(), reference.parameters()))
+    mean = [p.grad for p in everyone.parameters()]
+    off_mean = max((p.grad - m).abs().max().item() for p, m in zip(engine.unwrap_model(prepared).parameters(), mean))
+    return off_plain, off_mean
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_backward_on_a_model_that_was_not_prepared_gives_its_plain_gradients(run_ranks, accum):
+    for off_plain, off_mean in run_ranks(_backward_beside_an_unprepared_model, 2, "ddp", accum):
+        assert off_plain < 1e-6, off_plain  # it used to be divided by the world size (2)
+        assert off_mean < 1e-6, off_mean
 
 
 def test_backward_on_an_unprepared_model_on_two_ranks_is_refused(run_ranks):

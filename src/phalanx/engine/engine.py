@@ -324,13 +324,14 @@ class Engine:
         boundary = self.sync_gradients and self._no_sync_depth == 0  # this backward reduces the gradients
         # The factors below follow the one gradient scale contract, written in strategies/_grads.py.
         if mode == "mean":
-            # Averaging over the window and the replicas is folded into the loss: a scalar multiply here
-            # instead of a pass over every gradient before the all-reduce.
+            # Averaging over the window is folded into the loss, as Accelerate divides it; averaging over the
+            # replicas happens in the reduction, so that a model that was not prepared (and is not reduced) gets
+            # plain gradients, not gradients divided by the world size.
             accum = self.config.grad_accum_steps if in_window else 1
-            loss = loss * (1.0 / (accum * self.topology.dp_size))
+            loss = loss * (1.0 / accum) if accum > 1 else loss
             if boundary:
                 # A short last window (the DataLoader ran out) still averages over the micro-batches it had.
-                self.strategy.set_grad_scale(accum / window_len)
+                self.strategy.set_grad_scale(accum / (window_len * self.topology.dp_size))
         else:
             n = torch.as_tensor(items, dtype=torch.float64, device=self.device).reshape(())
             self._window_items = n if self._window_items is None else self._window_items + n

@@ -6,9 +6,10 @@ A reduction *sums* gradients over the data-parallel group. What turns that sum i
 meant is one factor per accumulation window, held by a :class:`GradScale` that every strategy owns:
 
 - Whoever drives backward sets the factor before the window's last backward (``strategy.set_grad_scale``):
-  - the Engine, for a mean loss, multiplies every micro-batch's loss by ``1/(grad_accum_steps x dp)`` (a
-    scalar multiply instead of a pass over every gradient) and sets the factor to
-    ``grad_accum_steps / micro-batches in this window`` (1, except for a short last window);
+  - the Engine, for a mean loss, multiplies every micro-batch's loss by ``1/grad_accum_steps`` (as Accelerate
+    does) and sets the factor to ``grad_accum_steps / (micro-batches in this window x dp)`` (``1/dp``, except for a
+    short last window). The ``1/dp`` stays out of the loss so that a model the engine does not reduce (one that was
+    not prepared) gets its plain gradients;
   - the Engine, for ``backward(loss_sum, items=n)``, leaves the loss alone and sets the factor to
     ``1 / (items summed over the window and the data-parallel group)``;
   - the pipeline schedule divides each micro-batch's mean loss by the number of micro-batches and sets the
