@@ -118,3 +118,36 @@ def test_two_sources_for_one_optimizer_are_refused(tmp_path):
         _train({"config_file": str(tmp_path / "ds.json")}, False)
     with pytest.raises(ConfigError, match="DummyOptim stands for the optimizer block"):
         _train({}, True)
+
+
+def _stock_lrs(warmup: int, config: str | None) -> list[float]:
+    engine = phalanx.Engine(seed=0, **({"config_file": config} if config else {"strategy": "zero2"}))
+    model = OddNet()
+    adam = {"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+    if config:  # the blocks of the file, every value "auto", filled as Accelerate fills them
+        optimizer = phalanx.DummyOptim(model.parameters(), **adam)
+        scheduler = phalanx.DummyScheduler(optimizer, warmup_num_steps=warmup)
+    else:  # the same written out: from 0 to the optimizer's lr, over at least one step
+        optimizer = torch.optim.AdamW(model.parameters(), **adam)
+        block = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.01,
+                                                "warmup_num_steps": max(1, warmup)}}  # fmt: skip
+        scheduler = build_scheduler(block, optimizer)
+    model, optimizer, scheduler = engine.prepare(model, optimizer, scheduler)
+    x, y = make_data(4)
+    lrs = []
+    for _ in range(5):
+        engine.backward(F.mse_loss(model(x), y))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        lrs.append(optimizer.param_groups[0]["lr"])
+    return lrs
+
+
+@pytest.mark.parametrize("warmup", [0, 4])
+def test_the_stock_hf_deepspeed_config_trains_with_accelerate_s_fill(warmup):
+    # transformers' ds_config_zero2.json shape (every optimizer and scheduler value "auto"), driven as Accelerate
+    # scripts drive it: DummyOptim and DummyScheduler. It used to stop at prepare ("nothing fills it").
+    filled = _stock_lrs(warmup, str(DATA / "hf_stock_zero2.json"))
+    assert filled == _stock_lrs(warmup, None)
+    assert filled[-1] == pytest.approx(0.01) and filled[0] < 0.01  # warmed up to the optimizer's lr

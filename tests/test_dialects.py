@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from phalanx.config.settings import ConfigError, resolve_config
 
@@ -223,6 +224,39 @@ def test_fp16_block_sets_deepspeeds_loss_scaling(tmp_path):
     assert (e.loss_scale_init, e.loss_scale_window, e.loss_scale_hysteresis, e.loss_scale_min) == (4096.0, 1000, 2, 1.0)
 
 
+def test_deepspeed_autos_are_filled_as_accelerate_fills_them(tmp_path, monkeypatch):
+    # A stage or an offload device written "auto" is filled from Accelerate's plugin (its launcher's environment,
+    # else stage 2 and no offload). It used to leave the stage unset: the run was ddp, silently.
+    ds = {"zero_optimization": {"stage": "auto", "offload_optimizer": {"device": "auto"}}}
+    path = _write(tmp_path, "ds.json", json.dumps(ds))
+    for variable in ("ACCELERATE_DEEPSPEED_ZERO_STAGE", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"):
+        monkeypatch.delenv(variable, raising=False)
+    cfg = resolve_config(file=path, env={})
+    assert (cfg.engine.strategy, cfg.engine.offload) == ("zero2", "none")
+    assert '"auto": 2, as Accelerate fills it' in _origin(cfg, "strategy")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "cpu")
+    cfg = resolve_config(file=path, env={})
+    assert (cfg.engine.strategy, cfg.engine.offload) == ("zero3", "cpu")
+
+
+def test_deepspeed_settings_that_phalanx_can_map_are_mapped(tmp_path):
+    ds = {
+        "zero_optimization": {"stage": 2, "cpu_offload": True, "reduce_bucket_size": 0},  # DeepSpeed's old spelling
+        "torch_autocast": {"enabled": True, "dtype": "bfloat16"},
+        "tensor_parallel": {"autotp_size": 1},  # no tensor parallelism asked for
+        "quantize_training": {"enabled": False},
+        "seq_parallel_communication_data_type": "fp32",
+    }
+    cfg = resolve_config(file=_write(tmp_path, "ds.json", json.dumps(ds)), env={})
+    assert (cfg.engine.strategy, cfg.engine.offload, cfg.engine.precision) == ("zero2", "cpu", "bf16-mixed")
+    assert {"tensor_parallel", "quantize_training", "seq_parallel_communication_data_type"} <= _ignored(cfg)
+    from phalanx.config.dialects.deepspeed_blocks import build_optimizer
+
+    with pytest.raises(ConfigError, match="1-bit compressed communication"):
+        build_optimizer({"type": "OneBitAdam", "params": {"lr": 1e-3}}, [torch.nn.Parameter(torch.zeros(1))])
+
+
 def test_loss_scaling_outside_fp16_is_an_error():
     with pytest.raises(ConfigError, match="loss_scale_window=100 applies to precision='fp16-mixed' only"):
         resolve_config(env={}, cli={"loss_scale_window": 100})
@@ -249,6 +283,14 @@ def test_loss_scaling_outside_fp16_is_an_error():
         ({"amp": {"enabled": True}}, "Apex"),
         ({"sparse_attention": {"enabled": True}}, "sparse_attention is enabled"),
         ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "does not quantise"),
+        # Features DeepSpeed has and phalanx lacks are named as DeepSpeed names them, not called typos.
+        ({"tensor_parallel": {"autotp_size": 2}}, r"AutoTP tensor parallelism \(tensor_parallel.autotp_size\)"),
+        ({"quantize_training": {"enabled": True}}, "quantization-aware training"),
+        ({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}}}, "ZenFlow"),
+        ({"torch_autocast": {"enabled": True, "dtype": "torch.float16"}}, "without a loss scaler"),
+        # They used to be accepted, and the run kept fp32 master weights without a word.
+        ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}, "keeps master weights and gradients in"),
+        ({"bf16": {"enabled": True, "bf16_optimizer_states": True}}, "keeps the optimizer state in bf16"),
     ],
 )
 def test_deepspeed_values_phalanx_cannot_honour_are_errors(tmp_path, ds, match):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,10 @@ _IGNORED = {
     "wall_clock_breakdown": "benchmarks/ measures phalanx against its peers",
     "memory_breakdown": "engine.memory_report() gives the per-rank memory",
     "dump_state": "phalanx config prints the resolved settings",
-    "prescale_gradients": "phalanx folds the averaging into the loss before the reduction",
-    "gradient_predivide_factor": "phalanx folds the averaging into the loss before the reduction",
+    "prescale_gradients": "phalanx averages in the reduction: each bucket is scaled, then all-reduced",
+    "gradient_predivide_factor": "phalanx averages in the reduction: each bucket is scaled, then all-reduced",
+    "seq_parallel_communication_data_type": "the dtype of DeepSpeed-Ulysses sequence parallelism, which phalanx "
+    "does not have (nothing here uses it)",
     "zero_force_ds_cpu_optimizer": "phalanx steps your own optimizer on the host shard",
     "tensorboard": "phalanx's tracking writes TensorBoard when it is installed",
     "wandb": "use phalanx's tracking (JSONL, TensorBoard)",
@@ -51,10 +54,15 @@ _IGNORED = {
     "eigenvalue": "DeepSpeed's eigenvalue analysis",
     "progressive_layer_drop": "DeepSpeed's progressive layer drop",
 }
+# DeepSpeed features phalanx lacks, by the block that asks for them: refused when on, noted when off.
+_FEATURES = {
+    "tensor_parallel": ("AutoTP tensor parallelism (tensor_parallel.autotp_size)", "autotp_size"),
+    "quantize_training": ("quantization-aware training (quantize_training)", "enabled"),
+}
 _MAPPED = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping", "fp16",
     "bf16", "bfloat16", "zero_optimization", "optimizer", "scheduler", "zero_allow_untested_optimizer",
-    "communication_data_type", "amp", "fp8",
+    "communication_data_type", "amp", "fp8", "torch_autocast", *_FEATURES,
 }  # fmt: skip
 _ZERO_IGNORED = {
     "allgather_bucket_size": "phalanx gathers per bucket (zero1/2) or per unit (zero3)",
@@ -83,7 +91,6 @@ _ZERO_REFUSED = {
     "zero_quantized_weights": (False, "phalanx does not quantise communication; use comm_dtype bf16"),
     "zero_quantized_gradients": (False, "phalanx does not quantise communication; use comm_dtype bf16"),
     "mics_shard_size": (-1, "phalanx shards over all data-parallel ranks (no MiCS groups)"),
-    "cpu_offload": (False, "write offload_optimizer: {device: cpu} instead"),
 }
 _COMM_DTYPES = {"fp16": "fp16", "float16": "fp16", "half": "fp16", "bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32",
                 "float32": "fp32", "float": "fp32"}  # fmt: skip
@@ -124,6 +131,15 @@ def from_deepspeed(data: dict[str, Any], where: str) -> Mapped:
                 f"DeepSpeed config {where}: unknown key {key!r}; {hint}(DeepSpeed would silently ignore "
                 "it; phalanx refuses, so that a misspelt setting is not dropped)"
             )
+    for key, (feature, switch) in _FEATURES.items():
+        block = data.get(key)
+        if block is None:
+            continue
+        on = block.get(switch) if isinstance(block, dict) else block
+        if on not in (None, False, 0, 1) or on is True:
+            raise ConfigError(f"DeepSpeed config {where}: {key} asks for {feature}, which phalanx does not have")
+        out.ignore(key, f"off: {feature} is not used")
+    _map_torch_autocast(data.get("torch_autocast"), out, where)
     for key, why in _IGNORED.items():
         if key in data:
             block = data[key]
@@ -157,10 +173,12 @@ def from_deepspeed(data: dict[str, Any], where: str) -> Mapped:
     zero = data.get("zero_optimization", {})
     if not isinstance(zero, dict):
         raise ConfigError(f"DeepSpeed config {where}: zero_optimization must be an object; got {zero!r}")
-    stage = zero.get("stage", 0)
-    strategy = None if is_auto(stage) else strategy_from_zero_stage(stage, "zero_optimization.stage")
-    if strategy is not None:
-        out.set("strategy", strategy, "zero_optimization.stage")
+    stage, stage_source = zero.get("stage", 0), "zero_optimization.stage"
+    if is_auto(stage):  # Accelerate's fill: its plugin's zero_stage, from the launcher's environment, else 2
+        stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))
+        stage_source += f' ("auto": {stage}, as Accelerate fills it from ACCELERATE_DEEPSPEED_ZERO_STAGE, else 2)'
+    strategy = strategy_from_zero_stage(stage, "zero_optimization.stage")
+    out.set("strategy", strategy, stage_source)
     _map_zero(zero, strategy, out)
     if "zero_allow_untested_optimizer" in data and strategy not in (None, "ddp"):
         out.set(
@@ -204,6 +222,7 @@ def _map_precision(data: dict[str, Any], out: Mapped) -> None:
         raise ConfigError("DeepSpeed config: fp16 and bf16 are both enabled; enable one of them")
     if bf16:
         out.set("precision", "bf16-mixed", "bf16.enabled")
+        _check_bf16_block(data.get("bf16", data.get("bfloat16")), out)
     elif fp16:
         out.set("precision", "fp16-mixed", "fp16.enabled")
         _map_loss_scale(data["fp16"], out)
@@ -211,6 +230,48 @@ def _map_precision(data: dict[str, Any], out: Mapped) -> None:
         out.set("precision", "fp32", "fp16.enabled / bf16.enabled")
     if "fp16" in data and not fp16:
         out.ignore("fp16", "auto: precision comes from the other settings" if fp16 is None else "not enabled")
+
+
+def _map_torch_autocast(block: Any, out: Mapped, where: str) -> None:
+    """DeepSpeed's torch_autocast: autocast of the forward without a loss scaler, which bf16-mixed is."""
+    if block is None:
+        return
+    if not isinstance(block, dict) or not block.get("enabled", False):
+        out.ignore("torch_autocast", "not enabled")
+        return
+    dtype = str(block.get("dtype", "bfloat16")).replace("torch.", "").lower()
+    if dtype not in ("bfloat16", "bf16"):
+        raise ConfigError(
+            f"DeepSpeed config {where}: torch_autocast with dtype {block.get('dtype')!r} autocasts to fp16 without a "
+            'loss scaler, which phalanx does not do; use "fp16": {"enabled": true} (with loss scaling) or '
+            'torch_autocast dtype "bfloat16"'
+        )
+    out.set("precision", "bf16-mixed", "torch_autocast (bfloat16)")
+
+
+def _check_bf16_block(block: Any, out: Mapped) -> None:
+    """DeepSpeed's bf16 options beyond ``enabled``: the ones that change what is kept in bf16 are refused (phalanx
+    keeps fp32 master weights, gradients and optimizer state under bf16-mixed), the others noted."""
+    if not isinstance(block, dict):
+        return
+    for key, value in block.items():
+        if key == "enabled":
+            continue
+        if key in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
+            if value:
+                what = "master weights and gradients" if "master" in key else "the optimizer state"
+                raise ConfigError(
+                    f"DeepSpeed config: bf16.{key}=true keeps {what} in bf16, and phalanx has no such mode: under "
+                    f"bf16-mixed it keeps them in fp32 (more memory, exact updates). Set {key} to false or leave it out"
+                )
+            out.ignore(f"bf16.{key}", "false: fp32, as phalanx keeps them")
+        elif key in ("immediate_grad_update", "check_grad_overflow"):
+            out.ignore(f"bf16.{key}", "phalanx's bf16-mixed applies each window's gradients at the optimizer step")
+        else:
+            raise ConfigError(
+                f"DeepSpeed config: bf16.{key} is a bf16 option phalanx does not know; known: enabled, "
+                "bf16_master_weights_and_grads, bf16_optimizer_states, immediate_grad_update, check_grad_overflow"
+            )
 
 
 # DeepSpeed's loss scaler defaults, used when the fp16 block is enabled and leaves a key out.
@@ -258,6 +319,15 @@ def _map_zero(zero: dict[str, Any], strategy: str | None, out: Mapped) -> None:
             if value not in (default, None, 0) or (value is True):
                 raise ConfigError(f"DeepSpeed config: {name}={value!r} cannot be honoured: {why}")
             out.ignore(name, f"{value!r}: off")
+        elif key == "cpu_offload":  # DeepSpeed's older spelling of offload_optimizer: {device: cpu}
+            if value:
+                opt_dev = "cpu"
+            out.ignore(name, "true: the optimizer is offloaded to the CPU" if value else "false: no offload")
+        elif key == "zenflow":
+            raise ConfigError(
+                f"DeepSpeed config: {name} asks for ZenFlow's stall-free offloading, which phalanx does not have; "
+                'use "offload_optimizer": {"device": "cpu"}'
+            )
         elif key in ("offload_optimizer", "offload_param"):
             device, path = _offload_block(value, name)
             if key == "offload_optimizer":
@@ -267,8 +337,8 @@ def _map_zero(zero: dict[str, Any], strategy: str | None, out: Mapped) -> None:
             if path is not None and device == "disk":
                 out.set("offload_dir", path, f"{name}.nvme_path")
         elif key == "reduce_bucket_size":
-            if is_auto(value):
-                out.ignore(name, "auto: phalanx's bucket_mb default")
+            if is_auto(value) or value in (0, None):
+                out.ignore(name, f"{value!r}: phalanx's bucket_mb default")
             else:
                 # DeepSpeed counts elements; phalanx sizes buckets in MiB of fp32 gradients.
                 out.set("bucket_mb", float(value) * 4 / _MIB, f"{name} (elements x 4 bytes)")
@@ -288,6 +358,8 @@ def _map_zero(zero: dict[str, Any], strategy: str | None, out: Mapped) -> None:
                     "reduce_bucket_size",
                     "reduce_scatter",
                     "ignore_unused_parameters",
+                    "cpu_offload",
+                    "zenflow",
                 }
                 | set(_ZERO_IGNORED)
                 | set(_ZERO_REFUSED)
@@ -320,6 +392,9 @@ def _offload_block(block: Any, name: str) -> tuple[str, str | None]:
             "phalanx offloads all of it: use 1.0"
         )
     device = str(block.get("device", "none")).lower()
+    if device == "auto":  # Accelerate's fill: the launcher's environment, else none
+        variable = f"ACCELERATE_DEEPSPEED_{name.split('.')[-1].upper()}_DEVICE"
+        device = os.environ.get(variable, "none").lower()
     mapping = {"none": "none", "cpu": "cpu", "nvme": "disk"}
     if device not in mapping:
         raise ConfigError(f"invalid {name}.device: got {block.get('device')!r} (use none, cpu or nvme)")

@@ -67,6 +67,9 @@ _REFUSED_OPTIMIZERS = {
     "muadam": "the mup package",
     "muadamw": "the mup package",
     "musgd": "the mup package",
+    "onebitadam": "DeepSpeed's 1-bit compressed communication (phalanx has no 1-bit optimizers)",
+    "onebitlamb": "DeepSpeed's 1-bit compressed communication (phalanx has no 1-bit optimizers)",
+    "zerooneadam": "DeepSpeed's 0/1 Adam compressed communication (phalanx has no 1-bit optimizers)",
 }
 _WARMUP: dict[str, Any] = {
     "warmup_min_lr": 0.0,
@@ -484,7 +487,8 @@ def _check_settings(name: str, s: dict[str, Any]) -> None:
             need(_is_number(value) or (value is None and default is None), key, "write a number")
     need(_is_whole(s["last_batch_iteration"], -1), "last_batch_iteration", "write -1 to start, or the last batch index")
     if "warmup_num_steps" in s:
-        need(_is_whole(s["warmup_num_steps"], 1), "warmup_num_steps", "write a positive whole number of steps")
+        # 0 is DeepSpeed's "no warmup" from before 0.19.6: its log warmup then runs over its floor of 2 steps.
+        need(_is_whole(s["warmup_num_steps"], 0), "warmup_num_steps", "write a whole number of steps, 0 or more")
         need(s["warmup_type"] in ("log", "linear"), "warmup_type", 'use "log" or "linear"')
     if "total_num_steps" in s:
         need(s["total_num_steps"] >= 0, "total_num_steps", "write the number of optimizer steps in the run")

@@ -91,9 +91,12 @@ def realise_scheduler(scheduler: Any, deepspeed: str | None) -> Any:
             optimizer = optimizer.optimizer  # a prepared optimizer: the scheduler drives the user's own
         from phalanx.config.dialects.deepspeed_blocks import build_scheduler
 
+        # Accelerate's fill: the warmup from 0 to the optimizer's lr, over at least one step (DeepSpeed refuses 0).
         auto = {
+            "warmup_min_lr": 0.0,
+            "lr": float(optimizer.defaults["lr"]),
             **scheduler.kwargs,
-            "warmup_num_steps": scheduler.warmup_num_steps,
+            "warmup_num_steps": max(1, int(scheduler.warmup_num_steps or 0)),
             "total_num_steps": scheduler.total_num_steps,
         }
         return build_scheduler(
