@@ -149,13 +149,18 @@ def test_accelerate_multi_cpu_and_use_cpu_pin_the_device(tmp_path):
     assert cfg.engine.device == "cpu"
 
 
-def test_accelerate_yaml_naming_a_deepspeed_json(tmp_path):
+def test_accelerate_yaml_naming_a_deepspeed_json(tmp_path, monkeypatch):
     (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 1}, "gradient_accumulation_steps": 2}))
     text = (
         _BASE
         + "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: ds.json\n  zero3_init_flag: false\n"
     )
-    cfg = resolve_config(file=_write(tmp_path, "a.yaml", text), env={})
+    yaml = _write(tmp_path, "a.yaml", text)
+    # Accelerate opens deepspeed_config_file from the working directory, not from the YAML's folder.
+    with pytest.raises(ConfigError, match="is not in the working directory.*there is one next to the YAML"):
+        resolve_config(file=yaml, env={})
+    monkeypatch.chdir(tmp_path)
+    cfg = resolve_config(file=yaml, env={})
     assert (cfg.engine.strategy, cfg.engine.grad_accum_steps) == ("zero1", 2)
     assert "deepspeed_config_file: zero_optimization.stage" in _origin(cfg, "strategy")
 

@@ -25,6 +25,7 @@ def _no_phalanx_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in list(os.environ):
         if var.startswith("PHALANX_"):
             monkeypatch.delenv(var)
+    monkeypatch.setenv("HF_HOME", os.path.join(os.sep, "nonexistent-hf-home"))  # no Accelerate default config
 
 
 def _config(capsys: pytest.CaptureFixture[str], *flags: str) -> dict[str, tuple[str, str]]:
@@ -143,6 +144,26 @@ def test_config_file_is_accelerates_spelling_of_config(capsys, tmp_path):
     config.write_text("seed: 7\nlaunch:\n  nproc_per_node: 3\n")
     assert _config(capsys, "--config_file", str(config)) == _config(capsys, "--config", str(config))
     assert _config(capsys, "--config_file", str(config))["seed"] == ("7", str(config))
+
+
+def test_accelerate_s_default_config_is_read_when_no_config_is_given(capsys, tmp_path, monkeypatch):
+    # accelerate launch reads $HF_HOME/accelerate/default_config.yaml when given no --config_file (not with --cpu);
+    # phalanx used to ignore it, and ran fp32 on one process where the file asked for bf16 on two.
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    default = tmp_path / "hf" / "accelerate" / "default_config.yaml"
+    assert _config(capsys)["precision"][1] == "default"  # no file there: nothing read
+    default.parent.mkdir(parents=True)
+    default.write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nmixed_precision: bf16\n"
+        "num_machines: 1\nnum_processes: 2\nmachine_rank: 0\n"
+    )
+    table = _config(capsys)
+    assert table["precision"][0] == "'bf16-mixed'" and table["precision"][1].startswith(str(default))
+    assert table["launch.nproc_per_node"][0] == "2"
+    mine = tmp_path / "phalanx.yaml"
+    mine.write_text("seed: 7\n")
+    assert not _config(capsys, "--config", str(mine))["precision"][1].startswith(str(default))  # a given file wins
+    assert not _config(capsys, "--cpu")["precision"][1].startswith(str(default))  # as accelerate launch --cpu
 
 
 def test_num_processes_counts_the_machines_in_the_config_file(capsys, tmp_path):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,7 @@ from phalanx.config.settings import (
     engine_fields,
     resolve_config,
 )
+from phalanx.logging import get_logger
 
 __all__ = ["add_engine_flags", "add_launch_flags", "add_dialect_flags", "resolve_flags", "flag_spellings"]
 
@@ -192,6 +194,14 @@ def resolve_flags(ns: argparse.Namespace) -> PhalanxConfig:
     # A DeepSpeed JSON (--deepspeed, --deepspeed_config_file) is the cli layer's "deepspeed" setting.
     cli = {target: given.one(target) for target in given.by_target if not target.startswith("(")}
     file = given.one(CONFIG_FILE)
+    if file is None and cli.get("device") != "cpu":  # accelerate launch reads its default config then (not with --cpu)
+        file = accelerate_default_config()
+        if file is not None:
+            get_logger().warning(
+                "no --config given: reading Accelerate's default config %s, as accelerate launch does (pass --config "
+                "FILE to use another)",
+                file,
+            )
     total = given.one(TOTAL_PROCESSES)
     if total is not None:
         # The flags or the config file may name the machines (as N or MIN:MAX): read them, with the total on one
@@ -209,6 +219,15 @@ def resolve_flags(ns: argparse.Namespace) -> PhalanxConfig:
             f"--standalone runs one node, and nnodes={cfg.launch.nnodes}; drop --standalone, or --nnodes for one node"
         )
     return cfg
+
+
+def accelerate_default_config() -> str | None:
+    """The file ``accelerate config`` writes and ``accelerate launch`` reads when given none, if it exists:
+    ``$HF_HOME/accelerate/default_config.yaml`` (``HF_HOME`` defaults to ``$XDG_CACHE_HOME/huggingface``, and that
+    to ``~/.cache/huggingface``)."""
+    home = os.environ.get("HF_HOME", os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface"))
+    path = os.path.join(os.path.expanduser(home), "accelerate", "default_config.yaml")
+    return path if os.path.isfile(path) else None
 
 
 def _per_node(total: int, nnodes: int, nproc_given: int | None) -> int:

@@ -210,7 +210,14 @@ def _map_deepspeed(ds: dict[str, Any], out: Mapped, where: str, read_json: Calla
                 f"accelerate config: deepspeed_config_file={file!r} and the keys {', '.join(inline)} "
                 "both configure DeepSpeed; keep them in the JSON file only (Accelerate refuses this too)"
             )
-        path = Path(where).parent / file if not Path(file).is_absolute() else Path(file)
+        path = Path(file)  # Accelerate opens it as given: relative to the working directory, not to the YAML
+        beside = Path(where).parent / file
+        if not path.is_file() and not path.is_absolute() and beside.is_file():
+            raise ConfigError(
+                f"accelerate config {where}: deepspeed_config_file={file!r} is not in the working directory "
+                f"({Path.cwd()}), where Accelerate looks for it; there is one next to the YAML ({beside}). Run from "
+                "there, or write the path from the working directory (or an absolute one)"
+            )
         out.merge(from_deepspeed(read_json(str(path)), str(path)), prefix="deepspeed_config_file: ")
         out.set("deepspeed", str(path), "deepspeed_config_file")
     else:
