@@ -109,11 +109,21 @@ _BASE = "compute_environment: LOCAL_MACHINE\nnum_machines: 1\nnum_processes: 2\n
         ("distributed_type: MULTI_GPU\ngpu_ids: 0,1\n", "CUDA_VISIBLE_DEVICES=0,1"),
         ("distributed_type: MULTI_GPU\nnum_procesess: 2\n", "did you mean 'num_processes'"),
         ("distributed_type: FSDP\nfsdp_config:\n  fsdp_activation_checkpointing: true\n", "torch.utils.checkpoint"),
+        # It was dropped with an "ignored" note, and the job would have waited for machines nobody started.
+        ("distributed_type: MULTI_CPU\nmpirun_config:\n  mpirun_hostfile: hosts\n", "mpirun -f hosts -n"),
+        ("distributed_type: FSDP\nfsdp_config:\n  fsdp_ignored_modules: [head]\n", "shards every module"),
     ],
 )
 def test_accelerate_values_phalanx_cannot_honour_are_errors(tmp_path, extra, match):
     with pytest.raises(ConfigError, match=match):
         resolve_config(file=_write(tmp_path, "a.yaml", _BASE + extra), env={})
+
+
+def test_accelerate_values_that_mean_nothing_asked_are_accepted(tmp_path):
+    text = _BASE + "distributed_type: FSDP\nfsdp_config:\n  fsdp_ignored_modules: null\nmpirun_config: {}\n"
+    cfg = resolve_config(file=_write(tmp_path, "a.yaml", text), env={})
+    assert cfg.engine.strategy == "zero3"
+    assert {"fsdp_config.fsdp_ignored_modules", "mpirun_config"} <= _ignored(cfg)
 
 
 def test_accelerate_total_processes_must_divide_over_machines(tmp_path):

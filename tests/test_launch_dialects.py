@@ -114,6 +114,7 @@ def _error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
         (["--mixed_precision", "fp16"], {"precision": "'fp16-mixed'"}),
         (["--mixed_precision", "no", "--precision", "fp32"], {"precision": "'fp32'"}),
         (["--gradient_accumulation_steps", "4"], {"grad_accum_steps": "4"}),
+        (["--gradient_clipping", "1.0"], {"max_grad_norm": "1.0"}),  # it was an unknown flag
         (["--use_deepspeed", "--zero_stage", "3"], {"strategy": "'zero3'"}),
         (["--zero_stage", "0"], {"strategy": "'ddp'"}),
         (["--zero_stage", "1", "--strategy", "zero1"], {"strategy": "'zero1'"}),

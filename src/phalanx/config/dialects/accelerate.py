@@ -56,7 +56,7 @@ _IGNORED_TOP = {
     "debug": "Accelerate's collective shape checks; phalanx checks shapes in its own collectives",
     "enable_cpu_affinity": "phalanx sets OMP_NUM_THREADS per rank and leaves affinity to the OS",
     "ipex_config": "Intel extension settings; phalanx does not use IPEX",
-    "mpirun_config": "phalanx launch starts the processes (Engine also runs under mpirun, from its environment)",
+    "mpirun_config": "no hostfile: phalanx launch starts the processes of this machine",
     "commands": "TPU pod commands",
     "command_file": "TPU pod commands",
     "megatron_lm_config": "read only with distributed_type MEGATRON_LM",
@@ -107,6 +107,18 @@ def from_accelerate(data: dict[str, Any], where: str, read_json: Callable[[str],
         _map_deepspeed(data.get("deepspeed_config") or {}, out, where, read_json)
     elif data.get("deepspeed_config"):
         out.ignore("deepspeed_config", f"read only with distributed_type DEEPSPEED; got {dtype}")
+    hostfile = (
+        (data.get("mpirun_config") or {}).get("mpirun_hostfile")
+        if isinstance(data.get("mpirun_config"), dict)
+        else None
+    )
+    if hostfile:
+        raise ConfigError(
+            f"accelerate config {where}: mpirun_config.mpirun_hostfile={hostfile!r} asks Accelerate to start the "
+            "processes of several machines through mpirun, which phalanx launch does not do. Start them with mpirun "
+            f"yourself (the Engine reads its environment): mpirun -f {hostfile} -n <processes> python train.py, or "
+            "run phalanx launch --nnodes N --node-rank R --master-addr ADDR train.py on each machine"
+        )
     if dtype == "FSDP":
         _map_fsdp(data.get("fsdp_config") or {}, out)
     elif data.get("fsdp_config"):
@@ -338,6 +350,13 @@ def _map_fsdp(fsdp: dict[str, Any], out: Mapped) -> None:
                     "torch.utils.checkpoint.checkpoint in the model, and set it false",
                 )
             out.ignore(name, "false")
+        elif key == "fsdp_ignored_modules":
+            if value not in (None, [], ""):
+                raise ConfigError(
+                    f"accelerate config: {name}={value!r} leaves modules out of sharding, and phalanx's zero3 shards "
+                    "every module; remove the key, or train those modules' owner outside the prepared model"
+                )
+            out.ignore(name, f"{value!r}: no module is left out")
         elif key in ("fsdp_state_dict_type",):
             out.ignore(
                 name,

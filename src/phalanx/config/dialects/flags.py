@@ -77,6 +77,16 @@ def _zero_stage(text: str, spelling: str) -> str:
     return strategy_from_zero_stage(text, key=spelling)
 
 
+def _positive_float(text: str, spelling: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError(f"invalid {spelling}: got {text!r} (a positive number, e.g. {spelling} 1.0)")
+    return value
+
+
 def _cpu(text: str, spelling: str) -> str:
     return "cpu"
 
@@ -117,6 +127,14 @@ DIALECT_FLAGS: tuple[DialectFlag, ...] = (
         metavar="{" + ",".join(ACCELERATE_PRECISIONS) + "}",
     ),
     DialectFlag("--gradient_accumulation_steps", "Accelerate", "grad_accum_steps", "= --grad-accum-steps"),
+    DialectFlag(
+        "--gradient_clipping",
+        "Accelerate",
+        "max_grad_norm",
+        "= --max-grad-norm (Accelerate's DeepSpeed clipping)",
+        _positive_float,
+        metavar="NORM",
+    ),
     DialectFlag(
         "--use_deepspeed",
         "Accelerate",
