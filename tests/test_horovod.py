@@ -188,6 +188,47 @@ def test_collectives_values_and_gradients(run_ranks):
         assert res["last_joined"] == results[0]["last_joined"] and 0 <= res["last_joined"] < 3
 
 
+def _mismatches() -> dict:
+    # Each call below differs between the ranks; Horovod's coordinator refuses each, on every rank.
+    hvd.init()
+    rank = hvd.rank()
+    calls = {
+        "dtype": lambda: hvd.allreduce(torch.ones(3, dtype=torch.int32 if rank == 0 else torch.float32)),
+        "same_numel": lambda: hvd.allreduce(torch.ones((2, 3) if rank == 0 else (3, 2))),
+        "size": lambda: hvd.allreduce(torch.ones(3 + rank)),  # gloo used to abort the process
+        "root": lambda: hvd.broadcast(torch.ones(2), root_rank=rank),  # used to hang until the watchdog
+        "broadcast_shape": lambda: hvd.broadcast_(torch.ones(2 + rank), root_rank=0),
+        "gather_trailing": lambda: hvd.allgather(torch.ones(2, 2 + rank)),
+        "op": lambda: hvd.allreduce(torch.ones(2), op=hvd.Sum if rank == 0 else hvd.Max),
+    }
+    out: dict = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = None
+        except RuntimeError as e:  # Horovod's error type
+            out[name] = str(e)
+    wide = hvd.allreduce(torch.tensor([30000, -3], dtype=torch.int16), op=hvd.Sum)  # gloo has no int16
+    out["int16"] = (wide.dtype, wide.tolist())
+    out["after"] = hvd.allreduce(torch.tensor([1.0])).item()  # the world still works after the refusals
+    return out
+
+
+def test_mismatched_calls_raise_on_every_rank_as_horovod_does(run_ranks):
+    for out in run_ranks(_mismatches, 2):
+        assert "rank 0: hvd.allreduce with dtype int32, shape (3,)" in out["dtype"], out["dtype"]
+        assert "rank 1: hvd.allreduce with dtype float32, shape (3,)" in out["dtype"]
+        assert "shape (2, 3)" in out["same_numel"] and "shape (3, 2)" in out["same_numel"]
+        assert "shape (3,)" in out["size"] and "shape (4,)" in out["size"]
+        assert "root rank 0" in out["root"] and "root rank 1" in out["root"]
+        assert "shape (2,), root rank 0" in out["broadcast_shape"] and "shape (3,)" in out["broadcast_shape"]
+        assert "shape (2, 2)" in out["gather_trailing"] and "first dimension may differ" in out["gather_trailing"]
+        assert "op Sum" in out["op"] and "op Max" in out["op"]
+        # 30000 + 30000 wraps in int16, as Horovod's int16 sum does
+        assert out["int16"] == (torch.int16, [torch.tensor(60000).to(torch.int16).item(), -6])
+        assert out["after"] == 1.0
+
+
 def _optimizer_state_broadcast() -> dict:
     hvd.init()
     rank = hvd.rank()

@@ -11,6 +11,11 @@ its import line.
 Run it with ``phalanx launch -n 2 train.py`` (or torchrun, ``srun``, ``mpirun``, or ``python train.py`` for one
 process). Gradients are reduced by phalanx's own bucketed all-reduce (the ddp strategy's), over c10d.
 
+As Horovod's coordinator does, every ``allreduce``, ``allgather`` and ``broadcast`` first checks that the ranks agree
+on the dtype, the shape, the op, the scale factors and the root rank; when they do not, every rank raises the same
+``HorovodMismatchError`` (a ``RuntimeError``) naming each rank's call, before any bytes move. int16 travels widened
+over gloo, which has no int16.
+
 Where phalanx differs from Horovod, on purpose:
 - ``broadcast_optimizer_state`` never steps the optimizer, so a fresh optimizer's parameters stay as they are
   (Horovod takes a zero-gradient step that applies weight decay).
@@ -23,6 +28,7 @@ Where phalanx differs from Horovod, on purpose:
 
 from __future__ import annotations
 
+from phalanx.compat.horovod.coordinator import HorovodMismatchError
 from phalanx.compat.horovod.ops import (
     Compression,
     Compressor,
@@ -77,5 +83,5 @@ __all__ = [
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "Compression", "Compressor", "NoneCompressor", "FP16Compressor",
     "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
-    "allreduce", "allreduce_", "allgather", "broadcast", "broadcast_", "join",
+    "allreduce", "allreduce_", "allgather", "broadcast", "broadcast_", "join", "HorovodMismatchError",
 ]  # fmt: skip

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.compat.horovod.coordinator import agree
 from phalanx.compat.horovod.world import (
     Average,
     HvdWorld,
@@ -113,16 +114,31 @@ def to_comm_device(tensor: torch.Tensor, world: HvdWorld) -> torch.Tensor:
     return tensor.to(device, copy=True).contiguous()
 
 
-def _reduce_(tensor: torch.Tensor, op: ReduceOp, prescale: float, postscale: float, world: HvdWorld) -> None:
+_WIDENED = {torch.int16: torch.int32, torch.uint16: torch.int32}  # dtypes gloo does not reduce, and what carries them
+
+
+def _wire(tensor: torch.Tensor, world: HvdWorld) -> torch.Tensor:
+    """The tensor a collective can take: on its device, contiguous, and (on gloo) in a dtype gloo knows."""
+    wire = to_comm_device(tensor, world)
+    if wire.dtype in _WIDENED and dist.get_backend() == "gloo":
+        wire = wire.to(_WIDENED[wire.dtype])  # the sum wraps on the way back, as int16 arithmetic would
+    return wire
+
+
+def _reduce_(
+    tensor: torch.Tensor, op: ReduceOp, prescale: float, postscale: float, world: HvdWorld, where: str = "hvd.allreduce"
+) -> None:
     """All-reduce ``tensor`` in place; Average sums and then divides, like Horovod (gloo has no average)."""
     n = world.info.world_size
+    if world.distributed:
+        agree("hvd.allreduce", tensor, op=op, scales=(prescale, postscale))
     if op is ReduceOp.Average:
         postscale = postscale / n
     with torch.no_grad():
         scale_(tensor, prescale)
         if world.distributed:
-            wire = to_comm_device(tensor, world)
-            watched(dist.all_reduce, wire, op=c10d_op(op))
+            wire = _wire(tensor, world)
+            watched(dist.all_reduce, wire, op=c10d_op(op), label=where)
             if wire is not tensor:
                 tensor.copy_(wire)
         scale_(tensor, postscale)
@@ -198,22 +214,17 @@ def _gather(tensor: torch.Tensor, world: HvdWorld) -> tuple[torch.Tensor, list[i
     """Every rank's tensor, concatenated along dim 0 in rank order, and each rank's first dimension."""
     if not world.distributed:
         return tensor.clone(), [tensor.shape[0]]
-    mine = (tuple(tensor.shape), str(tensor.dtype))
-    shapes: list[Any] = [None] * world.info.world_size
-    watched(dist.all_gather_object, shapes, mine)
-    if any(len(s) != len(mine[0]) or s[1:] != mine[0][1:] or d != mine[1] for s, d in shapes):
-        listed = "; ".join(f"rank {r}: {tuple(s)} {d}" for r, (s, d) in enumerate(shapes))
-        raise ValueError(
-            f"hvd.allgather: the tensors must agree in dtype and in every dimension but the first; got {listed} "
-            "(make the trailing dimensions and dtypes equal on every rank)"
-        )
-    sizes = [s[0] for s, _ in shapes]
-    wire = to_comm_device(tensor, world)
+    agree("hvd.allgather", tensor, first_dim_may_differ=True)
+    counts = torch.tensor([tensor.shape[0]], dtype=torch.int64)
+    everyone = [torch.empty_like(counts) for _ in range(world.info.world_size)]
+    watched(dist.all_gather, everyone, counts, label="hvd.allgather sizes")
+    sizes = [int(c) for c in everyone]
+    wire = _wire(tensor, world)
     if wire.shape[0] < max(sizes):  # all_gather needs equal sizes: pad, then cut each rank's rows back out
         wire = torch.cat([wire, wire.new_zeros((max(sizes) - wire.shape[0], *wire.shape[1:]))])
     parts = [torch.empty_like(wire) for _ in sizes]
     watched(dist.all_gather, parts, wire)
-    return torch.cat([p[:s] for p, s in zip(parts, sizes)]).to(tensor.device), sizes
+    return torch.cat([p[:s] for p, s in zip(parts, sizes)]).to(tensor.device, tensor.dtype), sizes
 
 
 class _Allgather(torch.autograd.Function):
@@ -242,9 +253,10 @@ def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
 def _broadcast_(tensor: torch.Tensor, root_rank: int, world: HvdWorld) -> None:
     if not world.distributed:
         return
+    agree("hvd.broadcast", tensor, root=root_rank)
     with torch.no_grad():
-        wire = to_comm_device(tensor, world)
-        watched(dist.broadcast, wire, src=root_rank)
+        wire = _wire(tensor, world)
+        watched(dist.broadcast, wire, src=root_rank, label="hvd.broadcast")
         if wire is not tensor:
             tensor.copy_(wire)
 

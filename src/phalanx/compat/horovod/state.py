@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.compat.horovod.coordinator import agree
 from phalanx.compat.horovod.ops import to_comm_device
 from phalanx.compat.horovod.world import HvdWorld, check_root, current
 from phalanx.runtime.collective_log import watched
@@ -35,6 +36,7 @@ def _broadcast_tensors(tensors: list[torch.Tensor], root_rank: int, world: HvdWo
     with torch.no_grad():
         for members in groups.values():
             flat = to_comm_device(torch.cat([t.detach().reshape(-1) for t in members]), world)
+            agree("hvd.broadcast", flat, root=root_rank)  # ranks whose models differ stop here, all of them
             watched(dist.broadcast, flat, src=root_rank)
             if world.info.rank == root_rank:
                 continue
