@@ -38,7 +38,7 @@ LADDER: list[tuple[str, ...]] = [
 ]
 # Under every floor: the rank-aware logger and the version. Over all of them: the public names.
 BASEMENT = {"phalanx.logging", "phalanx._version"}
-ROOF = {"phalanx", "phalanx.__main__", "phalanx.horovod"}
+ROOF = {"phalanx", "phalanx.__main__", "phalanx.horovod", "phalanx.accelerate", "phalanx.accelerate.utils"}
 
 
 def _module_name(path: Path) -> str:

@@ -1,0 +1,156 @@
+"""``accelerate.utils`` names that training scripts import, with Accelerate's meaning, for ``phalanx.accelerate``.
+
+The plugin and configuration classes take Accelerate's keyword arguments; :class:`~.accelerator.Accelerator` reads
+them into phalanx's settings (or refuses the ones phalanx cannot honour, naming them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import random
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "DistributedType", "DataLoaderConfiguration", "GradientAccumulationPlugin", "DeepSpeedPlugin",
+    "FullyShardedDataParallelPlugin", "DistributedDataParallelKwargs", "GradScalerKwargs", "ProjectConfiguration",
+    "set_seed", "seed_set", "skip_first_batches",
+]  # fmt: skip
+
+
+class DistributedType(str, enum.Enum):
+    """Accelerate's names for how a run is distributed (the ones a CPU or CUDA run can have)."""
+
+    NO = "NO"
+    MULTI_CPU = "MULTI_CPU"
+    MULTI_GPU = "MULTI_GPU"
+    DEEPSPEED = "DEEPSPEED"
+    FSDP = "FSDP"
+    MULTI_XPU = "MULTI_XPU"
+    MULTI_NPU = "MULTI_NPU"
+    MULTI_MLU = "MULTI_MLU"
+    MULTI_HPU = "MULTI_HPU"
+    XLA = "XLA"
+    MEGATRON_LM = "MEGATRON_LM"
+
+
+@dataclasses.dataclass
+class DataLoaderConfiguration:
+    split_batches: bool = False
+    dispatch_batches: bool | None = None
+    even_batches: bool = True
+    use_seedable_sampler: bool = False
+    data_seed: int | None = None
+    non_blocking: bool = False
+    use_stateful_dataloader: bool = False
+
+
+@dataclasses.dataclass
+class GradientAccumulationPlugin:
+    num_steps: int | None = None
+    adjust_scheduler: bool = True
+    sync_with_dataloader: bool = True
+    sync_each_batch: bool = False
+
+
+@dataclasses.dataclass
+class DeepSpeedPlugin:
+    hf_ds_config: Any = None
+    gradient_accumulation_steps: int | None = None
+    gradient_clipping: float | None = None
+    zero_stage: int | None = None
+    is_train_batch_min: bool = True
+    offload_optimizer_device: str | None = None
+    offload_param_device: str | None = None
+    offload_optimizer_nvme_path: str | None = None
+    offload_param_nvme_path: str | None = None
+    zero3_init_flag: bool | None = None
+    zero3_save_16bit_model: bool | None = None
+
+
+@dataclasses.dataclass
+class FullyShardedDataParallelPlugin:
+    fsdp_version: int | None = None
+    sharding_strategy: Any = None
+    reshard_after_forward: Any = None
+    cpu_offload: Any = None
+    auto_wrap_policy: Any = None
+    transformer_cls_names_to_wrap: list[str] | None = None
+    state_dict_type: Any = None
+    activation_checkpointing: bool | None = None
+
+
+@dataclasses.dataclass
+class DistributedDataParallelKwargs:
+    dim: int = 0
+    broadcast_buffers: bool = True
+    bucket_cap_mb: int = 25
+    find_unused_parameters: bool = False
+    check_reduction: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    comm_hook: Any = None
+    comm_wrapper: Any = None
+    comm_state_option: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class GradScalerKwargs:
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    enabled: bool = True
+
+
+@dataclasses.dataclass
+class ProjectConfiguration:
+    project_dir: str | None = None
+    logging_dir: str | None = None
+    automatic_checkpoint_naming: bool = False
+    total_limit: int | None = None
+    iteration: int = 0
+    save_on_each_node: bool = False
+
+
+_SEED: list[int] = []  # the last set_seed, which an Accelerator's loaders draw their order from
+
+
+def set_seed(seed: int, device_specific: bool = False, deterministic: bool = False) -> None:
+    """Seed Python, NumPy and torch, as Accelerate's ``set_seed``; the data order of the loaders an Accelerator
+    prepares afterwards follows the seed too (the same order on every rank)."""
+    if device_specific:
+        seed += dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    torch.cuda.manual_seed_all(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+    _SEED[:] = [seed]
+
+
+def seed_set() -> int | None:
+    """The seed of the last :func:`set_seed`, if any."""
+    return _SEED[0] if _SEED else None
+
+
+def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
+    """The loader, starting its next pass ``num_batches`` batches in, as Accelerate's (later passes start at 0).
+
+    A loader that an Accelerator prepared skips without loading the skipped batches."""
+    sampler = getattr(dataloader, "global_sampler", None)
+    if sampler is None:
+        raise TypeError(
+            "skip_first_batches takes a DataLoader that accelerator.prepare returned; got a "
+            f"{type(dataloader).__name__} (prepare it first)"
+        )
+    if not 0 <= num_batches <= len(dataloader):
+        raise ValueError(f"skip_first_batches: num_batches={num_batches} is outside 0..{len(dataloader)}")
+    sampler.start_batch = num_batches
+    return dataloader

@@ -1,0 +1,144 @@
+"""``phalanx.accelerate``: a script written for Accelerate runs with the import changed, with Accelerate's semantics
+where the Engine's differ (issue 29). Each test names the Accelerate behaviour it reproduces."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _common import OddNet, make_data
+from torch.utils.data import DataLoader, TensorDataset
+
+import phalanx
+from phalanx.accelerate import Accelerator, DummyOptim, DummyScheduler
+from phalanx.accelerate.utils import (
+    DataLoaderConfiguration,
+    DeepSpeedPlugin,
+    DistributedType,
+    GradientAccumulationPlugin,
+    set_seed,
+    skip_first_batches,
+)
+from phalanx.config.settings import ConfigError
+
+
+def _lr_after_four_steps(front: str, accum: int) -> tuple[float, int]:
+    # Accelerate's examples size a schedule from the unsharded loader: 16 steps here, for a run whose 2 processes
+    # take 8 optimizer steps each. Accelerate steps the scheduler once per process for each optimizer step.
+    engine = (
+        Accelerator(gradient_accumulation_steps=accum)
+        if front == "accelerate"
+        else phalanx.Engine(grad_accum_steps=accum)
+    )
+    model = OddNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / 16)
+    model, optimizer, scheduler = engine.prepare(model, optimizer, scheduler)
+    x, y = make_data(4)
+    for _ in range(4 * accum):
+        with engine.accumulate(model):
+            engine.backward(F.mse_loss(model(x), y))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+    inner = scheduler.scheduler
+    return optimizer.param_groups[0]["lr"], inner._step_count
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_the_scheduler_steps_once_per_process_as_in_accelerate(run_ranks, accum):
+    for lr, count in run_ranks(_lr_after_four_steps, 2, "accelerate", accum):
+        assert lr == pytest.approx(1 - 8 / 16)  # 4 optimizer steps x 2 processes
+        # adjust_scheduler: the accumulating micro-batches move _step_count too (Accelerate's bookkeeping)
+        assert count == 1 + 8 + 4 * (accum - 1)
+    for lr, _ in run_ranks(_lr_after_four_steps, 2, "engine", accum):
+        assert lr == pytest.approx(1 - 4 / 16)  # the Engine keeps its own pace: once per optimizer step
+
+
+def _dummy_total(path: str) -> list[float]:
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=path))
+    model = OddNet()
+    optimizer = DummyOptim(model.parameters(), lr=0.1, weight_decay=0.0)
+    scheduler = DummyScheduler(optimizer, total_num_steps=8, warmup_num_steps=1)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    assert accelerator.distributed_type == DistributedType.DEEPSPEED and accelerator.strategy.name == "zero1"
+    x, y = make_data(4)
+    lrs = []
+    for _ in range(4):
+        accelerator.backward(F.mse_loss(model(x), y))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        lrs.append(optimizer.param_groups[0]["lr"])
+    return lrs
+
+
+def test_a_dummy_scheduler_s_total_is_divided_by_the_processes(run_ranks, tmp_path):
+    ds = {
+        "zero_optimization": {"stage": 1},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                          "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+    }  # fmt: skip
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    for lrs in run_ranks(_dummy_total, 2, str(path)):
+        # total_num_steps 8 on 2 processes is 4, as Accelerate divides it. After DeepSpeed's 2-step warmup floor,
+        # WarmupDecayLR gives 0.1 x (total - 3) / (total - 2) at the 4th step: 0.05 with 4 (0.083 with 8, undivided).
+        assert lrs[-1] == pytest.approx(0.1 * (4 - 3) / (4 - 2))
+
+
+def _order(seed: int | None, config_seed: int | None = None) -> list[int]:
+    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(data_seed=config_seed))
+    if seed is not None:
+        set_seed(seed)
+    loader = DataLoader(TensorDataset(torch.arange(32)), batch_size=4, shuffle=True)
+    loader = accelerator.prepare(loader)
+    return [int(v) for (batch,) in loader for v in batch]
+
+
+def test_set_seed_reaches_the_data_order():
+    assert _order(1) == _order(1) != _order(2)
+    assert _order(None, config_seed=5) == _order(None, config_seed=5) != _order(None, config_seed=6)
+
+
+def test_skip_first_batches_skips_one_pass_without_loading():
+    accelerator = Accelerator()
+    loader = accelerator.prepare(DataLoader(TensorDataset(torch.arange(32)), batch_size=4))
+    skipped = skip_first_batches(loader, 3)
+    assert [int(b[0][0]) for b in skipped] == [12, 16, 20, 24, 28]  # starts at the 4th batch
+    assert [int(b[0][0]) for b in loader] == [0, 4, 8, 12, 16, 20, 24, 28]  # the next pass starts at 0
+    assert accelerator.skip_first_batches(loader, 7) is loader
+    with pytest.raises(TypeError, match="takes a DataLoader that accelerator.prepare returned"):
+        skip_first_batches(DataLoader(TensorDataset(torch.arange(4))), 1)
+
+
+def test_accelerate_s_names_and_arguments():
+    accelerator = Accelerator(
+        mixed_precision="bf16", gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=3), cpu=True
+    )
+    assert accelerator.mixed_precision == "bf16" and accelerator.config.precision == "bf16-mixed"
+    assert accelerator.gradient_accumulation_steps == 3 and accelerator.gradient_state.num_steps == 3
+    assert accelerator.distributed_type == DistributedType.NO and not accelerator.use_distributed
+    assert accelerator.state.num_processes == 1 and accelerator.state.process_index == 0
+    model = OddNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    x, y = make_data(4)
+    with accelerator.accumulate(model):
+        assert not accelerator.gradient_state.sync_gradients  # the first of 3 micro-batches
+        with accelerator.trigger_sync_in_backward(model):
+            assert accelerator.sync_gradients
+        with accelerator.no_sync(model):  # Accelerate's form takes the model
+            accelerator.backward(F.mse_loss(model(x), y))
+    with accelerator.join_uneven_inputs([model]):
+        pass
+    accelerator.end_training()
+    with pytest.raises(ConfigError, match="split_batches=True.*divide your DataLoader's batch_size"):
+        Accelerator(split_batches=True)
+    with pytest.raises(TypeError, match=r"Accelerator\(megatron_lm_plugin=...\)"):
+        Accelerator(megatron_lm_plugin=object())
+    with pytest.raises(ConfigError, match="fp8"):
+        Accelerator(mixed_precision="fp8")
