@@ -142,3 +142,68 @@ def test_accelerate_s_names_and_arguments():
         Accelerator(megatron_lm_plugin=object())
     with pytest.raises(ConfigError, match="fp8"):
         Accelerator(mixed_precision="fp8")
+
+
+def _forwards_under_no_sync() -> list[bool]:
+    # torch DDP's rule, which Accelerate scripts rely on (its test_sync.py): a forward run under no_sync(model) leaves
+    # its backward unreduced wherever that backward runs; trigger_sync_in_backward makes the next one reduce.
+    accelerator = Accelerator()
+    rank = accelerator.process_index
+    torch.manual_seed(0)
+    model = accelerator.prepare(torch.nn.Linear(4, 2))
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    mine = slice(4 * rank, 4 * rank + 4)
+    losses = []
+    for _ in range(3):
+        with accelerator.no_sync(model):
+            losses.append(F.mse_loss(model(x[mine]), y[mine]))
+    same = []
+    for i, loss in enumerate(losses):
+        if i < 2:
+            accelerator.backward(loss)
+        else:
+            with accelerator.trigger_sync_in_backward(model):
+                accelerator.backward(loss)
+        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        everyone = accelerator.gather(grads[None])
+        same.append(bool(torch.allclose(everyone[0], everyone[1])))
+    return same
+
+
+def test_no_sync_follows_the_forward_and_trigger_sync_reduces(run_ranks):
+    for same in run_ranks(_forwards_under_no_sync, 2):
+        assert same == [False, False, True]  # local until the triggered backward, then equal on both ranks
+
+
+def _short_last_window(front: str) -> float:
+    # 3 micro-batches with accumulation 2: the last window has one. Accelerate divides its loss by 2 all the same;
+    # the Engine averages over the micro-batches the window had.
+    engine = Accelerator(gradient_accumulation_steps=2) if front == "accelerate" else phalanx.Engine(grad_accum_steps=2)
+    model = torch.nn.Linear(1, 1, bias=False)
+    torch.nn.init.ones_(model.weight)
+    model = engine.prepare(model)
+    loader = engine.prepare(DataLoader(TensorDataset(torch.ones(3, 1)), batch_size=1))
+    for (x,) in loader:
+        with engine.accumulate(model):
+            if not engine.sync_gradients or engine.end_of_dataloader:
+                model.zero_grad() if engine.end_of_dataloader else None
+            engine.backward(model(x).sum())
+    return float(model.weight.grad)
+
+
+def test_a_short_last_window_is_divided_as_in_accelerate():
+    assert _short_last_window("accelerate") == pytest.approx(0.5)  # d(x w)/dw = 1, divided by 2
+    assert _short_last_window("engine") == pytest.approx(1.0)
+
+
+def test_prepare_returns_a_prepared_loader_as_it_is_and_saves_into_an_empty_folder(tmp_path):
+    accelerator = Accelerator()
+    loader = accelerator.prepare(DataLoader(TensorDataset(torch.arange(8)), batch_size=2))
+    assert accelerator.prepare(loader) is loader  # Accelerate's helpers prepare what they were given
+    (tmp_path / "empty").mkdir()
+    accelerator.save_state(str(tmp_path / "empty"))  # as into a fresh TemporaryDirectory
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("mine")
+    with pytest.raises(Exception, match="exists and is not a phalanx checkpoint"):
+        accelerator.save_state(str(tmp_path / "full"))
+    assert (tmp_path / "full" / "notes.txt").read_text() == "mine"

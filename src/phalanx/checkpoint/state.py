@@ -133,7 +133,7 @@ def save_checkpoint(
             state = _global_state(parts, strategy, extra)
             entries += [ShardEntry(k, tuple(t.shape), 0, t.numel(), t.reshape(-1)) for k, t in extra.items()]
             recover_interrupted_swap(target)
-            if target.exists() and not is_checkpoint(target):
+            if target.exists() and not is_checkpoint(target) and not _empty_dir(target):
                 raise CheckpointError(
                     f"{target} exists and is not a phalanx checkpoint; save_state replaces only a checkpoint (choose "
                     "another directory, or remove this one yourself)"
@@ -443,3 +443,8 @@ def _compatibility(ck: Checkpoint, parts: TrainingParts, strategy: Strategy) -> 
                 f"{where} holds {len(saved_opt['param_groups'])}"
             )
     return problems
+
+
+def _empty_dir(path: Path) -> bool:
+    """An empty directory (a fresh tempfile.TemporaryDirectory, say): replacing it loses nothing."""
+    return path.is_dir() and not any(path.iterdir())

@@ -42,6 +42,8 @@ class LoaderState:
     real_size: int = 0
     """Samples in the current global batch that are real."""
     end_of_dataloader: bool = False
+    loader: Any = None
+    """The prepared loader this state belongs to (Accelerate's ``gradient_state.active_dataloader``)."""
 
     def trim(self, gathered_len: int) -> int:
         """How many leading items of a gathered batch-shaped result to keep."""
@@ -72,6 +74,11 @@ class ActiveLoaders:
     @property
     def end_of_dataloader(self) -> bool:
         return bool(self._stack) and self._stack[-1].end_of_dataloader
+
+    @property
+    def active(self) -> Any:
+        """The innermost prepared loader being iterated, or None."""
+        return self._stack[-1].loader if self._stack else None
 
 
 class GlobalBatchSampler(Sampler[list[int]]):
@@ -219,7 +226,7 @@ class PreparedDataLoader(DataLoader):
         self.device = device
         self._non_blocking = pin and device.type == "cuda"
         self._own_generator = loader.generator is None
-        self._state = LoaderState()
+        self._state = LoaderState(loader=self)
         self._active = active
         self._batches_done = 0
 
@@ -330,7 +337,7 @@ class PreparedIterableLoader:
         self._batches_done = 0
         self._skip = 0
         self._non_blocking = loader.pin_memory and device.type == "cuda"
-        self._state = LoaderState()
+        self._state = LoaderState(loader=self)
         self._active = active
 
     @property

@@ -230,7 +230,10 @@ class Engine:
 
     def prepare_loader(self, loader: DataLoader) -> PreparedDataLoader | PreparedIterableLoader:
         """A DataLoader whose every global batch (``batch_size`` x the data-parallel world) is split over the ranks,
-        in an order drawn from the seed and the epoch; an ``IterableDataset``'s stream is split the same way."""
+        in an order drawn from the seed and the epoch; an ``IterableDataset``'s stream is split the same way.
+        A loader this engine prepared already is returned as it is."""
+        if any(loader is p for p in self._prepared_loaders):
+            return loader  # type: ignore[return-value]
         check_loader_batch(loader, self.config, self._origins)
         prepared: PreparedDataLoader | PreparedIterableLoader
         if isinstance(loader.dataset, IterableDataset):
@@ -330,8 +333,7 @@ class Engine:
             accum = self.config.grad_accum_steps if in_window else 1
             loss = loss * (1.0 / accum) if accum > 1 else loss
             if boundary:
-                # A short last window (the DataLoader ran out) still averages over the micro-batches it had.
-                self.strategy.set_grad_scale(accum / (window_len * self.topology.dp_size))
+                self.strategy.set_grad_scale(self._short_window(accum, window_len) / self.topology.dp_size)
         else:
             n = torch.as_tensor(items, dtype=torch.float64, device=self.device).reshape(())
             self._window_items = n if self._window_items is None else self._window_items + n
@@ -345,6 +347,10 @@ class Engine:
         self.precision.scale_loss(loss).backward(**kwargs)
         if boundary:
             self.strategy.finish_gradient_sync()
+
+    def _short_window(self, accum: int, window_len: int) -> float:
+        """A short last window (the DataLoader ran out) still averages over the micro-batches it had."""
+        return accum / window_len
 
     def _refuse_manual_backward(self, what: str) -> None:
         if self.strategy.drives_backward:

@@ -4,7 +4,7 @@ See :mod:`phalanx.compat.accelerate.accelerator` for where it follows Accelerate
 
 from __future__ import annotations
 
-from phalanx.compat.accelerate.accelerator import AcceleratedScheduler, Accelerator
+from phalanx.compat.accelerate.accelerator import AcceleratedScheduler, Accelerator, GradientState
 from phalanx.compat.accelerate.utils import (
     DataLoaderConfiguration,
     DeepSpeedPlugin,
@@ -20,7 +20,8 @@ from phalanx.compat.accelerate.utils import (
 from phalanx.config.dialects.dummies import DummyOptim, DummyScheduler
 
 __all__ = [
-    "Accelerator", "AcceleratedScheduler", "DistributedType", "DataLoaderConfiguration", "GradientAccumulationPlugin",
+    "Accelerator", "AcceleratedScheduler", "GradientState", "DistributedType", "DataLoaderConfiguration",
+    "GradientAccumulationPlugin",
     "DeepSpeedPlugin", "FullyShardedDataParallelPlugin", "DistributedDataParallelKwargs", "GradScalerKwargs",
     "ProjectConfiguration", "set_seed", "skip_first_batches", "DummyOptim", "DummyScheduler",
 ]  # fmt: skip

@@ -15,9 +15,10 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from phalanx.compat.accelerate.utils import (
@@ -37,7 +38,7 @@ from phalanx.engine.engine import Engine
 from phalanx.engine.prepared import PreparedScheduler
 from phalanx.logging import warn_once
 
-__all__ = ["Accelerator", "AcceleratedScheduler"]
+__all__ = ["Accelerator", "AcceleratedScheduler", "GradientState"]
 
 _FSDP_STRATEGIES = {"FULL_SHARD": "zero3", "1": "zero3", "SHARD_GRAD_OP": "zero2", "2": "zero2", "NO_SHARD": "ddp",
                     "3": "ddp"}  # fmt: skip
@@ -125,23 +126,14 @@ class Accelerator(Engine):
                 warn_once(f"Accelerator({name}=...) is not used: phalanx's trackers are the Trainer's report_to")
         super().__init__(**options)
         self.split_batches = False
+        self._forward_unsynced = False  # the last forward ran under no_sync (torch DDP's rule for its backward)
+        self._triggered = False  # trigger_sync_in_backward: the next backward reduces
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.dataloader_config = loader_config
         self.rng_types = rng_types
-        self.gradient_state = _GradientState(self, plugin)
+        self.gradient_state = GradientState(self, plugin)
         self.distributed_type = _distributed_type(self, deepspeed_plugin is not None, fsdp_plugin is not None)
-        self.state = SimpleNamespace(
-            num_processes=self.num_processes,
-            process_index=self.process_index,
-            local_process_index=self.local_process_index,
-            device=self.device,
-            distributed_type=self.distributed_type,
-            mixed_precision=self.mixed_precision,
-            is_main_process=self.is_main_process,
-            is_local_main_process=self.is_local_main_process,
-            use_distributed=self.use_distributed,
-            debug=False,
-        )
+        self.state = _State(self)
 
     # ------------------------------------------------------------------------------------------- who and how
     @property
@@ -170,6 +162,29 @@ class Accelerator(Engine):
                     obj.global_sampler.seed = seed  # set_seed reaches the data order, as in Accelerate
         return out
 
+    def prepare_model(self, model: Any, param_init_fn: Any = None) -> nn.Module:  # type: ignore[override]
+        prepared = super().prepare_model(model, param_init_fn)
+        prepared.register_forward_pre_hook(self._note_forward)
+        return prepared
+
+    def _note_forward(self, module: nn.Module, args: Any) -> None:
+        # As in torch DDP, a forward run under no_sync() leaves its backward unreduced, wherever that backward runs.
+        # It holds until the next forward outside no_sync(), or trigger_sync_in_backward().
+        if torch.is_grad_enabled():
+            self._forward_unsynced = self._no_sync_depth > 0
+
+    def backward(self, loss: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        triggered, self._triggered = self._triggered, False
+        if self._forward_unsynced and not triggered and self._no_sync_depth == 0:
+            with super().no_sync():
+                super().backward(loss, **kwargs)
+        else:
+            super().backward(loss, **kwargs)
+
+    def _short_window(self, accum: int, window_len: int) -> float:
+        # Accelerate divides every loss by gradient_accumulation_steps, a short last window's too.
+        return 1.0
+
     def prepare_scheduler(self, scheduler: Any) -> PreparedScheduler:
         if isinstance(scheduler, DummyScheduler):
             if scheduler.total_num_steps is not None:  # Accelerate's rule: the total of the unsharded loader
@@ -195,7 +210,7 @@ class Accelerator(Engine):
     def trigger_sync_in_backward(self, model: nn.Module | None = None) -> Iterator[None]:
         """The next backward reduces the gradients, even inside ``accumulate`` before the window's end."""
         previous = self.sync_gradients
-        self.sync_gradients = True
+        self.sync_gradients, self._triggered = True, True
         try:
             yield
         finally:
@@ -218,7 +233,29 @@ class Accelerator(Engine):
         return skip_first_batches(dataloader, num_batches)
 
 
-class _GradientState:
+class _State:
+    """Accelerate's ``AcceleratorState``: who this process is and how the run is distributed."""
+
+    def __init__(self, accelerator: Accelerator) -> None:
+        self._accelerator = accelerator
+        self.debug = False
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("num_processes", "process_index", "local_process_index", "device", "distributed_type",
+                    "mixed_precision", "is_main_process", "is_local_main_process", "use_distributed"):  # fmt: skip
+            return getattr(self._accelerator, name)
+        raise AttributeError(f"AcceleratorState has no attribute {name!r} in phalanx.accelerate")
+
+    def wait_for_everyone(self) -> None:
+        self._accelerator.wait_for_everyone()
+
+    def destroy_process_group(self, group: Any = None) -> None:
+        """The end of the run's collectives, as Accelerate's: the process group is torn down."""
+        if dist.is_initialized():
+            dist.destroy_process_group(group)
+
+
+class GradientState:
     """Accelerate's ``GradientState``: whether this backward reduces, and where the loader is."""
 
     def __init__(self, engine: Engine, plugin: GradientAccumulationPlugin) -> None:
@@ -237,6 +274,18 @@ class _GradientState:
     @property
     def end_of_dataloader(self) -> bool:
         return self._engine.end_of_dataloader
+
+    @property
+    def active_dataloader(self) -> Any:
+        return self._engine._loaders.active
+
+    @property
+    def in_dataloader(self) -> bool:
+        return self.active_dataloader is not None
+
+    @staticmethod
+    def _reset_state() -> None:
+        """Accelerate's state is one per process; here each Accelerator has its own, so there is nothing to reset."""
 
 
 def _distributed_type(engine: Engine, deepspeed: bool, fsdp: bool) -> DistributedType:

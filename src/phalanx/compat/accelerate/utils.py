@@ -34,7 +34,10 @@ class DistributedType(str, enum.Enum):
     MULTI_XPU = "MULTI_XPU"
     MULTI_NPU = "MULTI_NPU"
     MULTI_MLU = "MULTI_MLU"
+    MULTI_SDAA = "MULTI_SDAA"
+    MULTI_MUSA = "MULTI_MUSA"
     MULTI_HPU = "MULTI_HPU"
+    MULTI_NEURON = "MULTI_NEURON"
     XLA = "XLA"
     MEGATRON_LM = "MEGATRON_LM"
 

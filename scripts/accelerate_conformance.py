@@ -1,0 +1,131 @@
+"""Accelerate's own multi-process test scripts, run twice on 2 CPU ranks: on Accelerate as written, and on
+phalanx.accelerate with only the imports changed. Not part of the suite: the scripts come from the installed
+accelerate package (accelerate/test_utils/scripts/) and are copied to a temporary folder, never into this repository.
+
+    .venv/bin/python scripts/accelerate_conformance.py                    # test_sync.py, test_distributed_data_loop.py
+    .venv/bin/python scripts/accelerate_conformance.py test_sync.py       # one script
+
+"Only the imports changed": every ``from accelerate... import`` becomes ``from phalanx.accelerate... import``
+(``accelerate.utils...`` -> ``phalanx.accelerate.utils``, the rest -> ``phalanx.accelerate``), except
+``accelerate.test_utils``, whose models and datasets come from the real package. To count each test, every call of a
+``test_*`` function inside the script's ``main()`` is wrapped so that an exception is recorded and the next test
+runs; a test passes when it returns on every rank. Accelerate runs under torchrun, phalanx under phalanx launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SCRIPTS = ("test_sync.py", "test_distributed_data_loop.py")
+
+RECORD = """
+def _conformance_record(name, fn):
+    import json, os, traceback
+    path = os.environ["CONFORMANCE_OUT"] + "." + os.environ.get("RANK", "0")
+    try:
+        fn()
+        outcome = "passed"
+    except BaseException as e:  # noqa: BLE001 - every failure is a result here
+        outcome = "failed: " + (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+    with open(path, "a") as f:
+        f.write(json.dumps([name, outcome]) + "\\n")
+"""
+
+
+def swap_imports(source: str) -> str:
+    tree = ast.parse(source)
+    lines = source.splitlines(keepends=True)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "accelerate":
+            if node.module.startswith("accelerate.test_utils"):
+                continue
+            target = "phalanx.accelerate.utils" if node.module.startswith("accelerate.utils") else "phalanx.accelerate"
+            i = node.lineno - 1
+            lines[i] = lines[i].replace(f"from {node.module} import", f"from {target} import", 1)
+    return "".join(lines)
+
+
+class _WrapTests(ast.NodeTransformer):
+    """Inside main(): ``test_x(args)`` -> ``_conformance_record("test_x:LINE", lambda: test_x(args))``."""
+
+    def visit_Expr(self, node: ast.Expr) -> ast.AST:
+        call = node.value
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id.startswith("test_"):
+            name = ast.Constant(f"{call.func.id}:{node.lineno}")
+            thunk = ast.Lambda(args=ast.arguments([], [], None, [], [], None, []), body=call)
+            wrapped = ast.Call(ast.Name("_conformance_record", ast.Load()), [name, thunk], [])
+            return ast.copy_location(ast.Expr(wrapped), node)
+        return node
+
+
+def instrument(source: str) -> str:
+    tree = ast.parse(source)
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "main":
+            _WrapTests().visit(node)
+    # The recorder goes before the script's `if __name__ == "__main__":`, which calls main().
+    at = next((i for i, n in enumerate(tree.body) if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)), None)
+    tree.body[at if at is not None else len(tree.body) : at] = ast.parse(RECORD).body
+    return ast.unparse(tree) + "\n"
+
+
+def run(script: Path, front: str, out: Path, python: str, timeout: float) -> dict[str, str]:
+    if front == "accelerate":
+        cmd = [python, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517", str(script)]
+    else:
+        cmd = [python, "-m", "phalanx", "launch", "-n", "2", str(script)]
+    env = {**os.environ, "CONFORMANCE_OUT": str(out), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    env["ACCELERATE_USE_CPU"] = "1"  # Accelerate runs on CPU processes only when told (accelerate launch --cpu)
+    try:
+        subprocess.run(cmd, cwd=script.parent, env=env, timeout=timeout, capture_output=True, check=False)
+    except subprocess.TimeoutExpired:
+        pass  # what was recorded before the hang counts; the rest did not pass
+    ranks = []
+    for r in (0, 1):
+        path = Path(f"{out}.{r}")
+        ranks.append(dict(json.loads(line) for line in path.read_text().splitlines()) if path.exists() else {})
+    names = list(dict.fromkeys([*ranks[0], *ranks[1]]))
+    return {
+        n: next((o for o in (ranks[0].get(n, "missing"), ranks[1].get(n, "missing")) if o != "passed"), "passed")
+        for n in names
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("scripts", nargs="*", default=list(SCRIPTS))
+    p.add_argument("--python", default=sys.executable)
+    p.add_argument("--timeout", type=float, default=300.0)
+    args = p.parse_args()
+    import accelerate
+
+    source_dir = Path(accelerate.__file__).parent / "test_utils" / "scripts"
+    print(f"accelerate {accelerate.__version__}: {source_dir}")
+    with tempfile.TemporaryDirectory(prefix="accelerate-conformance-") as tmp:
+        for name in args.scripts:
+            original = (source_dir / name).read_text()
+            results = {}
+            for front in ("accelerate", "phalanx"):
+                folder = Path(tmp) / front
+                folder.mkdir(exist_ok=True)
+                text = original if front == "accelerate" else swap_imports(original)
+                (folder / name).write_text(instrument(text))
+                results[front] = run(folder / name, front, folder / (name + ".out"), args.python, args.timeout)
+            theirs, ours = results["accelerate"], results["phalanx"]
+            names = list(dict.fromkeys([*theirs, *ours]))
+            print(f"\n{name}: accelerate passes {sum(o == 'passed' for o in theirs.values())} of {len(names)}, "
+                  f"phalanx {sum(o == 'passed' for o in ours.values())} of {len(names)}")  # fmt: skip
+            for n in names:
+                print(f"  {n:55s} accelerate: {theirs.get(n, 'missing')[:60]:60s} phalanx: {ours.get(n, 'missing')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
