@@ -229,6 +229,36 @@ def test_mismatched_calls_raise_on_every_rank_as_horovod_does(run_ranks):
         assert out["after"] == 1.0
 
 
+def _more_operations() -> dict:
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    out: dict = {}
+    hvd.barrier()
+    # alltoall: rank r sends rows [r*10 + j] to rank j, equal parts, then uneven splits
+    out["alltoall"] = hvd.alltoall(torch.tensor([[rank * 10.0 + j] for j in range(size)])).reshape(-1).tolist()
+    sent = torch.arange(3.0) + 100 * rank  # rank 0 keeps 1 row and sends 2; rank 1 keeps 2 and sends 1
+    got, counts = hvd.alltoall(sent, splits=[1, 2] if rank == 0 else [1, 2])
+    out["alltoall_splits"] = (got.tolist(), counts.tolist())
+    # reducescatter of 5 rows over 2 ranks: rank 0 gets rows 0-2, rank 1 rows 3-4 (the first ranks one more)
+    rows = torch.arange(5.0)[:, None] * (rank + 1)
+    out["reducescatter"] = hvd.reducescatter(rows, op=hvd.Sum).reshape(-1).tolist()
+    out["grouped"] = [t.tolist() for t in hvd.grouped_allreduce([torch.ones(2) * rank, torch.ones(1)], op=hvd.Sum)]
+    handle = hvd.allreduce_async(torch.tensor([float(rank)]), op=hvd.Sum)
+    out["async"] = (hvd.poll(handle), hvd.synchronize(handle).tolist())
+    out["built"] = (hvd.ccl_built(), hvd.ddl_built())
+    return out
+
+
+def test_horovod_s_other_operations(run_ranks):
+    first, second = run_ranks(_more_operations, 2)
+    assert first["alltoall"] == [0.0, 10.0] and second["alltoall"] == [1.0, 11.0]
+    assert first["alltoall_splits"] == ([0.0, 100.0], [1, 1])
+    assert second["alltoall_splits"] == ([1.0, 2.0, 101.0, 102.0], [2, 2])
+    assert first["reducescatter"] == [0.0, 3.0, 6.0] and second["reducescatter"] == [9.0, 12.0]
+    assert first["grouped"] == [[1.0, 1.0], [2.0]]
+    assert first["async"] == (True, [1.0]) and first["built"] == (False, False)
+
+
 def _optimizer_state_broadcast() -> dict:
     hvd.init()
     rank = hvd.rank()

@@ -23,12 +23,32 @@ Where phalanx differs from Horovod, on purpose:
 - ``join()`` waits for every rank but does not stand in for the others' later all-reduces: give every rank the
   same number of steps.
 - ``step()`` after ``synchronize()`` outside ``skip_synchronize()`` warns and does not reduce a second time.
-- Not implemented, each with an error that says what to use: ``op=hvd.Adasum``, MPI communicators and process sets.
+- The asynchronous forms (``allreduce_async``, ...) complete when issued; ``synchronize`` gives the result.
+- Not implemented, each with an error that says what to use: ``op=hvd.Adasum``, MPI communicators, process sets
+  other than the global one, and the timeline (a warning).
 """
 
 from __future__ import annotations
 
 from phalanx.compat.horovod.coordinator import HorovodMismatchError
+from phalanx.compat.horovod.more_ops import (
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
+    allgather_async,
+    allreduce_async,
+    allreduce_async_,
+    alltoall,
+    barrier,
+    broadcast_async,
+    broadcast_async_,
+    grouped_allgather,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_reducescatter,
+    poll,
+    reducescatter,
+    synchronize,
+)
 from phalanx.compat.horovod.ops import (
     Compression,
     Compressor,
@@ -84,4 +104,29 @@ __all__ = [
     "Compression", "Compressor", "NoneCompressor", "FP16Compressor",
     "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
     "allreduce", "allreduce_", "allgather", "broadcast", "broadcast_", "join", "HorovodMismatchError",
+    "barrier", "alltoall", "reducescatter", "grouped_allreduce", "grouped_allreduce_", "grouped_allgather",
+    "grouped_reducescatter", "allreduce_async", "allreduce_async_", "allgather_async", "broadcast_async",
+    "broadcast_async_", "poll", "synchronize", "HorovodInternalError", "HostsUpdatedInterrupt", "ccl_built",
+    "ddl_built", "start_timeline", "stop_timeline",
 ]  # fmt: skip
+
+
+def ccl_built() -> bool:
+    """phalanx.horovod runs on c10d (gloo or NCCL), not on oneCCL."""
+    return False
+
+
+def ddl_built() -> bool:
+    """phalanx.horovod runs on c10d (gloo or NCCL), not on IBM DDL."""
+    return False
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Horovod's timeline is not written; phalanx's collective log and watchdog name each collective instead."""
+    from phalanx.logging import warn_once
+
+    warn_once(f"hvd.start_timeline({file_path!r}): phalanx.horovod writes no Horovod timeline; nothing is recorded")
+
+
+def stop_timeline() -> None:
+    """See :func:`start_timeline`."""
