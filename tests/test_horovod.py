@@ -259,6 +259,42 @@ def test_horovod_s_other_operations(run_ranks):
     assert first["async"] == (True, [1.0]) and first["built"] == (False, False)
 
 
+def _adasum() -> dict:
+    hvd.init()
+    rank = hvd.rank()
+    out = {
+        # Adasum's rule: orthogonal gradients add; parallel ones average, whatever their scale
+        "orthogonal": hvd.allreduce(torch.eye(2)[rank], op=hvd.Adasum).tolist(),
+        "equal": hvd.allreduce(torch.tensor([2.0, 4.0]), op=hvd.Adasum).tolist(),
+        "scaled": hvd.allreduce(torch.tensor([1.0, 0.0]) * (1 + 9 * rank), op=hvd.Adasum).tolist(),
+    }
+    # The optimizer combines the ranks' steps: SGD with lr 1 on orthogonal gradients steps by their sum.
+    w = torch.nn.Parameter(torch.zeros(2))
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), named_parameters=[("w", w)], op=hvd.Adasum)
+    (w * -torch.eye(2)[rank]).sum().backward()
+    optimizer.step()
+    out["optimizer"] = w.detach().tolist()
+    return out
+
+
+def test_adasum_adds_orthogonal_and_averages_equal_gradients(run_ranks):
+    for out in run_ranks(_adasum, 2):
+        assert out["orthogonal"] == pytest.approx([1.0, 1.0])
+        assert out["equal"] == pytest.approx([2.0, 4.0])
+        # parallel vectors of norms 1 and 10: (1 - 10/2)*1 + (1 - 10/200)*10 = -4 + 9.5 = 5.5, their mean
+        assert out["scaled"] == pytest.approx([5.5, 0.0])
+        assert out["optimizer"] == pytest.approx([1.0, 1.0])
+
+
+def test_adasum_tree_pairs_neighbours_in_rank_order():
+    from phalanx.compat.horovod.adasum import adasum_pair, adasum_tree
+
+    vectors = [torch.tensor([1.0, 0.0, 0.0]), torch.tensor([0.0, 1.0, 0.0]), torch.tensor([0.0, 0.0, 2.0])]
+    expected = adasum_pair(adasum_pair(vectors[0], vectors[1]), vectors[2])  # the third has no partner at level 1
+    assert torch.equal(adasum_tree(vectors), expected) and expected.tolist() == [1.0, 1.0, 2.0]
+    assert torch.equal(adasum_pair(torch.zeros(3), vectors[2]), vectors[2])  # a zero vector leaves the other
+
+
 def _optimizer_state_broadcast() -> dict:
     hvd.init()
     rank = hvd.rank()
@@ -388,10 +424,8 @@ def test_bad_input_gets_clear_errors():
     try:
         assert hvd.is_initialized() and (hvd.size(), hvd.rank(), hvd.local_rank(), hvd.local_size()) == (1, 0, 0, 1)
         sgd = torch.optim.SGD(model.parameters(), lr=0.1)
-        with pytest.raises(NotImplementedError, match=r"Adasum.*op=hvd.Average"):
-            hvd.DistributedOptimizer(sgd, op=hvd.Adasum)
-        with pytest.raises(NotImplementedError, match=r"Adasum"):
-            hvd.allreduce(torch.ones(2), op=hvd.Adasum)
+        with pytest.raises(ValueError, match=r"op=hvd.Adasum takes no compression"):
+            hvd.DistributedOptimizer(sgd, op=hvd.Adasum, compression=hvd.Compression.fp16)
         with pytest.raises(ValueError, match=r"these appear more than once: w"):
             hvd.DistributedOptimizer(sgd, named_parameters=[("w", model.weight), ("w", model.bias)])
         with pytest.raises(ValueError, match=r"missing: group 0 parameter 1 \(shape \(2,\)\)"):

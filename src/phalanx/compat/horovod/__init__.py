@@ -24,8 +24,10 @@ Where phalanx differs from Horovod, on purpose:
   same number of steps.
 - ``step()`` after ``synchronize()`` outside ``skip_synchronize()`` warns and does not reduce a second time.
 - The asynchronous forms (``allreduce_async``, ...) complete when issued; ``synchronize`` gives the result.
-- Not implemented, each with an error that says what to use: ``op=hvd.Adasum``, MPI communicators, process sets
-  other than the global one, and the timeline (a warning).
+- ``op=hvd.Adasum`` (allreduce and DistributedOptimizer) gathers every rank's tensor and combines them as one tree
+  in rank order (Horovod: recursive halving, less traffic, the same tree).
+- Not implemented, each with an error that says what to use: MPI communicators, process sets other than the global
+  one, and the timeline (a warning).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.compat.horovod.adasum import adasum_allreduce_
 from phalanx.compat.horovod.coordinator import agree
 from phalanx.compat.horovod.world import (
     Average,
@@ -136,7 +137,9 @@ def _reduce_(
         postscale = postscale / n
     with torch.no_grad():
         scale_(tensor, prescale)
-        if world.distributed:
+        if world.distributed and op is ReduceOp.Adasum:
+            adasum_allreduce_(tensor, _wire(tensor, world))
+        elif world.distributed:
             wire = _wire(tensor, world)
             watched(dist.all_reduce, wire, op=c10d_op(op), label=where)
             if wire is not tensor:

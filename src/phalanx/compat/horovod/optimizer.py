@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from phalanx.compat.horovod.ops import Compression, c10d_op, check_compression
+from phalanx.compat.horovod.ops import Compression, _reduce_, c10d_op, check_compression
 from phalanx.compat.horovod.world import Average, ReduceOp, Sum, check_op, current
 from phalanx.config.strategy_options import DataParallelOptions
 from phalanx.logging import warn_once
@@ -229,6 +229,31 @@ def _named(optimizer: torch.optim.Optimizer, named_parameters: Any) -> list[tupl
     return [(name_of[p], p) for p in params]
 
 
+class _AdasumOptimizerMixin(_OptimizerBase):
+    """``op=hvd.Adasum``, as Horovod's Adasum optimizer: each rank steps on its own gradients, then the ranks combine
+    their steps (the change of each parameter) with Adasum, and every rank applies the combined step."""
+
+    def synchronize(self) -> None:
+        """Nothing to reduce before the step: Adasum combines the steps, not the gradients."""
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        yield
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]  # type: ignore[attr-defined]
+        starts = [p.detach().clone() for p in params]
+        loss = super().step(closure)  # type: ignore[misc]
+        world = current("hvd.DistributedOptimizer (Adasum)")
+        if world.distributed:
+            with torch.no_grad():
+                for p, start in zip(params, starts):
+                    change = p.detach() - start
+                    _reduce_(change, ReduceOp.Adasum, 1.0, 1.0, world)
+                    p.copy_(start + change)
+        return loss
+
+
 def DistributedOptimizer(
     optimizer: torch.optim.Optimizer,
     named_parameters: Any = None,
@@ -248,7 +273,15 @@ def DistributedOptimizer(
         raise TypeError(f"{where}: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, _DistributedOptimizerMixin):
         raise ValueError(f"{where}: this optimizer is already a DistributedOptimizer (wrap the original only once)")
-    reduce_op = check_op(op, where, (Average, Sum, ReduceOp.Min, ReduceOp.Max, ReduceOp.Product))
+    reduce_op = check_op(op, where, (Average, Sum, ReduceOp.Min, ReduceOp.Max, ReduceOp.Product, ReduceOp.Adasum))
+    if reduce_op is ReduceOp.Adasum:
+        if compression is not Compression.none or gradient_predivide_factor != 1.0:
+            raise ValueError(f"{where}: op=hvd.Adasum takes no compression and no gradient_predivide_factor")
+        cls = type(type(optimizer).__name__, (_AdasumOptimizerMixin, type(optimizer)), {})
+        adasum: Any = object.__new__(cls)
+        adasum.__dict__.update(optimizer.__dict__)
+        adasum.backward_passes_per_step = _check_passes(backward_passes_per_step)
+        return adasum
     compressor = check_compression(compression, where)
     passes = _check_passes(backward_passes_per_step)
     if not gradient_predivide_factor > 0:

@@ -55,11 +55,6 @@ def check_op(op: Any, where: str, allowed: tuple[ReduceOp, ...] = tuple(ReduceOp
     except (ValueError, TypeError):
         names = ", ".join(f"hvd.{o.name}" for o in allowed)
         raise ValueError(f"{where}: op={op!r} is not a reduction (use one of {names})") from None
-    if value is ReduceOp.Adasum:
-        raise NotImplementedError(
-            f"{where}: op=hvd.Adasum is not implemented by phalanx (Adasum's scale-invariant combination of gradients "
-            "needs Horovod's own reduction tree); use op=hvd.Average (the default), or op=hvd.Sum"
-        )
     if value not in allowed:
         names = ", ".join(f"hvd.{o.name}" for o in allowed)
         raise ValueError(f"{where}: op=hvd.{value.name} is not supported here (use one of {names})")
