@@ -9,7 +9,9 @@ accelerate package (accelerate/test_utils/scripts/) and are copied to a temporar
 (``accelerate.utils...`` -> ``phalanx.accelerate.utils``, the rest -> ``phalanx.accelerate``), except
 ``accelerate.test_utils``, whose models and datasets come from the real package. To count each test, every call of a
 ``test_*`` function inside the script's ``main()`` is wrapped so that an exception is recorded and the next test
-runs; a test passes when it returns on every rank. Accelerate runs under torchrun, phalanx under phalanx launch.
+runs; each test runs on its own (the script's other tests become ``pass``), so that a hang costs one test; it passes
+when it returns on every rank. Accelerate runs under torchrun (with ACCELERATE_USE_CPU), phalanx under phalanx
+launch.
 """
 
 from __future__ import annotations
@@ -52,12 +54,29 @@ def swap_imports(source: str) -> str:
     return "".join(lines)
 
 
+def _test_call(node: ast.AST) -> bool:
+    call = getattr(node, "value", None)
+    return (
+        isinstance(node, ast.Expr)
+        and isinstance(call, ast.Call)
+        and isinstance(call.func, ast.Name)
+        and (call.func.id.startswith("test_"))
+    )
+
+
 class _WrapTests(ast.NodeTransformer):
-    """Inside main(): ``test_x(args)`` -> ``_conformance_record("test_x:LINE", lambda: test_x(args))``."""
+    """Inside main(): ``test_x(args)`` -> ``_conformance_record("test_x:LINE", lambda: test_x(args))``; with ``only``,
+    every other test call becomes ``pass`` (one test per run, so that a hang or a crash costs that test alone)."""
+
+    def __init__(self, only: int | None = None) -> None:
+        self.only = only
 
     def visit_Expr(self, node: ast.Expr) -> ast.AST:
         call = node.value
-        if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id.startswith("test_"):
+        if _test_call(node):
+            assert isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+            if self.only is not None and node.lineno != self.only:
+                return ast.copy_location(ast.Pass(), node)
             name = ast.Constant(f"{call.func.id}:{node.lineno}")
             thunk = ast.Lambda(args=ast.arguments([], [], None, [], [], None, []), body=call)
             wrapped = ast.Call(ast.Name("_conformance_record", ast.Load()), [name, thunk], [])
@@ -65,11 +84,17 @@ class _WrapTests(ast.NodeTransformer):
         return node
 
 
-def instrument(source: str) -> str:
+def test_lines(source: str) -> list[int]:
+    """The lines of main()'s test calls."""
+    main = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    return [n.lineno for n in ast.walk(main) if _test_call(n)]
+
+
+def instrument(source: str, only: int | None = None) -> str:
     tree = ast.parse(source)
     for node in tree.body:
         if isinstance(node, ast.FunctionDef) and node.name == "main":
-            _WrapTests().visit(node)
+            _WrapTests(only).visit(node)
     # The recorder goes before the script's `if __name__ == "__main__":`, which calls main().
     at = next((i for i, n in enumerate(tree.body) if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)), None)
     tree.body[at if at is not None else len(tree.body) : at] = ast.parse(RECORD).body
@@ -98,11 +123,17 @@ def run(script: Path, front: str, out: Path, python: str, timeout: float) -> dic
     }
 
 
+def _name_at(source: str, line: int) -> str:
+    main = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    node = next(n for n in ast.walk(main) if _test_call(n) and n.lineno == line)
+    return node.value.func.id  # type: ignore[attr-defined]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("scripts", nargs="*", default=list(SCRIPTS))
     p.add_argument("--python", default=sys.executable)
-    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds for one test's run")
     args = p.parse_args()
     import accelerate
 
@@ -111,13 +142,16 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="accelerate-conformance-") as tmp:
         for name in args.scripts:
             original = (source_dir / name).read_text()
-            results = {}
-            for front in ("accelerate", "phalanx"):
-                folder = Path(tmp) / front
-                folder.mkdir(exist_ok=True)
-                text = original if front == "accelerate" else swap_imports(original)
-                (folder / name).write_text(instrument(text))
-                results[front] = run(folder / name, front, folder / (name + ".out"), args.python, args.timeout)
+            results: dict[str, dict[str, str]] = {"accelerate": {}, "phalanx": {}}
+            for line in test_lines(original):  # imports are swapped line for line, so the lines hold in both
+                for front in ("accelerate", "phalanx"):
+                    folder = Path(tmp) / front / f"{name}-{line}"
+                    folder.mkdir(parents=True)
+                    text = original if front == "accelerate" else swap_imports(original)
+                    (folder / name).write_text(instrument(text, only=line))
+                    got = run(folder / name, front, folder / (name + ".out"), args.python, args.timeout)
+                    label = next(iter(got), None) or f"{_name_at(original, line)}:{line}"
+                    results[front][label] = got.get(label, "failed: no result (a crash or a hang)")
             theirs, ours = results["accelerate"], results["phalanx"]
             names = list(dict.fromkeys([*theirs, *ours]))
             print(f"\n{name}: accelerate passes {sum(o == 'passed' for o in theirs.values())} of {len(names)}, "
