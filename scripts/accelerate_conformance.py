@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 SCRIPTS = ("test_sync.py", "test_distributed_data_loop.py")
+NOT_RUN = "not run (the script runs it only on another setup, e.g. GPUs)"
 
 RECORD = """
 def _conformance_record(name, fn):
@@ -109,14 +110,17 @@ def run(script: Path, front: str, out: Path, python: str, timeout: float) -> dic
     env = {**os.environ, "CONFORMANCE_OUT": str(out), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     env["ACCELERATE_USE_CPU"] = "1"  # Accelerate runs on CPU processes only when told (accelerate launch --cpu)
     try:
-        subprocess.run(cmd, cwd=script.parent, env=env, timeout=timeout, capture_output=True, check=False)
+        done = subprocess.run(cmd, cwd=script.parent, env=env, timeout=timeout, capture_output=True, check=False)
+        finished = done.returncode == 0
     except subprocess.TimeoutExpired:
-        pass  # what was recorded before the hang counts; the rest did not pass
+        finished = False  # what was recorded before the hang counts; the rest did not pass
     ranks = []
     for r in (0, 1):
         path = Path(f"{out}.{r}")
         ranks.append(dict(json.loads(line) for line in path.read_text().splitlines()) if path.exists() else {})
     names = list(dict.fromkeys([*ranks[0], *ranks[1]]))
+    if not names and finished:
+        return {"": NOT_RUN}
     return {
         n: next((o for o in (ranks[0].get(n, "missing"), ranks[1].get(n, "missing")) if o != "passed"), "passed")
         for n in names
@@ -150,12 +154,13 @@ def main() -> int:
                     text = original if front == "accelerate" else swap_imports(original)
                     (folder / name).write_text(instrument(text, only=line))
                     got = run(folder / name, front, folder / (name + ".out"), args.python, args.timeout)
-                    label = next(iter(got), None) or f"{_name_at(original, line)}:{line}"
-                    results[front][label] = got.get(label, "failed: no result (a crash or a hang)")
+                    label = f"{_name_at(original, line)}:{line}"
+                    results[front][label] = next(iter(got.values()), "failed: no result (a crash or a hang)")
             theirs, ours = results["accelerate"], results["phalanx"]
-            names = list(dict.fromkeys([*theirs, *ours]))
-            print(f"\n{name}: accelerate passes {sum(o == 'passed' for o in theirs.values())} of {len(names)}, "
-                  f"phalanx {sum(o == 'passed' for o in ours.values())} of {len(names)}")  # fmt: skip
+            names = [n for n in theirs if theirs[n] != NOT_RUN]  # the tests this setup runs
+            passed = {front: sum(results[front].get(n) == "passed" for n in names) for front in results}
+            print(f"\n{name}: {len(names)} tests run on 2 CPU ranks; accelerate passes {passed['accelerate']}, "
+                  f"phalanx {passed['phalanx']}")  # fmt: skip
             for n in names:
                 print(f"  {n:55s} accelerate: {theirs.get(n, 'missing')[:60]:60s} phalanx: {ours.get(n, 'missing')}")
     return 0

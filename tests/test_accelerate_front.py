@@ -207,3 +207,29 @@ def test_prepare_returns_a_prepared_loader_as_it_is_and_saves_into_an_empty_fold
     with pytest.raises(Exception, match="exists and is not a phalanx checkpoint"):
         accelerator.save_state(str(tmp_path / "full"))
     assert (tmp_path / "full" / "notes.txt").read_text() == "mine"
+
+
+class _ByBatch(torch.utils.data.Dataset):
+    """Indexed by a whole batch of indices, as DataLoader(sampler=BatchSampler(...), batch_size=None) indexes it."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, idx):  # type: ignore[no-untyped-def]
+        assert isinstance(idx, list), idx  # never one index at a time
+        return torch.tensor(idx)
+
+
+def _batch_sampler_as_sampler() -> list[list[int]]:
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    accelerator = Accelerator()
+    sampler = BatchSampler(SequentialSampler(range(10)), batch_size=2, drop_last=False)
+    loader = accelerator.prepare(DataLoader(_ByBatch(), sampler=sampler, batch_size=None, collate_fn=lambda b: b))
+    return [b.tolist() for b in loader]
+
+
+def test_a_batch_sampler_given_as_sampler_is_prepared(run_ranks):
+    # Accelerate's test_distributed_data_loop prepares such a loader; each global batch (2 x 2 ranks) is split.
+    first, second = run_ranks(_batch_sampler_as_sampler, 2)
+    assert first == [[0, 1], [4, 5], [8]] and second == [[2, 3], [6, 7], [9]]

@@ -187,8 +187,13 @@ class PreparedDataLoader(DataLoader):
         self, loader: DataLoader, rank: int, world_size: int, seed: int, device: torch.device, active: ActiveLoaders
     ) -> None:
         batch_size, drop_last, sampler = loader.batch_size, loader.drop_last, loader.sampler
+        # DataLoader(sampler=BatchSampler(...), batch_size=None): the dataset is indexed by whole batches of indices
+        # (no automatic collation); the prepared loader keeps that, with the global batches in the sampler's place.
+        self._sampler_batches = (
+            batch_size is None and loader.batch_sampler is None and isinstance(sampler, BatchSampler)
+        )
         if batch_size is None:
-            inner = loader.batch_sampler
+            inner = loader.sampler if self._sampler_batches else loader.batch_sampler
             if not isinstance(inner, BatchSampler):
                 raise TypeError(
                     f"engine.prepare needs a DataLoader with batch_size or a torch BatchSampler; got batch_sampler "
@@ -206,8 +211,13 @@ class PreparedDataLoader(DataLoader):
         num_samples = len(base) if base is not None else len(loader.dataset)  # type: ignore[arg-type]
         batch_sampler = GlobalBatchSampler(num_samples, batch_size, rank, world_size, shuffle, seed, drop_last, base)
         pin = loader.pin_memory or device.type == "cuda"
+        order: dict[str, Any] = (
+            {"sampler": batch_sampler, "batch_size": None}
+            if self._sampler_batches
+            else {"batch_sampler": batch_sampler}
+        )
         kwargs: dict[str, Any] = dict(
-            batch_sampler=batch_sampler,
+            **order,
             num_workers=loader.num_workers,
             collate_fn=loader.collate_fn,
             pin_memory=pin,
@@ -232,7 +242,7 @@ class PreparedDataLoader(DataLoader):
 
     @property
     def global_sampler(self) -> GlobalBatchSampler:
-        return self.batch_sampler  # type: ignore[return-value]
+        return self.sampler if self._sampler_batches else self.batch_sampler  # type: ignore[return-value]
 
     @property
     def epoch(self) -> int:
