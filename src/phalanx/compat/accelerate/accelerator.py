@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -220,6 +221,13 @@ class Accelerator(Engine):
     def join_uneven_inputs(self, joinables: list[Any], even_batches: bool | None = None) -> Iterator[None]:
         """Accelerate joins processes whose loaders run out at different times; phalanx's prepared loaders give
         every process the same number of batches, so there is nothing to join."""
+        if self.state.distributed_type not in (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU):
+            warnings.warn(
+                "join_uneven_inputs is only supported for multi-GPU (and multi-CPU) data parallelism, as in "
+                f"Accelerate; this run is {self.state.distributed_type.value}, so nothing is joined",
+                UserWarning,
+                stacklevel=3,
+            )
         if even_batches is False:
             warn_once(
                 "join_uneven_inputs(even_batches=False): phalanx's prepared loaders always give every process the "
