@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from phalanx.config.options import ConfigError
-from phalanx.logging import warn_once
+from phalanx.logging import get_logger, warn_once
 
 if TYPE_CHECKING:
     from phalanx.trainer.arguments import TrainingArguments
@@ -416,7 +416,7 @@ class GreedyLR:
             if (new - old if up else old - new) > self.eps:
                 group["lr"] = new
                 if self.verbose:
-                    print(f"GreedyLR: group {i} lr {old:.4e} -> {new:.4e}")
+                    get_logger().info("GreedyLR: group %d lr %.4e -> %.4e", i, old, new)
         if up:
             self.reset_start = self.reset_start_original
         elif all(float(g["lr"]) <= m for g, m in zip(self.optimizer.param_groups, self.min_lrs)):

@@ -122,6 +122,18 @@ class Accelerator(Engine):
         options.update(_plugin_options(deepspeed_plugin, fsdp_plugin))
         for handler in kwargs_handlers or []:
             options.update(_handler_options(handler))
+        if not device_placement:
+            warn_once("Accelerator(device_placement=False) is not used: phalanx places models and batches itself")
+        if rng_types and set(rng_types) - {"generator"}:
+            warn_once(
+                f"Accelerator(rng_types={rng_types}): phalanx does not synchronise the global RNGs at each epoch; the "
+                "data order is the same on every rank without it (it comes from the seed)"
+            )
+        if not plugin.sync_with_dataloader:
+            warn_once(
+                "GradientAccumulationPlugin(sync_with_dataloader=False) is not used: phalanx always ends the "
+                "accumulation window at the end of the DataLoader"
+            )
         for name, value in (("log_with", log_with), ("project_dir", project_dir), ("project_config", project_config)):
             if value is not None:
                 warn_once(f"Accelerator({name}=...) is not used: phalanx's trackers are the Trainer's report_to")
