@@ -536,3 +536,11 @@ def test_example_against_real_horovod(opt, tmp_path):
         # single-process training, which we match (test_example_on_two_ranks_matches_one_process).
         drift = max((got[k] - ref[k]).abs().max().item() for k in ref)
         assert drift > 1e-3, f"real Horovod matched us within {drift}: has its broadcast_optimizer_state changed?"
+
+
+def test_a_call_before_init_is_a_value_error_as_in_horovod(monkeypatch):
+    from phalanx.compat.horovod import world
+
+    monkeypatch.setattr(world, "_WORLD", None)
+    with pytest.raises(ValueError, match=r"hvd.allreduce needs the world, but hvd.init\(\) has not been called"):
+        hvd.allreduce(torch.ones(1))

@@ -129,10 +129,14 @@ def is_initialized() -> bool:
     return _WORLD is not None
 
 
+class NotInitializedError(RuntimeError, ValueError):
+    """A call before ``hvd.init()``; a ``ValueError``, as Horovod raises it (and a ``RuntimeError``, as phalanx did)."""
+
+
 def current(what: str) -> HvdWorld:
     """The world, or an error saying that ``hvd.init()`` must come first."""
     if _WORLD is None:
-        raise RuntimeError(f"{what} needs the world, but hvd.init() has not been called (call hvd.init() first)")
+        raise NotInitializedError(f"{what} needs the world, but hvd.init() has not been called (call hvd.init() first)")
     return _WORLD
 
 
