@@ -161,6 +161,7 @@ class Trainer:
         self._train_loader_raw: Any = None
         self._last_log = (0.0, 0)  # (time, optimizer step) of the last training log, for steps_per_second
         self._log_extra: dict[str, float] = {}  # what log.jsonl gets beyond the log itself
+        self._plateau_of: tuple[Any, bool] | None = None  # (scheduler, whether it steps on a metric)
         self._persistent_eval: dict[int, tuple[Any, DataLoader]] = {}  # eval loaders kept for persistent workers
         self._grad_norm: torch.Tensor | None = None  # the last step's global gradient norm, read when logged
         self._learning_rate = self.args.learning_rate  # the rate the last step used
@@ -549,8 +550,12 @@ class Trainer:
 
     def _plateau(self) -> bool:
         """A schedule that steps on the evaluation's metric (ReduceLROnPlateau, GreedyLR), not on each step."""
-        step = getattr(self.lr_scheduler, "step", None)
-        return step is not None and "metrics" in inspect.signature(step).parameters
+        # Asked at every optimizer step: the signature is read once per scheduler object, not each time.
+        scheduler = self.lr_scheduler
+        if self._plateau_of is None or self._plateau_of[0] is not scheduler:
+            step = getattr(scheduler, "step", None)
+            self._plateau_of = (scheduler, step is not None and "metrics" in inspect.signature(step).parameters)
+        return self._plateau_of[1]
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         """enable_jit_checkpoint: a preemption's SIGTERM asks for a checkpoint at the end of this optimizer step."""
