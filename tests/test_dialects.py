@@ -189,7 +189,7 @@ def test_hf_style_json_with_auto_values_and_offload():
         "cpu",
         "fp32",
         1,
-        None,
+        1.0,  # "auto" clipping: 1.0, as Accelerate fills it
     )
     assert (e.micro_batch_size, e.global_batch_size, e.bucket_mb) == (None, None, 25.0)  # auto: the loader decides
     assert {

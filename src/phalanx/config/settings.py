@@ -315,6 +315,7 @@ def resolve_config(
     origins: dict[str, str] = {}
     out = PhalanxConfig()
     from_foreign: dict[str, tuple[Any, str]] = {}  # what a DeepSpeed file set in the layer being read
+    fills: dict[str, tuple[Any, str]] = {}  # what an "auto" becomes when no layer sets the key
 
     def put(key: str, value: Any, where: str, expand: bool = True) -> None:
         section, _, name = key.rpartition(".")
@@ -335,7 +336,7 @@ def resolve_config(
                 f"{key}={coerced!r} from {_source(where)} disagrees with {key}={from_foreign[key][0]!r} from "
                 f"{from_foreign[key][1]}; say it in one place"
             )
-        if where == "argument" and key in values and values[key] != coerced:
+        if where == "argument" and key in values and values[key] != coerced and '"auto"' not in origins[key]:
             out.overrides.append(
                 f"Engine({key}={coerced!r}) in the script overrides {key}={values[key]!r} "
                 f"from {_source(origins[key])}; the run uses {coerced!r}. Say it in one place: drop the argument "
@@ -357,6 +358,8 @@ def resolve_config(
             from_foreign[key] = (values[key], origin)
         out.ignored.extend((f"{path}: {k}", why) for k, why in mapped.ignored)
         out.notes.extend(mapped.notes)
+        for key, value, source in mapped.fills:
+            fills[key] = (value, f"{path} ({mapped.dialect} {source})")
 
     handed_down = ENV_CONFIG_JSON in env
     if handed_down:
@@ -396,6 +399,9 @@ def resolve_config(
     layer.update({k: v for k, v in (cli or {}).items() if v is not None})
     for key, value in sorted(layer.items(), key=lambda kv: kv[0] != "deepspeed"):
         put(key, value, cli_origin)
+    for key, (value, origin) in fills.items():
+        if key not in values:
+            put(key, value, origin, expand=False)
 
     out.engine = EngineConfig(**{k: v for k, v in values.items() if "." not in k})
     if out.engine.global_batch_size is not None or out.engine.micro_batch_size is not None:

@@ -8,6 +8,7 @@ error that names what to use instead (a value phalanx cannot honour, e.g. ``dist
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from phalanx.config.dialects.mapping import Mapped, offload_for
 from phalanx.config.dialects.names import precision_from_accelerate, strategy_from_zero_stage
 from phalanx.config.options import ConfigError
 
-__all__ = ["is_accelerate_config", "from_accelerate"]
+__all__ = ["is_accelerate_config", "from_accelerate", "KNOWN_KEYS"]
 
 # Keys that only an Accelerate config has; a phalanx YAML has none of them.
 _MARKERS = {"compute_environment", "distributed_type", "num_machines", "main_training_function", "use_cpu"}
@@ -24,7 +25,12 @@ _NONE = ("none", None, False)
 _KNOWN_TOP = {
     "distributed_type", "mixed_precision", "use_cpu", "num_processes", "num_machines", "machine_rank",
     "main_process_ip", "main_process_port", "rdzv_backend", "gpu_ids", "deepspeed_config", "fsdp_config",
-    "dynamo_config", "dynamo_backend", "parallelism_config",
+    "dynamo_config", "dynamo_backend", "parallelism_config", "debug",
+}  # fmt: skip
+# The keys of a SageMaker config (compute_environment: AMAZON_SAGEMAKER): Accelerate submits a training job there.
+_SAGEMAKER = {
+    "ec2_instance_type", "iam_role_name", "image_uri", "profile", "region", "base_job_name", "pytorch_version",
+    "transformers_version", "py_version", "sagemaker_inputs_file", "sagemaker_metrics_file", "additional_args",
 }  # fmt: skip
 
 
@@ -49,11 +55,10 @@ def _offload(device: Any, key: str) -> str:
 
 
 _IGNORED_TOP = {
-    "compute_environment": "phalanx runs on the machines it is launched on (LOCAL_MACHINE)",
+    "compute_environment": "phalanx runs on the machines it is launched on",
     "downcast_bf16": "a TPU setting",
     "main_training_function": "names the function for Accelerate's notebook and TPU launchers; phalanx runs the script",
     "same_network": "phalanx always connects to main_process_ip:main_process_port",
-    "debug": "Accelerate's collective shape checks; phalanx checks shapes in its own collectives",
     "enable_cpu_affinity": "phalanx sets OMP_NUM_THREADS per rank and leaves affinity to the OS",
     "ipex_config": "Intel extension settings; phalanx does not use IPEX",
     "mpirun_config": "no hostfile: phalanx launch starts the processes of this machine",
@@ -61,6 +66,9 @@ _IGNORED_TOP = {
     "command_file": "TPU pod commands",
     "megatron_lm_config": "read only with distributed_type MEGATRON_LM",
     "fp8_config": "read only with mixed_precision fp8",
+    **{
+        key: "a TPU setting" for key in ("tpu_name", "tpu_zone", "tpu_use_cluster", "tpu_use_sudo", "tpu_vm", "tpu_env")
+    },
 }
 
 
@@ -68,18 +76,34 @@ def from_accelerate(data: dict[str, Any], where: str, read_json: Callable[[str],
     """Translate an Accelerate config. ``read_json`` reads a DeepSpeed file named by ``deepspeed_config_file``."""
     out = Mapped("accelerate")
     dtype = str(data.get("distributed_type", "NO")).upper()
-    unknown = set(data) - _KNOWN_TOP - set(_IGNORED_TOP)
-    for key in sorted(unknown):
-        if not key.startswith("tpu_"):
-            close = difflib.get_close_matches(key, sorted(_KNOWN_TOP | set(_IGNORED_TOP)), n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ConfigError(
-                f"accelerate config {where}: unknown key {key!r}; {hint}(phalanx reads the keys that "
-                "`accelerate config` writes)"
-            )
+    for key in sorted(set(data) - KNOWN_KEYS[""]):
+        close = difflib.get_close_matches(key, sorted(KNOWN_KEYS[""]), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(
+            f"accelerate config {where}: unknown key {key!r}; {hint}(phalanx reads the keys that "
+            "`accelerate config` writes)"
+        )
+    environment = str(data.get("compute_environment", "LOCAL_MACHINE")).upper()
+    sagemaker = sorted(_SAGEMAKER & set(data))
+    if environment != "LOCAL_MACHINE" or sagemaker:
+        asked = f"compute_environment={environment}" if environment != "LOCAL_MACHINE" else ", ".join(sagemaker)
+        raise ConfigError(
+            f"accelerate config {where}: {asked} asks Accelerate to submit an Amazon SageMaker training job, which "
+            "phalanx launch does not do: it runs on the machines it is started on. Inside a SageMaker job, start "
+            "`phalanx launch` from the job's entry point with compute_environment: LOCAL_MACHINE and without the "
+            "SageMaker keys"
+        )
     for key, value in data.items():
-        if key in _IGNORED_TOP or key.startswith("tpu_"):
-            out.ignore(key, _IGNORED_TOP.get(key, "a TPU setting"))
+        if key in _IGNORED_TOP:
+            if key == "compute_environment":
+                out.ignore(key, "LOCAL_MACHINE: " + _IGNORED_TOP[key])
+            else:
+                out.ignore(key, _IGNORED_TOP[key])
+        elif key == "debug":
+            if _flag(value):
+                out.set("debug_collectives", True, "debug")
+            else:
+                out.ignore(key, "false: no collective checks")
         elif key == "dynamo_config" or key == "dynamo_backend":
             backend = value.get("dynamo_backend", "NO") if isinstance(value, dict) else value
             if str(backend).upper() not in ("NO", "NONE"):
@@ -208,10 +232,48 @@ _DS_IGNORED = {
 }
 
 
+_DS_MAPPED = {
+    "zero_stage", "deepspeed_config_file", "gradient_accumulation_steps", "gradient_clipping",
+    "offload_optimizer_device", "offload_param_device", "offload_optimizer_nvme_path", "offload_param_nvme_path",
+}  # fmt: skip
+_DS_HOSTFILE = ("deepspeed_hostfile", "deepspeed_inclusion_filter", "deepspeed_exclusion_filter")
+_FSDP_NOTED = {
+    "fsdp_state_dict_type": "engine.save_state always writes sharded checkpoints that resume on any world size; "
+    "engine.save_model writes the full model",
+    "fsdp_sync_module_states": "phalanx always broadcasts rank 0's parameters at prepare",
+    "fsdp_use_orig_params": "prepared models keep their original parameters' names",
+    "fsdp_cpu_ram_efficient_loading": "the model is built on each rank; rank 0's values are broadcast",
+    "fsdp_version": "phalanx's zero3 is its own; the FSDP1 and FSDP2 keys both map onto it",
+    "fsdp_min_num_params": "read only with SIZE_BASED_WRAP, which phalanx does not do",
+}
+_FSDP_MAPPED = {
+    "fsdp_reshard_after_forward", "fsdp_sharding_strategy", "fsdp_offload_params",
+    "fsdp_transformer_layer_cls_to_wrap", "fsdp_auto_wrap_policy", "fsdp_backward_prefetch",
+    "fsdp_backward_prefetch_policy", "fsdp_forward_prefetch", "fsdp_activation_checkpointing", "fsdp_ignored_modules",
+}  # fmt: skip
+# Every key each section of an Accelerate config may hold, as this module reads them; a key outside its section's
+# set is an error. keys.py builds the table of what phalanx does with each (docs/config-keys.md) from these sets.
+KNOWN_KEYS: dict[str, frozenset[str]] = {
+    "": frozenset(_KNOWN_TOP | set(_IGNORED_TOP) | _SAGEMAKER),
+    "deepspeed_config": frozenset(_DS_MAPPED | set(_DS_IGNORED) | set(_DS_HOSTFILE)),
+    "fsdp_config": frozenset(_FSDP_MAPPED | set(_FSDP_NOTED)),
+}
+
+
+def _unknown(section: str, key: str) -> ConfigError:
+    known = sorted(KNOWN_KEYS[section])
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return ConfigError(f"accelerate config: unknown key '{section}.{key}'; {hint}known: {', '.join(known)}")
+
+
 def _map_deepspeed(ds: dict[str, Any], out: Mapped, where: str, read_json: Callable[[str], dict[str, Any]]) -> None:
     """Accelerate's ``deepspeed_config`` section: either inline keys, or a ``deepspeed_config_file``."""
     from phalanx.config.dialects.deepspeed import from_deepspeed
 
+    for key in ds:
+        if key not in KNOWN_KEYS["deepspeed_config"]:
+            raise _unknown("deepspeed_config", key)
     file = ds.get("deepspeed_config_file")
     if file:
         inline = [
@@ -236,6 +298,13 @@ def _map_deepspeed(ds: dict[str, Any], out: Mapped, where: str, read_json: Calla
         # Accelerate's default stage, when the section names none, is 2.
         stage = strategy_from_zero_stage(ds.get("zero_stage", 2), "deepspeed_config.zero_stage")
         out.set("strategy", stage, "deepspeed_config.zero_stage")
+        if "gradient_clipping" not in ds:  # Accelerate writes "auto" into the config it builds, then fills 1.0
+            filled = float(os.environ.get("ACCELERATE_GRADIENT_CLIPPING", "1.0"))
+            out.fill(
+                "max_grad_norm",
+                filled,
+                f"deepspeed_config.gradient_clipping (absent: {filled}, as Accelerate fills it)",
+            )
     for key, value in ds.items():
         name = f"deepspeed_config.{key}"
         if key in _DS_IGNORED:
@@ -247,7 +316,7 @@ def _map_deepspeed(ds: dict[str, Any], out: Mapped, where: str, read_json: Calla
                     "use deepspeed_multinode_launcher: standard",
                 )
             out.ignore(name, _DS_IGNORED[key])
-        elif key in ("deepspeed_hostfile", "deepspeed_inclusion_filter", "deepspeed_exclusion_filter"):
+        elif key in _DS_HOSTFILE:
             raise _error(
                 name,
                 value,
@@ -259,18 +328,13 @@ def _map_deepspeed(ds: dict[str, Any], out: Mapped, where: str, read_json: Calla
         elif key == "gradient_clipping":
             if value not in (None, 0, 0.0, "none"):
                 out.set("max_grad_norm", float(value), name)
-        elif key in ("offload_optimizer_device", "offload_param_device"):
-            pass  # below, together
+            else:
+                out.ignore(name, f"{value!r}: no clipping")
         elif key in ("offload_optimizer_nvme_path", "offload_param_nvme_path"):
             if value not in _NONE and str(value).lower() != "none":
                 out.set("offload_dir", str(value), name)
-        elif key not in ("zero_stage", "deepspeed_config_file"):
-            raise ConfigError(
-                f"accelerate config: unknown key {name!r} (phalanx knows: zero_stage, gradient_"
-                "accumulation_steps, gradient_clipping, offload_optimizer_device, offload_param_device, "
-                "offload_*_nvme_path, zero3_init_flag, zero3_save_16bit_model, deepspeed_config_file, "
-                "deepspeed_multinode_launcher)"
-            )
+            else:
+                out.ignore(name, f"{value!r}: no path")
     if "offload_optimizer_device" in ds or "offload_param_device" in ds:
         opt = _offload(ds.get("offload_optimizer_device"), "deepspeed_config.offload_optimizer_device")
         par = _offload(ds.get("offload_param_device"), "deepspeed_config.offload_param_device")
@@ -306,6 +370,8 @@ def _map_fsdp(fsdp: dict[str, Any], out: Mapped) -> None:
     out.set("strategy", strategy, source)
     for key, value in fsdp.items():
         name = f"fsdp_config.{key}"
+        if key not in KNOWN_KEYS["fsdp_config"]:
+            raise _unknown("fsdp_config", key)
         if key in ("fsdp_reshard_after_forward", "fsdp_sharding_strategy"):
             continue
         if key == "fsdp_offload_params":
@@ -357,32 +423,5 @@ def _map_fsdp(fsdp: dict[str, Any], out: Mapped) -> None:
                     "every module; remove the key, or train those modules' owner outside the prepared model"
                 )
             out.ignore(name, f"{value!r}: no module is left out")
-        elif key in ("fsdp_state_dict_type",):
-            out.ignore(
-                name,
-                "engine.save_state always writes sharded checkpoints that resume on any world size; "
-                "engine.save_model writes the full model",
-            )
-        elif key in (
-            "fsdp_sync_module_states",
-            "fsdp_use_orig_params",
-            "fsdp_cpu_ram_efficient_loading",
-            "fsdp_version",
-            "fsdp_min_num_params",
-        ):
-            out.ignore(
-                name,
-                {
-                    "fsdp_sync_module_states": "phalanx always broadcasts rank 0's parameters at prepare",
-                    "fsdp_use_orig_params": "prepared models keep their original parameters' names",
-                    "fsdp_cpu_ram_efficient_loading": "the model is built on each rank; rank 0's values are broadcast",
-                    "fsdp_version": "phalanx's zero3 is its own; the FSDP1 and FSDP2 keys both map onto it",
-                    "fsdp_min_num_params": "read only with SIZE_BASED_WRAP, which phalanx does not do",
-                }[key],
-            )
         else:
-            raise ConfigError(
-                f"accelerate config: unknown key {name!r}; phalanx maps fsdp_sharding_strategy, "
-                "fsdp_reshard_after_forward, fsdp_offload_params, fsdp_transformer_layer_cls_to_wrap, "
-                "fsdp_backward_prefetch, fsdp_forward_prefetch and ignores the rest with a reason"
-            )
+            out.ignore(name, _FSDP_NOTED[key])

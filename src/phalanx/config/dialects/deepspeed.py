@@ -20,7 +20,7 @@ from phalanx.config.dialects.mapping import Mapped, offload_for
 from phalanx.config.dialects.names import strategy_from_zero_stage
 from phalanx.config.options import ConfigError
 
-__all__ = ["read_deepspeed", "from_deepspeed", "is_auto"]
+__all__ = ["read_deepspeed", "from_deepspeed", "is_auto", "KNOWN_KEYS"]
 
 _MIB = 2**20
 
@@ -94,6 +94,26 @@ _ZERO_REFUSED = {
 }
 _COMM_DTYPES = {"fp16": "fp16", "float16": "fp16", "half": "fp16", "bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32",
                 "float32": "fp32", "float": "fp32"}  # fmt: skip
+_ZERO_MAPPED = {"stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "reduce_scatter",
+                "ignore_unused_parameters", "cpu_offload", "zenflow"}  # fmt: skip
+# DeepSpeed's loss scaler defaults, used when the fp16 block is enabled and leaves a key out.
+_FP16_DEFAULTS = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
+                  "min_loss_scale": 1}  # fmt: skip
+_BF16_REFUSED = ("bf16_master_weights_and_grads", "bf16_optimizer_states")
+_BF16_NOTED = ("immediate_grad_update", "check_grad_overflow")
+# Every key each section of a DeepSpeed file may hold, as this module reads them; a key outside its section's set
+# is an error. keys.py builds the table of what phalanx does with each (docs/config-keys.md) from these sets.
+KNOWN_KEYS: dict[str, frozenset[str]] = {
+    "": frozenset(_MAPPED | set(_IGNORED)),
+    "zero_optimization": frozenset(_ZERO_MAPPED | set(_ZERO_IGNORED) | set(_ZERO_REFUSED)),
+    "zero_optimization.offload_*": frozenset(
+        {"device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu", "fast_init", "ratio"}
+    ),
+    "fp16": frozenset(
+        {*_FP16_DEFAULTS, "enabled", "auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads"}
+    ),  # fmt: skip
+    "bf16": frozenset({"enabled", *_BF16_REFUSED, *_BF16_NOTED}),
+}
 
 
 def is_auto(value: Any) -> bool:
@@ -165,8 +185,12 @@ def from_deepspeed(data: dict[str, Any], where: str) -> Mapped:
                 out.set(target, data[key], key)
     if "gradient_clipping" in data:
         value = data["gradient_clipping"]
-        if is_auto(value) or value in (0, 0.0, None):
-            out.ignore("gradient_clipping", "auto" if is_auto(value) else "0: no clipping")
+        if is_auto(value):  # Accelerate fills it from ACCELERATE_GRADIENT_CLIPPING, else 1.0; the HF Trainer from
+            # its max_grad_norm, which it passes on itself
+            filled = float(os.environ.get("ACCELERATE_GRADIENT_CLIPPING", "1.0"))
+            out.fill("max_grad_norm", filled, f'gradient_clipping ("auto": {filled}, as Accelerate fills it)')
+        elif value in (0, 0.0, None):
+            out.ignore("gradient_clipping", "0: no clipping")
         else:
             out.set("max_grad_norm", float(value), "gradient_clipping")
     _map_precision(data, out)
@@ -228,8 +252,12 @@ def _map_precision(data: dict[str, Any], out: Mapped) -> None:
         _map_loss_scale(data["fp16"], out)
     elif fp16 is False or bf16 is False:
         out.set("precision", "fp32", "fp16.enabled / bf16.enabled")
-    if "fp16" in data and not fp16:
-        out.ignore("fp16", "auto: precision comes from the other settings" if fp16 is None else "not enabled")
+    for key, on in (("fp16", fp16), ("bf16", bf16)):
+        if key in data and not on:
+            out.ignore(key, "auto: precision comes from the other settings" if on is None else "not enabled")
+    for key in ("amp", "fp8"):
+        if key in data:
+            out.ignore(key, "not enabled")
 
 
 def _map_torch_autocast(block: Any, out: Mapped, where: str) -> None:
@@ -257,7 +285,7 @@ def _check_bf16_block(block: Any, out: Mapped) -> None:
     for key, value in block.items():
         if key == "enabled":
             continue
-        if key in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
+        if key in _BF16_REFUSED:
             if value:
                 what = "master weights and gradients" if "master" in key else "the optimizer state"
                 raise ConfigError(
@@ -265,7 +293,7 @@ def _check_bf16_block(block: Any, out: Mapped) -> None:
                     f"bf16-mixed it keeps them in fp32 (more memory, exact updates). Set {key} to false or leave it out"
                 )
             out.ignore(f"bf16.{key}", "false: fp32, as phalanx keeps them")
-        elif key in ("immediate_grad_update", "check_grad_overflow"):
+        elif key in _BF16_NOTED:
             out.ignore(f"bf16.{key}", "phalanx's bf16-mixed applies each window's gradients at the optimizer step")
         else:
             raise ConfigError(
@@ -274,13 +302,8 @@ def _check_bf16_block(block: Any, out: Mapped) -> None:
             )
 
 
-# DeepSpeed's loss scaler defaults, used when the fp16 block is enabled and leaves a key out.
-_FP16_DEFAULTS = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
-                  "min_loss_scale": 1}  # fmt: skip
-
-
 def _map_loss_scale(block: dict[str, Any], out: Mapped) -> None:
-    known = set(_FP16_DEFAULTS) | {"enabled", "auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads"}
+    known = KNOWN_KEYS["fp16"]
     for key in block:
         if key not in known:
             raise ConfigError(f"DeepSpeed config: unknown key 'fp16.{key}'; known: {', '.join(sorted(known))}")
@@ -291,6 +314,9 @@ def _map_loss_scale(block: dict[str, Any], out: Mapped) -> None:
             "DeepSpeed config: fp16.fp16_master_weights_and_grads is not supported: phalanx keeps fp32 "
             "master weights; leave it false"
         )
+    for key in ("consecutive_hysteresis", "fp16_master_weights_and_grads"):
+        if key in block:
+            out.ignore(f"fp16.{key}", "false: off")
     if "auto_cast" in block:
         out.ignore("fp16.auto_cast", "phalanx's fp16-mixed always autocasts the forward")
     values = {k: block.get(k, d) for k, d in _FP16_DEFAULTS.items()}
@@ -329,7 +355,7 @@ def _map_zero(zero: dict[str, Any], strategy: str | None, out: Mapped) -> None:
                 'use "offload_optimizer": {"device": "cpu"}'
             )
         elif key in ("offload_optimizer", "offload_param"):
-            device, path = _offload_block(value, name)
+            device, path = _offload_block(value, name, out)
             if key == "offload_optimizer":
                 opt_dev = device
             else:
@@ -350,20 +376,7 @@ def _map_zero(zero: dict[str, Any], strategy: str | None, out: Mapped) -> None:
         elif key == "ignore_unused_parameters":
             out.set("find_unused_parameters", bool(value), name)
         else:
-            known = sorted(
-                {
-                    "stage",
-                    "offload_optimizer",
-                    "offload_param",
-                    "reduce_bucket_size",
-                    "reduce_scatter",
-                    "ignore_unused_parameters",
-                    "cpu_offload",
-                    "zenflow",
-                }
-                | set(_ZERO_IGNORED)
-                | set(_ZERO_REFUSED)
-            )
+            known = sorted(KNOWN_KEYS["zero_optimization"])
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise ConfigError(f"DeepSpeed config: unknown key {name!r}; {hint}known: {', '.join(known)}")
@@ -377,12 +390,21 @@ def _map_zero(zero: dict[str, Any], strategy: str | None, out: Mapped) -> None:
             offload_for(out, opt_dev, par_dev, strategy, "zero_optimization.offload_optimizer / offload_param")
 
 
-def _offload_block(block: Any, name: str) -> tuple[str, str | None]:
+_OFFLOAD_NOTED = {
+    "pin_memory": "phalanx pins the host copies itself when the compute device is CUDA",
+    "buffer_count": "DeepSpeed's NVMe swap buffers; phalanx's disk offload memory-maps its files",
+    "buffer_size": "DeepSpeed's NVMe swap buffers; phalanx's disk offload memory-maps its files",
+    "max_in_cpu": "DeepSpeed's NVMe swap buffers; phalanx's disk offload memory-maps its files",
+    "fast_init": "DeepSpeed's NVMe optimizer initialisation",
+}
+
+
+def _offload_block(block: Any, name: str, out: Mapped) -> tuple[str, str | None]:
     if block is None:
         return "none", None
     if not isinstance(block, dict):
         raise ConfigError(f'DeepSpeed config: {name} must be an object such as {{"device": "cpu"}}; got {block!r}')
-    known = {"device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu", "fast_init", "ratio"}
+    known = KNOWN_KEYS["zero_optimization.offload_*"]
     for key in block:
         if key not in known:
             raise ConfigError(f"DeepSpeed config: unknown key '{name}.{key}'; known: {', '.join(sorted(known))}")
@@ -395,8 +417,16 @@ def _offload_block(block: Any, name: str) -> tuple[str, str | None]:
     if device == "auto":  # Accelerate's fill: the launcher's environment, else none
         variable = f"ACCELERATE_DEEPSPEED_{name.split('.')[-1].upper()}_DEVICE"
         device = os.environ.get(variable, "none").lower()
+        out.ignore(f"{name}.device", f'"auto": {device}, as Accelerate fills it from {variable} (else none)')
     mapping = {"none": "none", "cpu": "cpu", "nvme": "disk"}
     if device not in mapping:
         raise ConfigError(f"invalid {name}.device: got {block.get('device')!r} (use none, cpu or nvme)")
     path = block.get("nvme_path")
+    for key in block:
+        if key in _OFFLOAD_NOTED:
+            out.ignore(f"{name}.{key}", _OFFLOAD_NOTED[key])
+        elif key == "ratio":
+            out.ignore(f"{name}.ratio", "1.0: all of it is offloaded")
+        elif key == "nvme_path" and mapping[device] != "disk":
+            out.ignore(f"{name}.nvme_path", f"read only with device nvme; got {device}")
     return mapping[device], (str(path) if path else None)

@@ -16,16 +16,22 @@ class Mapped:
 
     ``values`` are ``(phalanx key, value, the foreign key it came from)``; launcher keys are spelled
     ``launch.<name>``. ``ignored`` are ``(foreign key, why)`` for keys that have no meaning in phalanx.
-    ``notes`` say where phalanx does the same job another way, so that nobody is surprised later.
+    ``notes`` say where phalanx does the same job another way, so that nobody is surprised later. ``fills`` are
+    what an ``"auto"`` becomes when nothing else sets that key (the HF Trainer's arguments, the launcher's flags):
+    the value Accelerate would fill in.
     """
 
     dialect: str
     values: list[tuple[str, Any, str]] = field(default_factory=list)
     ignored: list[tuple[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    fills: list[tuple[str, Any, str]] = field(default_factory=list)
 
     def set(self, key: str, value: Any, source: str) -> None:
         self.values.append((key, value, source))
+
+    def fill(self, key: str, value: Any, source: str) -> None:
+        self.fills.append((key, value, source))
 
     def ignore(self, key: str, why: str) -> None:
         self.ignored.append((key, why))
@@ -33,6 +39,7 @@ class Mapped:
     def merge(self, other: Mapped, prefix: str = "") -> None:
         """Take in what a nested file maps to (Accelerate's ``deepspeed_config_file``)."""
         self.values += [(k, v, prefix + s) for k, v, s in other.values]
+        self.fills += [(k, v, prefix + s) for k, v, s in other.fills]
         self.ignored += [(prefix + k, why) for k, why in other.ignored]
         self.notes += other.notes
 
