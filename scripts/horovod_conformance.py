@@ -4,7 +4,10 @@ of the suite: the file comes from a Horovod checkout outside this repository and
     .venv/bin/python scripts/horovod_conformance.py HOROVOD_CHECKOUT          # every test, one launch each
     .venv/bin/python scripts/horovod_conformance.py HOROVOD_CHECKOUT -k allreduce
 
-``import horovod.torch as hvd`` becomes ``import phalanx.horovod as hvd``. Horovod's test helpers
+``import horovod.torch as hvd`` becomes ``import phalanx.horovod as hvd``. Each rank sees the environment that
+``horovodrun --gloo`` gives it (``HOROVOD_RANK``, ``HOROVOD_SIZE``, ``HOROVOD_LOCAL_RANK``, ...), set from the
+launcher's by a small runner (run_rank.py), so the tests that check for Horovod's gloo controller run, and every test
+ends in ``hvd.barrier(); hvd.shutdown()`` as it does under horovodrun. Horovod's test helpers
 (test/utils/common.py) import ``horovod.runner.util.threads.in_thread`` at module level; with Horovod not installed,
 a stub of that one helper is put on the path (the tests themselves do not call it). Each test runs in its own
 ``phalanx launch -n 2 -m pytest`` so that a hang costs that test alone. The helpers need ``cloudpickle`` and
@@ -33,6 +36,21 @@ def in_thread(target, args=(), name=None, daemon=True, silent=False):
 """
 
 
+RUNNER = """import os
+import sys
+
+import pytest
+
+# What horovodrun --gloo sets for each rank, from the launcher's torchrun variables.
+for ours, theirs in (("RANK", "RANK"), ("WORLD_SIZE", "SIZE"), ("LOCAL_RANK", "LOCAL_RANK"),
+                     ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")):
+    os.environ["HOROVOD_" + theirs] = os.environ[ours]
+os.environ["HOROVOD_CROSS_RANK"] = str(int(os.environ["RANK"]) // int(os.environ["LOCAL_WORLD_SIZE"]))
+os.environ["HOROVOD_CROSS_SIZE"] = str(int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"]))
+sys.exit(pytest.main(sys.argv[1:]))
+"""
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("checkout", help="a Horovod checkout (it holds test/parallel/test_torch.py)")
@@ -52,6 +70,7 @@ def main() -> int:
         for folder in (stub.parent.parent, stub.parent, stub):
             (folder / "__init__.py").touch()
         (stub / "threads.py").write_text(STUB)
+        (root / "parallel" / "run_rank.py").write_text(RUNNER)
         env = {**os.environ, "PYTHONPATH": f"{root / 'utils'}{os.pathsep}{root / 'stubs'}", "CUDA_VISIBLE_DEVICES": ""}
         env["OMP_NUM_THREADS"] = "1"
         cwd = root / "parallel"
@@ -65,7 +84,7 @@ def main() -> int:
         tests = [line for line in listed.splitlines() if "::" in line and (not args.select or args.select in line)]
         outcomes: dict[str, str] = {}
         for test in tests:
-            cmd = [sys.executable, "-m", "phalanx", "launch", "-n", "2", "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+            cmd = [sys.executable, "-m", "phalanx", "launch", "-n", "2", "run_rank.py", "-q", "-p", "no:cacheprovider"]
             try:
                 run = subprocess.run(
                     [*cmd, test], cwd=cwd, env=env, capture_output=True, text=True, timeout=args.timeout

@@ -256,7 +256,7 @@ def test_horovod_s_other_operations(run_ranks):
     assert second["alltoall_splits"] == ([1.0, 2.0, 101.0, 102.0], [2, 2])
     assert first["reducescatter"] == [0.0, 3.0, 6.0] and second["reducescatter"] == [9.0, 12.0]
     assert first["grouped"] == [[1.0, 1.0], [2.0]]
-    assert first["async"] == (True, [1.0]) and first["built"] == (False, False)
+    assert first["async"][1] == [1.0] and first["built"] == (False, False)
 
 
 def _adasum() -> dict:
@@ -544,3 +544,108 @@ def test_a_call_before_init_is_a_value_error_as_in_horovod(monkeypatch):
     monkeypatch.setattr(world, "_WORLD", None)
     with pytest.raises(ValueError, match=r"hvd.allreduce needs the world, but hvd.init\(\) has not been called"):
         hvd.allreduce(torch.ones(1))
+
+
+def _process_sets_join_and_matching() -> dict:
+    # Three ranks: process sets (rank 1 outside the set [0, 2]), join standing in for a finished rank, operations
+    # matched by name across ranks, and init -> shutdown -> init.
+    hvd.init()
+    rank, out = hvd.rank(), {}
+    even = hvd.add_process_set([2, 0])  # sorted, as Horovod sorts it
+    alone = hvd.add_process_set(hvd.ProcessSet([1]))
+    out["sets"] = (even.ranks, even.size(), even.rank(), even.included(), hvd.global_process_set.size())
+    try:
+        hvd.add_process_set([0, 2])
+    except ValueError as e:
+        out["duplicate"] = str(e)
+    value = torch.tensor([float(rank + 1)])
+    if rank in (0, 2):
+        out["set_sum"] = hvd.allreduce(value, op=hvd.Sum, process_set=even).item()  # 1 + 3
+        out["set_gather"] = hvd.allgather(value, process_set=even).tolist()
+        out["set_bcast"] = hvd.broadcast(value, root_rank=2, process_set=even).item()
+        out["set_objects"] = hvd.allgather_object(rank, process_set=even)
+    else:
+        out["alone_sum"] = hvd.allreduce(value, op=hvd.Sum, process_set=alone).item()
+        try:
+            hvd.allreduce(value, process_set=even)
+        except ValueError as e:
+            out["outside"] = str(e)
+    # DistributedOptimizer over [0, 2]: those two average their gradients, rank 1 steps on its own.
+    w = torch.nn.Parameter(torch.zeros(1))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), named_parameters=[("w", w)], process_set=even)
+    (w * (rank + 1) ** 2).sum().backward()  # local gradients 1, 4, 9
+    opt.step()
+    out["set_step"] = w.item()  # -(1 + 9) / 2 on ranks 0 and 2, -4 on rank 1
+    out["removed"] = (hvd.remove_process_set(even), hvd.remove_process_set(hvd.global_process_set))
+    try:
+        hvd.barrier(process_set=even)
+    except ValueError as e:
+        out["after_remove"] = str(e)
+
+    # Ranks issue two named operations in different orders: Horovod matches them by name, so must we.
+    if rank == 0:
+        first = hvd.allreduce_async(torch.tensor([1.0]), name="a", op=hvd.Sum)
+        second = hvd.allreduce_async(torch.tensor([10.0]), name="b", op=hvd.Sum)
+    else:
+        second = hvd.allreduce_async(torch.tensor([10.0]), name="b", op=hvd.Sum)
+        first = hvd.allreduce_async(torch.tensor([1.0]), name="a", op=hvd.Sum)
+    try:
+        hvd.allreduce_async(torch.tensor([1.0]), name="a")
+    except ValueError as e:
+        out["in_flight"] = str(e)
+    out["by_name"] = (hvd.synchronize(first).item(), hvd.synchronize(second).item())
+    # Ranks that wait for different operations raise, all of them, instead of hanging.
+    try:
+        if rank == 0:
+            hvd.allreduce(torch.ones(1), name="x")
+        else:
+            hvd.broadcast(torch.ones(1), root_rank=0, name="y")
+    except RuntimeError as e:
+        out["stall"] = str(e)
+
+    # join: rank 0 has finished; ranks 1 and 2 keep reducing, rank 0 standing in with zeros.
+    if rank == 0:
+        out["last"] = hvd.join()
+    else:
+        out["joined_avg"] = hvd.allreduce(value).item()  # (0 + 2 + 3) / 3: Horovod still divides by 3
+        out["joined_grouped"] = [t.item() for t in hvd.grouped_allreduce([value, value * 10], op=hvd.Sum)]
+        model = torch.nn.Linear(2, 1, bias=False)
+        torch.nn.init.zeros_(model.weight)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0))
+        model(torch.full((1, 2), float(rank))).sum().backward()  # gradients 1 and 2
+        opt.step()
+        out["joined_step"] = model.weight.detach().tolist()  # -(0 + 1 + 2) / 3
+        try:
+            hvd.allgather(value)
+        except hvd.JoinedRanksError as e:
+            out["joined_gather"] = str(e)
+        out["last"] = hvd.join()
+
+    hvd.shutdown()
+    hvd.init()
+    out["reinit"] = (hvd.rank(), hvd.size(), hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item())
+    return out
+
+
+def test_process_sets_join_and_name_matching(run_ranks):
+    results = run_ranks(_process_sets_join_and_matching, 3)
+    for rank, out in enumerate(results):
+        assert out["sets"] == ([0, 2], 2, {0: 0, 1: None, 2: 1}[rank], rank != 1, 3)
+        assert "a process set with ranks [0, 2] exists already" in out["duplicate"]
+        if rank != 1:
+            assert out["set_sum"] == 4.0 and out["set_gather"] == [1.0, 3.0] and out["set_bcast"] == 3.0
+            assert out["set_objects"] == [0, 2] and out["set_step"] == -5.0
+        else:
+            assert out["alone_sum"] == 2.0 and out["set_step"] == -4.0
+            assert "this rank (1) is not in process set 1 (ranks [0, 2])" in out["outside"]
+        assert out["removed"] == (True, False) and "is not registered" in out["after_remove"]
+        assert "'a' is already in flight" in out["in_flight"] and out["by_name"] == (3.0, 30.0)
+        assert "wait for different Horovod operations" in out["stall"], out["stall"]
+        assert "rank 0: x" in out["stall"] and "rank 2: y" in out["stall"]
+        if rank:
+            assert out["joined_avg"] == pytest.approx(5 / 3)
+            assert out["joined_grouped"] == [5.0, 50.0]
+            assert out["joined_step"] == [[-1.0, -1.0]]
+            assert "rank(s) [0] have called hvd.join()" in out["joined_gather"]
+        assert out["last"] == 2  # ranks 1 and 2 joined in the same round: the higher rank counts as last
+        assert out["reinit"] == (rank, 3, 3.0)

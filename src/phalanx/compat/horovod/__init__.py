@@ -32,24 +32,28 @@ Where phalanx differs from Horovod, on purpose:
 
 from __future__ import annotations
 
-from phalanx.compat.horovod.coordinator import HorovodMismatchError
+from phalanx.compat.horovod.coordinator import HorovodInternalError, HorovodMismatchError, JoinedRanksError
 from phalanx.compat.horovod.more_ops import (
-    HorovodInternalError,
     HostsUpdatedInterrupt,
     allgather_async,
     allreduce_async,
     allreduce_async_,
     alltoall,
+    alltoall_async,
     barrier,
     broadcast_async,
     broadcast_async_,
     grouped_allgather,
+    grouped_allgather_async,
     grouped_allreduce,
     grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
     grouped_reducescatter,
-    poll,
+    grouped_reducescatter_async,
     reducescatter,
-    synchronize,
+    reducescatter_async,
+    sparse_allreduce_async,
 )
 from phalanx.compat.horovod.ops import (
     Compression,
@@ -61,8 +65,11 @@ from phalanx.compat.horovod.ops import (
     allreduce_,
     broadcast,
     broadcast_,
+    poll,
+    synchronize,
 )
 from phalanx.compat.horovod.optimizer import DistributedOptimizer
+from phalanx.compat.horovod.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from phalanx.compat.horovod.state import (
     allgather_object,
     broadcast_object,
@@ -109,7 +116,10 @@ __all__ = [
     "barrier", "alltoall", "reducescatter", "grouped_allreduce", "grouped_allreduce_", "grouped_allgather",
     "grouped_reducescatter", "allreduce_async", "allreduce_async_", "allgather_async", "broadcast_async",
     "broadcast_async_", "poll", "synchronize", "HorovodInternalError", "HostsUpdatedInterrupt", "ccl_built",
-    "ddl_built", "start_timeline", "stop_timeline",
+    "ddl_built", "start_timeline", "stop_timeline", "JoinedRanksError",
+    "ProcessSet", "add_process_set", "remove_process_set", "global_process_set", "reducescatter_async",
+    "alltoall_async", "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_allgather_async",
+    "grouped_reducescatter_async", "sparse_allreduce_async",
 ]  # fmt: skip
 
 

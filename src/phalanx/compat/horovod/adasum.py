@@ -10,6 +10,8 @@ trades bandwidth for simplicity). The dot products are taken in float64.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -40,10 +42,11 @@ def adasum_tree(tensors: list[torch.Tensor]) -> torch.Tensor:
     return level[0]
 
 
-def adasum_allreduce_(tensor: torch.Tensor, wire: torch.Tensor) -> None:
-    """Replace ``tensor`` with the Adasum of every rank's; ``wire`` is ``tensor`` where collectives can take it."""
+def adasum_allreduce_(tensor: torch.Tensor, wire: torch.Tensor, group: Any = None, size: int | None = None) -> None:
+    """Replace ``tensor`` with the Adasum of every rank's (of ``group``, ``size`` ranks); ``wire`` is ``tensor``
+    where collectives can take it."""
     if not tensor.is_floating_point():
         raise ValueError(f"hvd.Adasum combines floating-point tensors; got {tensor.dtype} (use hvd.Sum)")
-    parts = [torch.empty_like(wire) for _ in range(dist.get_world_size())]
-    watched(dist.all_gather, parts, wire.contiguous(), label="hvd.allreduce (Adasum)")
+    parts = [torch.empty_like(wire) for _ in range(dist.get_world_size() if size is None else size)]
+    watched(dist.all_gather, parts, wire.contiguous(), group=group, label="hvd.allreduce (Adasum)")
     tensor.copy_(adasum_tree(parts).to(tensor.device))

@@ -1,19 +1,22 @@
-"""The Horovod dialect's tensor collectives: ``allreduce``, ``allgather``, ``broadcast`` and gradient compression.
+"""The Horovod dialect's tensor collectives: ``allreduce``, ``allgather``, ``broadcast``, gradient compression,
+and the handles of asynchronous operations (``poll``, ``synchronize``).
 
-They run on c10d. Horovod matches collectives across ranks by name, so ranks may issue them in different orders;
-c10d matches them by order, so every rank must call them in the same order (the usual case). ``name`` is accepted
-and not used. ``allreduce``, ``allgather`` and ``broadcast`` are differentiable, with Horovod's gradients.
+Each operation is queued on its process set's coordinator, matched across ranks by name (unnamed ones by a
+counter, so ranks issuing them in the same order match), checked, and started on c10d (see coordinator.py).
+``allreduce``, ``allgather`` and ``broadcast`` are differentiable, with Horovod's gradients.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from phalanx.compat.horovod.adasum import adasum_allreduce_
-from phalanx.compat.horovod.coordinator import agree
+from phalanx.compat.horovod.coordinator import Coordinator, Op, digest_of
+from phalanx.compat.horovod.process_sets import coordinator_of
 from phalanx.compat.horovod.world import (
     Average,
     HvdWorld,
@@ -22,13 +25,13 @@ from phalanx.compat.horovod.world import (
     check_op,
     check_root,
     current,
-    rank,
 )
 from phalanx.runtime.collective_log import watched
 
 __all__ = [
     "Compressor", "NoneCompressor", "FP16Compressor", "Compression", "check_compression",
     "allreduce", "allreduce_", "allgather", "broadcast", "broadcast_", "c10d_op", "scale_", "to_comm_device",
+    "wire", "run", "handle_of", "poll", "synchronize", "allreduce_op", "allgather_op", "broadcast_op", "resolve_op",
 ]  # fmt: skip
 
 
@@ -118,52 +121,133 @@ def to_comm_device(tensor: torch.Tensor, world: HvdWorld) -> torch.Tensor:
 _WIDENED = {torch.int16: torch.int32, torch.uint16: torch.int32}  # dtypes gloo does not reduce, and what carries them
 
 
-def _wire(tensor: torch.Tensor, world: HvdWorld) -> torch.Tensor:
+def wire(tensor: torch.Tensor, world: HvdWorld) -> torch.Tensor:
     """The tensor a collective can take: on its device, contiguous, and (on gloo) in a dtype gloo knows."""
-    wire = to_comm_device(tensor, world)
-    if wire.dtype in _WIDENED and dist.get_backend() == "gloo":
-        wire = wire.to(_WIDENED[wire.dtype])  # the sum wraps on the way back, as int16 arithmetic would
-    return wire
+    out = to_comm_device(tensor, world)
+    if out.dtype in _WIDENED and dist.get_backend() == "gloo":
+        out = out.to(_WIDENED[out.dtype])  # the sum wraps on the way back, as int16 arithmetic would
+    return out
+
+
+def run(coord: Coordinator, op: Op) -> Any:
+    """Queue ``op`` and wait for its result (a synchronous Horovod call)."""
+    return coord.wait(coord.submit(op))
+
+
+_HANDLES: dict[int, tuple[Coordinator, Op]] = {}
+_NEXT_HANDLE = itertools.count(1)
+
+
+def handle_of(coord: Coordinator, op: Op) -> int:
+    """Queue ``op`` and return Horovod's integer handle for ``poll`` and ``synchronize``."""
+    coord.submit(op)
+    handle = next(_NEXT_HANDLE)
+    _HANDLES[handle] = (coord, op)
+    return handle
+
+
+def _handle(handle: Any, where: str) -> tuple[Coordinator, Op]:
+    if handle not in _HANDLES:
+        raise ValueError(f"{where}: {handle!r} is not a handle of an operation in flight (synchronize() ended it?)")
+    return _HANDLES[handle]
+
+
+def poll(handle: int) -> bool:
+    """Whether the operation of ``handle`` is done. An operation not started yet is offered to the other ranks
+    first (one coordinator round, which waits for theirs)."""
+    coord, op = _handle(handle, "hvd.poll")
+    return coord.poll(op)
+
+
+def synchronize(handle: int) -> Any:
+    """Wait for the operation of ``handle`` and return its result; the handle ends."""
+    coord, op = _handle(handle, "hvd.synchronize")
+    try:
+        return coord.wait(op)
+    finally:
+        _HANDLES.pop(handle, None)
+
+
+def allreduce_op(
+    coord: Coordinator,
+    tensor: torch.Tensor,
+    op: ReduceOp,
+    prescale: float,
+    postscale: float,
+    world: HvdWorld,
+    name: str | None = None,
+) -> Op:
+    """An all-reduce of ``tensor`` in place over the set; Average sums and then divides, like Horovod (gloo has no
+    average)."""
+    kind = "hvd.allreduce"
+    if op is ReduceOp.Average:
+        postscale = postscale / coord.size
+    if op is ReduceOp.Adasum and not tensor.is_floating_point():
+        raise ValueError(f"hvd.Adasum combines floating-point tensors; got {tensor.dtype} (use hvd.Sum)")
+    digest, text = digest_of(kind, [tensor], op=op, scales=(prescale, postscale))
+    state: dict[str, torch.Tensor] = {}
+
+    def launch(sizes: list[int]) -> tuple[list[Any], Any]:
+        with torch.no_grad():
+            scale_(tensor, prescale)
+            if coord.size == 1:
+                works: list[Any] = []
+            elif op is ReduceOp.Adasum:
+                adasum_allreduce_(tensor, wire(tensor, world), coord.group, coord.size)
+                works = []
+            else:
+                state["wire"] = w = wire(tensor, world)
+                works = [watched(dist.all_reduce, w, op=c10d_op(op), group=coord.group, async_op=True, label=kind)]
+
+        def finish() -> torch.Tensor:
+            with torch.no_grad():
+                w = state.get("wire")
+                if w is not None and w is not tensor:
+                    tensor.copy_(w)
+                scale_(tensor, postscale)
+            return tensor
+
+        return works, finish
+
+    def plan() -> list[tuple[int, str, str]]:
+        w = wire(tensor, world)
+        return [(w.numel(), str(w.dtype).removeprefix("torch."), c10d_op(op).name)]
+
+    return Op(kind, name or coord.auto_name(kind), digest, text, launch, plan=None if op is ReduceOp.Adasum else plan)
 
 
 def _reduce_(
-    tensor: torch.Tensor, op: ReduceOp, prescale: float, postscale: float, world: HvdWorld, where: str = "hvd.allreduce"
-) -> None:
-    """All-reduce ``tensor`` in place; Average sums and then divides, like Horovod (gloo has no average)."""
-    n = world.info.world_size
-    if world.distributed:
-        agree("hvd.allreduce", tensor, op=op, scales=(prescale, postscale))
-    if op is ReduceOp.Average:
-        postscale = postscale / n
-    with torch.no_grad():
-        scale_(tensor, prescale)
-        if world.distributed and op is ReduceOp.Adasum:
-            adasum_allreduce_(tensor, _wire(tensor, world))
-        elif world.distributed:
-            wire = _wire(tensor, world)
-            watched(dist.all_reduce, wire, op=c10d_op(op), label=where)
-            if wire is not tensor:
-                tensor.copy_(wire)
-        scale_(tensor, postscale)
+    tensor: torch.Tensor,
+    op: ReduceOp,
+    prescale: float,
+    postscale: float,
+    world: HvdWorld,
+    process_set: Any = None,
+    name: str | None = None,
+    where: str = "hvd.allreduce",
+) -> torch.Tensor:
+    """All-reduce ``tensor`` in place over ``process_set`` and wait for it."""
+    coord = coordinator_of(process_set, where)
+    return run(coord, allreduce_op(coord, tensor, op, prescale, postscale, world, name))
 
 
 class _Allreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, op: ReduceOp, prescale: float, postscale: float) -> torch.Tensor:
-        ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
-        out = tensor.clone()
-        _reduce_(out, op, prescale, postscale, current("hvd.allreduce"))
-        return out
+    def forward(
+        ctx: Any, tensor: torch.Tensor, op: ReduceOp, prescale: float, postscale: float, process_set: Any, name: Any
+    ) -> torch.Tensor:
+        ctx.op, ctx.prescale, ctx.postscale, ctx.process_set = op, prescale, postscale, process_set
+        return _reduce_(tensor.clone(), op, prescale, postscale, current("hvd.allreduce"), process_set, name)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         # The output on every rank depends on every rank's input, so the gradient is reduced the same way.
-        out = grad.clone()
-        _reduce_(out, ctx.op, ctx.prescale, ctx.postscale, current("hvd.allreduce (backward)"))
-        return out, None, None, None
+        world = current("hvd.allreduce (backward)")
+        out = _reduce_(grad.clone(), ctx.op, ctx.prescale, ctx.postscale, world, ctx.process_set)
+        return out, None, None, None, None, None
 
 
-def _resolve_op(op: Any, average: Any, where: str) -> ReduceOp:
+def resolve_op(op: Any, average: Any, where: str) -> ReduceOp:
     if op is not None and average is not None:
         raise ValueError(
             f"{where}: got both op={op!r} and average={average!r} (pass only op; average is Horovod's old spelling)"
@@ -181,11 +265,12 @@ def allreduce(
     op: Any = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    process_set: Any = None,
 ) -> torch.Tensor:
-    """A new tensor: ``tensor`` combined over all ranks (averaged unless ``op`` says otherwise). Differentiable for
-    Average and Sum."""
+    """A new tensor: ``tensor`` combined over the ranks of ``process_set`` (all by default), averaged unless ``op``
+    says otherwise. Differentiable for Average and Sum."""
     where = "hvd.allreduce"
-    reduce_op = _resolve_op(op, average, where)
+    reduce_op = resolve_op(op, average, where)
     current(where)
     compressor = check_compression(compression, where)
     if tensor.requires_grad and torch.is_grad_enabled() and reduce_op not in (Average, Sum):
@@ -193,8 +278,9 @@ def allreduce(
             f"{where}: op=hvd.{reduce_op.name} has no gradient, and the tensor requires one (detach() it, or use "
             "hvd.Average or hvd.Sum)"
         )
-    wire, ctx = compressor.compress(tensor)
-    out = _Allreduce.apply(wire, reduce_op, float(prescale_factor), float(postscale_factor))
+    coordinator_of(process_set, where)  # a rank outside the set fails here, before anything is queued
+    compressed, ctx = compressor.compress(tensor)
+    out = _Allreduce.apply(compressed, reduce_op, float(prescale_factor), float(postscale_factor), process_set, name)
     return compressor.decompress(out, ctx)
 
 
@@ -205,91 +291,123 @@ def allreduce_(
     op: Any = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    process_set: Any = None,
 ) -> torch.Tensor:
     """Like :func:`allreduce`, in place; returns ``tensor``."""
     where = "hvd.allreduce_"
-    reduce_op = _resolve_op(op, average, where)
-    _reduce_(tensor, reduce_op, float(prescale_factor), float(postscale_factor), current(where))
-    return tensor
+    reduce_op = resolve_op(op, average, where)
+    world = current(where)
+    return _reduce_(tensor, reduce_op, float(prescale_factor), float(postscale_factor), world, process_set, name, where)
 
 
-def _gather(tensor: torch.Tensor, world: HvdWorld) -> tuple[torch.Tensor, list[int]]:
-    """Every rank's tensor, concatenated along dim 0 in rank order, and each rank's first dimension."""
-    if not world.distributed:
-        return tensor.clone(), [tensor.shape[0]]
-    agree("hvd.allgather", tensor, first_dim_may_differ=True)
-    counts = torch.tensor([tensor.shape[0]], dtype=torch.int64)
-    everyone = [torch.empty_like(counts) for _ in range(world.info.world_size)]
-    watched(dist.all_gather, everyone, counts, label="hvd.allgather sizes")
-    sizes = [int(c) for c in everyone]
-    wire = _wire(tensor, world)
-    if wire.shape[0] < max(sizes):  # all_gather needs equal sizes: pad, then cut each rank's rows back out
-        wire = torch.cat([wire, wire.new_zeros((max(sizes) - wire.shape[0], *wire.shape[1:]))])
-    parts = [torch.empty_like(wire) for _ in sizes]
-    watched(dist.all_gather, parts, wire)
-    return torch.cat([p[:s] for p, s in zip(parts, sizes)]).to(tensor.device, tensor.dtype), sizes
+def allgather_op(coord: Coordinator, tensor: torch.Tensor, world: HvdWorld, name: str | None = None) -> Op:
+    """Every set rank's ``tensor``, concatenated along dim 0 in rank order (first dimensions may differ)."""
+    kind = "hvd.allgather"
+    if tensor.dim() == 0:
+        raise ValueError(f"{kind}: got a 0-dimensional tensor ({tensor!r}); gather tensor.reshape(1) instead")
+    digest, text = digest_of(kind, [tensor], first_dim_may_differ=True)
+
+    def launch(sizes: list[int]) -> tuple[list[Any], Any]:
+        if coord.size == 1:
+            out = tensor.detach().clone()
+            return [], lambda: out
+        w = wire(tensor.detach(), world)
+        if w.shape[0] < max(sizes):  # all_gather needs equal sizes: pad, then cut each rank's rows back out
+            w = torch.cat([w, w.new_zeros((max(sizes) - w.shape[0], *w.shape[1:]))])
+        parts = [torch.empty_like(w) for _ in sizes]
+        work = watched(dist.all_gather, parts, w, group=coord.group, async_op=True, label=kind)
+        return [work], lambda: torch.cat([p[:s] for p, s in zip(parts, sizes)]).to(tensor.device, tensor.dtype)
+
+    return Op(kind, name or coord.auto_name(kind), digest, text, launch, first_dim=tensor.shape[0])
 
 
 class _Allgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
-        out, sizes = _gather(tensor, current("hvd.allgather"))
-        ctx.offset, ctx.rows = sum(sizes[: rank()]), tensor.shape[0]
+    def forward(ctx: Any, tensor: torch.Tensor, process_set: Any, name: Any) -> torch.Tensor:
+        world = current("hvd.allgather")
+        coord = coordinator_of(process_set, "hvd.allgather")
+        op = allgather_op(coord, tensor, world, name)
+        out = run(coord, op)
+        ctx.process_set, ctx.rows, ctx.offset = process_set, tensor.shape[0], sum(op.sizes[: coord.index])
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         # Horovod's gradient: the average over ranks of the gathered gradient, cut to this rank's rows.
-        out = grad.clone()
-        _reduce_(out, Average, 1.0, 1.0, current("hvd.allgather (backward)"))
-        return (out.narrow(0, ctx.offset, ctx.rows),)
+        world = current("hvd.allgather (backward)")
+        out = _reduce_(grad.clone(), Average, 1.0, 1.0, world, ctx.process_set)
+        return out.narrow(0, ctx.offset, ctx.rows), None, None
 
 
-def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
+def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> torch.Tensor:
     """Every rank's ``tensor`` concatenated along dimension 0, in rank order; the first dimension may differ by rank."""
     current("hvd.allgather")
+    coordinator_of(process_set, "hvd.allgather")
     if tensor.dim() == 0:
         raise ValueError(f"hvd.allgather: got a 0-dimensional tensor ({tensor!r}); gather tensor.reshape(1) instead")
-    return _Allgather.apply(tensor)
+    return _Allgather.apply(tensor, process_set, name)
 
 
-def _broadcast_(tensor: torch.Tensor, root_rank: int, world: HvdWorld) -> None:
-    if not world.distributed:
-        return
-    agree("hvd.broadcast", tensor, root=root_rank)
-    with torch.no_grad():
-        wire = _wire(tensor, world)
-        watched(dist.broadcast, wire, src=root_rank, label="hvd.broadcast")
-        if wire is not tensor:
-            tensor.copy_(wire)
+def broadcast_op(
+    coord: Coordinator, tensor: torch.Tensor, root_rank: int, world: HvdWorld, name: str | None = None
+) -> Op:
+    """Overwrite ``tensor`` in place with ``root_rank``'s (a global rank, which must be in the set)."""
+    kind = "hvd.broadcast"
+    if root_rank not in coord.ranks:
+        raise ValueError(
+            f"{kind}: root_rank={root_rank} is not in the process set (ranks {coord.ranks}); root_rank is a global "
+            "rank of one of the set's members"
+        )
+    digest, text = digest_of(kind, [tensor], root=root_rank)
+    state: dict[str, torch.Tensor] = {}
+
+    def launch(sizes: list[int]) -> tuple[list[Any], Any]:
+        works: list[Any] = []
+        if coord.size > 1:
+            state["wire"] = w = wire(tensor.detach(), world)
+            works = [watched(dist.broadcast, w, src=root_rank, group=coord.group, async_op=True, label=kind)]
+
+        def finish() -> torch.Tensor:
+            w = state.get("wire")
+            if w is not None and w is not tensor:
+                with torch.no_grad():
+                    tensor.copy_(w)
+            return tensor
+
+        return works, finish
+
+    return Op(kind, name or coord.auto_name(kind), digest, text, launch)
+
+
+def _broadcast_(tensor: torch.Tensor, root_rank: int, world: HvdWorld, process_set: Any, name: Any) -> torch.Tensor:
+    coord = coordinator_of(process_set, "hvd.broadcast")
+    return run(coord, broadcast_op(coord, tensor, root_rank, world, name))
 
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int) -> torch.Tensor:
-        ctx.root_rank = root_rank
-        out = tensor.clone()
-        _broadcast_(out, root_rank, current("hvd.broadcast"))
-        return out
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, process_set: Any, name: Any) -> torch.Tensor:
+        ctx.root_rank, ctx.process_set = root_rank, process_set
+        return _broadcast_(tensor.clone(), root_rank, current("hvd.broadcast"), process_set, name)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         # Horovod's gradient: averaged over ranks, and only the root's input receives it.
-        out = grad.clone()
-        _reduce_(out, Average, 1.0, 1.0, current("hvd.broadcast (backward)"))
-        if rank() != ctx.root_rank:
+        world = current("hvd.broadcast (backward)")
+        out = _reduce_(grad.clone(), Average, 1.0, 1.0, world, ctx.process_set)
+        if world.info.rank != ctx.root_rank:
             out.zero_()
-        return out, None
+        return out, None, None, None
 
 
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> torch.Tensor:
     """A new tensor holding ``root_rank``'s ``tensor`` (same shape and dtype on every rank)."""
     current("hvd.broadcast")
-    return _Broadcast.apply(tensor, check_root(root_rank, "hvd.broadcast"))
+    coordinator_of(process_set, "hvd.broadcast")
+    return _Broadcast.apply(tensor, check_root(root_rank, "hvd.broadcast"), process_set, name)
 
 
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None) -> torch.Tensor:
     """Overwrite ``tensor`` with ``root_rank``'s, in place; returns ``tensor``."""
     world = current("hvd.broadcast_")
-    _broadcast_(tensor, check_root(root_rank, "hvd.broadcast_"), world)
-    return tensor
+    return _broadcast_(tensor, check_root(root_rank, "hvd.broadcast_"), world, process_set, name)

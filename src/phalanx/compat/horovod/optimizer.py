@@ -10,6 +10,13 @@ each bucket's all-reduce starts as soon as backward has produced its last gradie
 - ``step()`` reduces whatever was not reduced yet (fewer than N passes, or none), then steps. ``synchronize()``
   does the reduction alone, for clipping; ``with optimizer.skip_synchronize(): optimizer.step()`` then steps.
 - ``compression``: each bucket travels compressed (fp16: half the bytes) and is decompressed before the division.
+- ``process_set``: the gradients are reduced over that set's ranks; on a rank outside it the optimizer steps on
+  its own gradients, as in Horovod.
+- Sparse gradients (``nn.Embedding(sparse=True)``) are reduced as Horovod does: every rank's indices and values
+  gathered (the sum of sparse tensors), or, with ``sparse_as_dense=True``, densified and reduced in their bucket;
+  the parameter gets a sparse gradient back either way.
+- Each backward pass that reduces is first offered to the coordinator (one round), which checks that every rank
+  is in the same step and lets a rank in ``hvd.join()`` stand in with zeros.
 """
 
 from __future__ import annotations
@@ -23,7 +30,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from phalanx.compat.horovod.ops import Compression, _reduce_, c10d_op, check_compression
+from phalanx.compat.horovod.coordinator import Op, digest_of
+from phalanx.compat.horovod.more_ops import sparse_allreduce_async
+from phalanx.compat.horovod.ops import Compression, _reduce_, c10d_op, check_compression, run
+from phalanx.compat.horovod.process_sets import coordinator_of, global_process_set
 from phalanx.compat.horovod.world import Average, ReduceOp, Sum, check_op, current
 from phalanx.config.strategy_options import DataParallelOptions
 from phalanx.logging import warn_once
@@ -76,11 +86,59 @@ class _HorovodReducer(GradReducer):
     """GradReducer with Horovod's reduction: any of Average/Sum/Min/Max/Product, a factor before and after the
     all-reduce, and compression on the wire. Parameters that get no gradient are reduced as zeros, as in Horovod."""
 
-    def __init__(self, module: nn.Module, world_size: int, op: ReduceOp, predivide: float, compression: Any) -> None:
-        super().__init__(module, _BUCKET_BYTES, None, world_size, CommStats(), find_unused_parameters=True)
-        self.op, self.compression = op, compression
+    def __init__(
+        self,
+        module: nn.Module,
+        process_set: Any,
+        op: ReduceOp,
+        predivide: float,
+        compression: Any,
+        dense: bool,
+    ) -> None:
+        coord = coordinator_of(process_set, "hvd.DistributedOptimizer")
+        super().__init__(module, _BUCKET_BYTES, coord.group, coord.size, CommStats(), find_unused_parameters=True)
+        self.op, self.compression, self.coord, self.sparse_as_dense = op, compression, coord, dense
+        self.process_set = process_set
         self.scale.default = self.scale.value = 1.0 / predivide if op is Average else 1.0
-        self.postscale = predivide / world_size if op is Average else 1.0
+        self.postscale = predivide / coord.size if op is Average else 1.0
+        self.sparse: dict[torch.Tensor, torch.Tensor] = {}  # this window's sparse gradients, by parameter
+        self.name = coord.auto_name("hvd.DistributedOptimizer")
+        wires = [self.compression.compress(b.flat)[0] for b in self.buckets]
+        self.plan = [(w.numel(), str(w.dtype).removeprefix("torch."), c10d_op(op).name) for w in wires]
+        self.digest, self.text = digest_of("hvd.DistributedOptimizer", [b.flat for b in self.buckets], op=op)
+
+    def negotiate(self) -> None:
+        """One coordinator round before a reducing pass: every rank must be in this step (or joined)."""
+        kind = "hvd.DistributedOptimizer"
+        run(
+            self.coord,
+            Op(kind, self.name, self.digest, self.text, lambda s: ([], lambda: None), plan=lambda: self.plan),
+        )
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is not None and grad.is_sparse:
+            bucket, i = self._bucket_of[param]  # type: ignore[index]
+            view = bucket.views[i]
+            self.sparse[param] = grad
+            if self.sparse_as_dense:
+                view.copy_(grad.to_dense())
+            else:
+                view.zero_()  # travels in its bucket as zeros; the sparse reduce carries it
+            param.grad = view
+            self._reduced = False
+        super()._on_grad_ready(param)
+
+    def restore_sparse(self) -> None:
+        """After the buckets are reduced: give each sparse parameter its reduced gradient back, sparse."""
+        for i, (p, g) in enumerate(self.sparse.items()):
+            bucket, j = self._bucket_of[p]  # type: ignore[index]
+            if self.sparse_as_dense:
+                p.grad = bucket.views[j].to_sparse()
+                continue
+            op = ReduceOp.Average if self.op is Average else ReduceOp.Sum
+            p.grad = sparse_allreduce_async(g, f"{self.name}.sparse.{i}", op, self.process_set)()
+        self.sparse = {}
 
     def _launch(self, bucket: Any) -> None:
         self.scale.apply_(bucket.flat)
@@ -126,6 +184,8 @@ class _DistributedOptimizerMixin(_OptimizerBase):
             )
         self._hvd_pass_open = True
         reducer.require_sync = self._hvd_passes + 1 == self.backward_passes_per_step
+        if reducer.require_sync:
+            reducer.negotiate()
         Variable._execution_engine.queue_callback(self._hvd_close_pass)
 
     def _hvd_close_pass(self) -> None:
@@ -138,9 +198,11 @@ class _DistributedOptimizerMixin(_OptimizerBase):
         reducer = self._hvd_reducer
         if reducer is not None:
             if self._hvd_passes != self.backward_passes_per_step:  # not reduced during backward: reduce it all now
+                reducer.negotiate()
                 reducer.launch_all()
             reducer.wait()
             reducer.open_window()
+            reducer.restore_sparse()
         self._hvd_passes = 0
         self._hvd_synchronized = True
 
@@ -261,6 +323,10 @@ def DistributedOptimizer(
     backward_passes_per_step: int = 1,
     op: Any = Average,
     gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
+    sparse_as_dense: bool = False,
+    process_set: Any = global_process_set,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that its gradients are reduced over all ranks (see the module's docstring).
 
@@ -294,6 +360,7 @@ def DistributedOptimizer(
             f"but op=hvd.{reduce_op.name} (use op=hvd.Average, or gradient_predivide_factor=1.0)"
         )
     named = _named(optimizer, named_parameters)
+    coord = coordinator_of(process_set, where) if process_set is None or process_set.included() is not False else None
 
     cls = type(type(optimizer).__name__, (_DistributedOptimizerMixin, type(optimizer)), {})
     wrapped: Any = object.__new__(cls)
@@ -302,11 +369,18 @@ def DistributedOptimizer(
     wrapped._hvd_passes, wrapped._hvd_pass_open = 0, False
     wrapped._hvd_synchronized, wrapped._hvd_should_synchronize = False, True
     wrapped._hvd_reducer = None
+    wrapped._parameter_names = {p: n for n, p in named}  # Horovod's attribute, which its tests read
     trainable = [(n, p) for n, p in named if p.requires_grad]
-    if world.distributed and trainable:  # one process has nothing to reduce, as in Horovod
+    # One process, or a rank outside the set, has nothing to reduce, as in Horovod.
+    if world.distributed and coord is not None and coord.size > 1 and trainable:
         for _, p in trainable:  # registered before the reducer's hooks, so they run first
             p.register_post_accumulate_grad_hook(wrapped._hvd_on_grad)
         wrapped._hvd_reducer = _HorovodReducer(
-            _NamedParams(trainable), world.info.world_size, reduce_op, float(gradient_predivide_factor), compressor
+            _NamedParams(trainable),
+            process_set,
+            reduce_op,
+            float(gradient_predivide_factor),
+            compressor,
+            sparse_as_dense,
         )
     return wrapped

@@ -1,4 +1,5 @@
 """The Horovod dialect's start-of-training broadcasts: parameters, optimizer state and Python objects, and ``join``.
+Each takes ``process_set=`` as Horovod's do.
 
 ``broadcast_optimizer_state`` differs from Horovod's on purpose. Horovod, finding an optimizer with no state yet,
 takes one optimizer step on zero gradients to create the state: that step applies weight decay (and, for Adam,
@@ -9,35 +10,37 @@ its param-group hyperparameters broadcast. Parameters are never touched.
 
 from __future__ import annotations
 
-import time
 import zlib
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from phalanx.compat.horovod.coordinator import agree
-from phalanx.compat.horovod.ops import to_comm_device
-from phalanx.compat.horovod.world import HvdWorld, check_root, current
+from phalanx.compat.horovod.coordinator import Coordinator, HorovodMismatchError, Op, digest_of
+from phalanx.compat.horovod.ops import allreduce, broadcast_op, run
+from phalanx.compat.horovod.process_sets import coordinator_of
+from phalanx.compat.horovod.world import HvdWorld, ReduceOp, check_root, current
 from phalanx.runtime.collective_log import watched
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object", "join"]
 
 
-def _broadcast_tensors(tensors: list[torch.Tensor], root_rank: int, world: HvdWorld) -> None:
-    """Broadcast many tensors in place with one collective per dtype and device (a flat buffer each)."""
-    if not world.distributed or not tensors:
+def _broadcast_tensors(tensors: list[torch.Tensor], root_rank: int, world: HvdWorld, process_set: Any = None) -> None:
+    """Broadcast many tensors in place with one collective per dtype and device (a flat buffer each), all started
+    in one coordinator round."""
+    if not tensors:
         return
+    coord = coordinator_of(process_set, "hvd.broadcast_parameters")
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
     for t in tensors:
         groups[(t.dtype, t.device)].append(t)
     with torch.no_grad():
-        for members in groups.values():
-            flat = to_comm_device(torch.cat([t.detach().reshape(-1) for t in members]), world)
-            agree("hvd.broadcast", flat, root=root_rank)  # ranks whose models differ stop here, all of them
-            watched(dist.broadcast, flat, src=root_rank)
+        flats = [(members, torch.cat([t.detach().reshape(-1) for t in members])) for members in groups.values()]
+        ops = [coord.submit(broadcast_op(coord, flat, root_rank, world)) for _, flat in flats]
+        for op, (members, flat) in zip(ops, flats):
+            coord.wait(op)  # ranks whose models differ stop here, all of them
             if world.info.rank == root_rank:
                 continue
             offset = 0
@@ -46,14 +49,12 @@ def _broadcast_tensors(tensors: list[torch.Tensor], root_rank: int, world: HvdWo
                 offset += t.numel()
 
 
-def _agree(ok: bool, world: HvdWorld) -> bool:
+def _agree(ok: bool, world: HvdWorld, process_set: Any = None) -> bool:
     """True on every rank when ``ok`` is true on every rank: a rank that would refuse makes all of them refuse,
     so that none is left waiting in a collective the others never start."""
     if not world.distributed:
         return ok
-    flag = torch.tensor([1 if ok else 0], device=world.comm_device)
-    watched(dist.all_reduce, flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    return bool(allreduce(torch.tensor([1 if ok else 0]), op=ReduceOp.Min, process_set=process_set).item())
 
 
 def _as_named(params: Any, where: str) -> list[tuple[str, torch.Tensor]]:
@@ -75,25 +76,26 @@ def _as_named(params: Any, where: str) -> list[tuple[str, torch.Tensor]]:
     return [(str(n), t) for n, t in items]
 
 
-def broadcast_parameters(params: Any, root_rank: int) -> None:
+def broadcast_parameters(params: Any, root_rank: int, process_set: Any = None) -> None:
     """Overwrite every rank's tensors with ``root_rank``'s, in place. ``params``: ``model.state_dict()``,
     ``model.named_parameters()``, ``model.parameters()``, or a list of tensors or (name, tensor) pairs."""
     where = "hvd.broadcast_parameters"
     world = current(where)
     check_root(root_rank, where)
+    coord = coordinator_of(process_set, where)
     named = _as_named(params, where)
-    if not world.distributed:
+    if coord.size == 1:
         return
-    layout = repr([(tuple(t.shape), str(t.dtype)) for _, t in named]).encode()
-    signature = torch.tensor([len(named), zlib.crc32(layout)], dtype=torch.long, device=world.comm_device)
-    both = torch.cat([signature, -signature])
-    watched(dist.all_reduce, both, op=dist.ReduceOp.MAX)
-    if not torch.equal(both[:2], -both[2:]):
-        raise ValueError(
-            f"{where}: the tensors differ between ranks in number, shape or dtype (this rank has {len(named)}); build "
-            "the same model on every rank and pass the same collection"
-        )
-    _broadcast_tensors([t for _, t in named], root_rank, world)
+    layout = zlib.crc32(repr([(tuple(t.shape), str(t.dtype)) for _, t in named]).encode())
+    digest, text = digest_of(where, [], root=root_rank, extra=f"{len(named)} tensors, layout digest {layout}")
+    try:
+        run(coord, Op(where, coord.auto_name(where), digest, text, lambda sizes: ([], lambda: None)))
+    except HorovodMismatchError as e:
+        raise HorovodMismatchError(
+            f"{e}\n(build the same model on every rank and pass the same collection: the tensors differ between ranks "
+            "in number, shape or dtype)"
+        ) from None
+    _broadcast_tensors([t for _, t in named], root_rank, world, process_set)
 
 
 def _describe_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -118,19 +120,20 @@ def _describe_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     }
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, process_set: Any = None) -> None:
     """Make every rank's optimizer state and hyperparameters equal to ``root_rank``'s, without stepping."""
     where = "hvd.broadcast_optimizer_state"
     world = current(where)
     check_root(root_rank, where)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{where}: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if not world.distributed:
+    if coordinator_of(process_set, where).size == 1:
         return
-    recipe = broadcast_object(_describe_state(optimizer) if world.info.rank == root_rank else None, root_rank)
+    mine_described = _describe_state(optimizer) if world.info.rank == root_rank else None
+    recipe = broadcast_object(mine_described, root_rank, process_set=process_set)
     mine = [len(g["params"]) for g in optimizer.param_groups]
     shapes = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"]]
-    if not _agree(mine == recipe["group_sizes"] and shapes == recipe["shapes"], world):
+    if not _agree(mine == recipe["group_sizes"] and shapes == recipe["shapes"], world, process_set):
         raise ValueError(
             f"{where}: the optimizers differ between ranks: parameters per group {mine} on rank {world.info.rank}, "
             f"{recipe['group_sizes']} on root rank {root_rank}, or their shapes differ (build the same model and "
@@ -142,7 +145,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
         tensors = _rebuild_state(optimizer, recipe["state"])
         for group, hyper in zip(optimizer.param_groups, recipe["hyper"]):
             group.update(hyper)
-    _broadcast_tensors(tensors, root_rank, world)
+    _broadcast_tensors(tensors, root_rank, world, process_set)
 
 
 def _state_tensors(optimizer: torch.optim.Optimizer, index: int) -> list[torch.Tensor]:
@@ -179,38 +182,50 @@ def _rebuild_state(optimizer: torch.optim.Optimizer, recipe: dict[int, dict[str,
     return tensors
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
+def _object_op(coord: Coordinator, kind: str, name: Any, collective: Callable[[], Any]) -> Op:
+    digest, text = digest_of(kind, [])
+    return Op(
+        kind, name or coord.auto_name(kind), digest, text, lambda sizes: ([], (lambda out: lambda: out)(collective()))
+    )
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = None) -> Any:
     """``root_rank``'s ``obj`` on every rank (pickled on the wire: send only what the ranks of this job may read)."""
     world = current("hvd.broadcast_object")
     check_root(root_rank, "hvd.broadcast_object")
-    if not world.distributed:
+    coord = coordinator_of(process_set, "hvd.broadcast_object")
+    if coord.size == 1:
         return obj
+    if root_rank not in coord.ranks:
+        raise ValueError(f"hvd.broadcast_object: root_rank={root_rank} is not in the process set (ranks {coord.ranks})")
     box = [obj if world.info.rank == root_rank else None]
-    watched(dist.broadcast_object_list, box, src=root_rank, device=world.comm_device)
-    return obj if world.info.rank == root_rank else box[0]
+
+    def collective() -> Any:
+        watched(dist.broadcast_object_list, box, src=root_rank, group=coord.group, device=world.comm_device)
+        return obj if world.info.rank == root_rank else box[0]
+
+    return run(coord, _object_op(coord, "hvd.broadcast_object", name, collective))
 
 
-def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
+def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list[Any]:
     """Every rank's ``obj``, in rank order."""
-    world = current("hvd.allgather_object")
-    if not world.distributed:
+    current("hvd.allgather_object")
+    coord = coordinator_of(process_set, "hvd.allgather_object")
+    if coord.size == 1:
         return [obj]
-    out: list[Any] = [None] * world.info.world_size
-    watched(dist.all_gather_object, out, obj)
-    return out
+    out: list[Any] = [None] * coord.size
+
+    def collective() -> Any:
+        watched(dist.all_gather_object, out, obj, group=coord.group)
+        return out
+
+    return run(coord, _object_op(coord, "hvd.allgather_object", name, collective))
 
 
 def join(device: int = -1) -> int:
-    """Wait until every rank has called ``join()``; returns the rank that arrived last.
-
-    Unlike Horovod, a rank that joined does not stand in for the others' later all-reduces: every rank must run
-    the same number of optimizer steps before it joins (give each rank the same number of batches, e.g. with
-    ``DistributedSampler(drop_last=True)``).
-    """
-    world = current("hvd.join()")
-    if not world.distributed:
-        return 0
-    arrived = torch.tensor([time.time()], dtype=torch.float64, device=world.comm_device)
-    times = [torch.empty_like(arrived) for _ in range(world.info.world_size)]
-    watched(dist.all_gather, times, arrived)
-    return int(torch.stack(times).argmax())
+    """This rank has no more data: until every rank has joined, it stands in for itself in the others' all-reduces
+    (and DistributedOptimizer steps) with zeros, as Horovod's join does; an average still divides by the number of
+    ranks. Other operations raise on the ranks that call them meanwhile. Returns the rank that joined last, the
+    same on every rank."""
+    current("hvd.join()")
+    return coordinator_of(None, "hvd.join()").join()

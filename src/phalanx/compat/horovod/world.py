@@ -6,6 +6,7 @@ phalanx's runtime (the launcher's environment decides the world, as for ``phalan
 
 from __future__ import annotations
 
+import datetime
 import enum
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.compat.horovod.process_sets import clear_process_sets, setup_process_sets
 from phalanx.config.settings import resolve_config
 from phalanx.logging import configure_logging
 from phalanx.runtime.topology import Topology
@@ -82,21 +84,18 @@ class HvdWorld:
 
 
 _WORLD: HvdWorld | None = None
+_KEPT: list[Any] = []  # the rendezvous store of a group hvd.shutdown() ended, and how many groups it has served
 
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
     """Join the world that the launcher started (``phalanx launch``, torchrun, ``srun``, ``mpirun``, ``phalanx.spawn``,
-    or a plain ``python script.py`` for one process). Calling it again does nothing."""
+    or a plain ``python script.py`` for one process). Calling it again does nothing. ``process_sets``: a list of
+    ``hvd.ProcessSet`` to register (Horovod's static sets), or "dynamic"."""
     global _WORLD
     if comm is not None:
         raise ValueError(
             f"hvd.init(comm={comm!r}): phalanx does not run on MPI communicators; start the script with "
             "`phalanx launch -n N script.py`, torchrun or mpirun and call hvd.init() with no arguments"
-        )
-    if process_sets is not None:
-        raise NotImplementedError(
-            f"hvd.init(process_sets={process_sets!r}): process sets are not implemented by phalanx; call hvd.init() "
-            "and reduce over all ranks"
         )
     if _WORLD is not None:
         return
@@ -105,7 +104,10 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     configure_logging(world.rank, config.log_all_ranks)
     device = pick_device(config.device, world.local_rank)
     existed = dist.is_initialized()
-    init_distributed(world, device, config.timeout_s)
+    if _KEPT and not existed and world.init_method is not None:
+        _reinit(world, device, config.timeout_s)
+    else:
+        init_distributed(world, device, config.timeout_s)
     start_watchdog(
         world.rank,
         world.world_size,
@@ -115,12 +117,31 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         Topology(world.world_size, world.rank),
     )
     _WORLD = HvdWorld(world, device, owns_group=not existed and world.init_method is not None)
+    setup_process_sets(world.rank, world.world_size, _WORLD.distributed, process_sets)
+
+
+def _reinit(world: WorldInfo, device: torch.device, timeout_s: float) -> None:
+    """``init -> shutdown -> init``: a new group over the first group's store, under a prefix of its own. A second
+    rendezvous on the launcher's address would race the old store's server for the port and read the old group's
+    keys (the hang Horovod's test_horovod_reinit showed)."""
+    store, generation = _KEPT
+    _KEPT[1] = generation + 1
+    dist.init_process_group(
+        backend="nccl" if device.type == "cuda" else "gloo",
+        store=dist.PrefixStore(f"phalanx/hvd-init/{generation}/", store),
+        rank=world.rank,
+        world_size=world.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
 
 
 def shutdown() -> None:
     """Leave the world; ``init()`` may be called again afterwards. A process group the script made itself is kept."""
     global _WORLD
-    if _WORLD is not None and _WORLD.owns_group:
+    clear_process_sets()
+    if _WORLD is not None and _WORLD.owns_group and dist.is_initialized():
+        if not _KEPT:
+            _KEPT.extend([dist.distributed_c10d._get_default_store(), 1])
         teardown()
     _WORLD = None
 
