@@ -53,16 +53,33 @@ _IGNORED = {
     "curriculum_learning": "DeepSpeed's curriculum library",
     "eigenvalue": "DeepSpeed's eigenvalue analysis",
     "progressive_layer_drop": "DeepSpeed's progressive layer drop",
+    "comet": "use phalanx's tracking (JSONL, TensorBoard)",
+    "timers": "DeepSpeed's timers; benchmarks/ measures phalanx",
+    "log_level": "DeepSpeed's logger",
+    "nebula": "DeepSpeed's Nebula checkpoint service; phalanx writes its own checkpoints",
+    "disable_allgather": "a 1-bit Adam setting, and phalanx has no 1-bit optimizers",
+    "dataloader_drop_last": "applies to the loader deepspeed.initialize(training_data=...) builds; phalanx prepares "
+    "the script's DataLoader and keeps its drop_last",
+    "graph_harvesting": "an HPU graph-capture option; phalanx runs on CPUs and CUDA GPUs",
+    "sparse_gradients": "phalanx reduces embedding gradients as dense tensors; the update is the same",
+    "vocabulary_size": "read by DeepSpeed's sparse embedding gradients only",
+    "use_data_before_expert_parallelism": "an expert-parallel layout, and phalanx has no expert parallelism",
 }
+# Keys outside DeepSpeed's config schema too: DeepSpeed ignores them, and so does phalanx, saying so. A key close to a
+# known one is taken for a typo instead, and refused.
 # DeepSpeed features phalanx lacks, by the block that asks for them: refused when on, noted when off.
 _FEATURES = {
     "tensor_parallel": ("AutoTP tensor parallelism (tensor_parallel.autotp_size)", "autotp_size"),
     "quantize_training": ("quantization-aware training (quantize_training)", "enabled"),
+    "hybrid_engine": ("the Hybrid Engine for RLHF generation (hybrid_engine)", "enabled"),
+    "compile": ("DeepCompile (compile.deepcompile)", "deepcompile"),
+    "expert_parallel": ("expert parallelism (expert_parallel)", "enabled"),
 }
 _MAPPED = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping", "fp16",
     "bf16", "bfloat16", "zero_optimization", "optimizer", "scheduler", "zero_allow_untested_optimizer",
-    "communication_data_type", "amp", "fp8", "torch_autocast", *_FEATURES,
+    "communication_data_type", "amp", "fp8", "torch_autocast", "gradient_allreduce_op",
+    "managed_gradient_accumulation", *_FEATURES,
 }  # fmt: skip
 _ZERO_IGNORED = {
     "allgather_bucket_size": "phalanx gathers per bucket (zero1/2) or per unit (zero3)",
@@ -84,18 +101,35 @@ _ZERO_IGNORED = {
     "use_multi_rank_bucket_allreduce": "a DeepSpeed kernel choice",
     "stage3_module_granularity_threshold": "zero3's units are modules (zero3_unit_classes)",
     "log_trace_cache_warnings": "DeepSpeed's trace cache",
+    "cpu_offload_use_pin_memory": "phalanx pins the host copies itself when the compute device is CUDA",
+    "stage3_model_persistence_threshold": "zero3 gathers every unit, small ones too (zero3_unit_classes picks units)",
+    "stage3_use_all_reduce_for_fetch_params": "zero3 all-gathers each unit's shards; the gathered values are the same",
+    "stage3_allgather_sequential": "zero3 all-gathers each unit's shards; the gathered values are the same",
+    "pipeline_loading_checkpoint": "phalanx checkpoints load on any layout",
+    "override_module_apply": "a hook of DeepSpeed's zero3 into module.apply",
+    "enable_sanity_checks": "DeepSpeed's internal checks",
+    "save_muon_momentum_buffer_in_memory": "DeepSpeed's Muon optimizer buffers",
+    "leaf_module": "zero3's units are chosen with zero3_unit_classes",
+    "legacy_stage1": "phalanx's zero1 is its own",
 }
+# The unprefixed names DeepSpeed also accepts for the stage3_ keys.
+_ZERO_IGNORED.update(
+    {k.removeprefix("stage3_"): why for k, why in list(_ZERO_IGNORED.items()) if k.startswith("stage3_")}
+)
 # Off by default in DeepSpeed; a value that asks for them is an error, since phalanx cannot do it.
 _ZERO_REFUSED = {
     "zero_hpz_partition_size": (1, "phalanx shards over all data-parallel ranks (no hierarchical partitioning)"),
     "zero_quantized_weights": (False, "phalanx does not quantise communication; use comm_dtype bf16"),
     "zero_quantized_gradients": (False, "phalanx does not quantise communication; use comm_dtype bf16"),
     "mics_shard_size": (-1, "phalanx shards over all data-parallel ranks (no MiCS groups)"),
+    "mics_hierarchical_params_gather": (False, "phalanx has no MiCS groups"),
+    "zero_quantized_nontrainable_weights": (False, "phalanx does not quantise weights (ZeRO++ qwZ)"),
+    "zeropp_loco_param": (None, "phalanx has no ZeRO++ LoCo gradient compression"),
 }
 _COMM_DTYPES = {"fp16": "fp16", "float16": "fp16", "half": "fp16", "bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32",
                 "float32": "fp32", "float": "fp32"}  # fmt: skip
 _ZERO_MAPPED = {"stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "reduce_scatter",
-                "ignore_unused_parameters", "cpu_offload", "zenflow"}  # fmt: skip
+                "ignore_unused_parameters", "cpu_offload", "cpu_offload_param", "zenflow"}  # fmt: skip
 # DeepSpeed's loss scaler defaults, used when the fp16 block is enabled and leaves a key out.
 _FP16_DEFAULTS = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
                   "min_loss_scale": 1}  # fmt: skip
@@ -107,7 +141,20 @@ KNOWN_KEYS: dict[str, frozenset[str]] = {
     "": frozenset(_MAPPED | set(_IGNORED)),
     "zero_optimization": frozenset(_ZERO_MAPPED | set(_ZERO_IGNORED) | set(_ZERO_REFUSED)),
     "zero_optimization.offload_*": frozenset(
-        {"device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu", "fast_init", "ratio"}
+        {
+            "device",
+            "nvme_path",
+            "pin_memory",
+            "buffer_count",
+            "buffer_size",
+            "max_in_cpu",
+            "fast_init",
+            "ratio",
+            "pipeline_read",
+            "pipeline_write",
+            "super_offload",
+            "cpuadam_cores_perc",
+        }  # fmt: skip
     ),
     "fp16": frozenset(
         {*_FP16_DEFAULTS, "enabled", "auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads"}
@@ -145,12 +192,17 @@ def from_deepspeed(data: dict[str, Any], where: str) -> Mapped:
     out = Mapped("deepspeed")
     for key in data:
         if key not in _MAPPED and key not in _IGNORED:
-            close = difflib.get_close_matches(key, sorted(_MAPPED | set(_IGNORED)), n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ConfigError(
-                f"DeepSpeed config {where}: unknown key {key!r}; {hint}(DeepSpeed would silently ignore "
-                "it; phalanx refuses, so that a misspelt setting is not dropped)"
+            close = difflib.get_close_matches(key, sorted(_MAPPED | set(_IGNORED)), n=1, cutoff=0.8)
+            if close:
+                raise ConfigError(
+                    f"DeepSpeed config {where}: unknown key {key!r}; did you mean {close[0]!r}? (DeepSpeed would "
+                    "silently ignore the misspelt key; phalanx refuses, so that the setting is not dropped)"
+                )
+            out.notes.append(
+                f"DeepSpeed config {where}: {key!r} is not a DeepSpeed setting; DeepSpeed ignores it, and so does "
+                "phalanx (remove it if it was meant as one)"
             )
+            out.ignore(key, "not a DeepSpeed setting (DeepSpeed ignores it too)")
     for key, (feature, switch) in _FEATURES.items():
         block = data.get(key)
         if block is None:
@@ -212,6 +264,22 @@ def from_deepspeed(data: dict[str, Any], where: str) -> Mapped:
         )
     elif "zero_allow_untested_optimizer" in data:
         out.ignore("zero_allow_untested_optimizer", "read by the zero strategies only")
+    op = str(data.get("gradient_allreduce_op", "mean")).lower()
+    if op != "mean":
+        raise ConfigError(
+            f"DeepSpeed config {where}: gradient_allreduce_op={data['gradient_allreduce_op']!r} sums the ranks' "
+            'gradients, and phalanx always averages them (DeepSpeed\'s default, "mean"); use "mean" and, for '
+            "the summed update, multiply the loss by the number of data-parallel ranks"
+        )
+    if "gradient_allreduce_op" in data:
+        out.ignore("gradient_allreduce_op", "mean: phalanx averages the ranks' gradients")
+    if "managed_gradient_accumulation" in data:
+        if not data["managed_gradient_accumulation"]:
+            raise ConfigError(
+                f"DeepSpeed config {where}: managed_gradient_accumulation=false leaves accumulation boundaries to the "
+                "caller, and phalanx always manages them (engine.accumulate(), grad_accum_steps); remove the key"
+            )
+        out.ignore("managed_gradient_accumulation", "true: phalanx manages the accumulation window")
     if "communication_data_type" in data and data["communication_data_type"] is not None:
         text = str(data["communication_data_type"]).lower()
         if text not in _COMM_DTYPES:
@@ -349,6 +417,10 @@ def _map_zero(zero: dict[str, Any], strategy: str | None, out: Mapped) -> None:
             if value:
                 opt_dev = "cpu"
             out.ignore(name, "true: the optimizer is offloaded to the CPU" if value else "false: no offload")
+        elif key == "cpu_offload_param":  # DeepSpeed's older spelling of offload_param: {device: cpu}
+            if value:
+                par_dev = "cpu"
+            out.ignore(name, "true: the parameters are offloaded to the CPU" if value else "false: no offload")
         elif key == "zenflow":
             raise ConfigError(
                 f"DeepSpeed config: {name} asks for ZenFlow's stall-free offloading, which phalanx does not have; "
@@ -380,12 +452,20 @@ def _map_zero(zero: dict[str, Any], strategy: str | None, out: Mapped) -> None:
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise ConfigError(f"DeepSpeed config: unknown key {name!r}; {hint}known: {', '.join(known)}")
+    stage = zero.get("stage", 0)
+    if par_dev != "none" and strategy != "zero3":  # DeepSpeed offloads parameters at stage 3 only, else ignores it
+        out.notes.append(
+            f"zero_optimization.offload_param ({par_dev}) is ignored at ZeRO stage {stage!r}, as DeepSpeed ignores it: "
+            "only stage 3 offloads parameters. Set stage 3 to offload them, or remove offload_param"
+        )
+        par_dev = "none"
+    if opt_dev != "none" and strategy in (None, "ddp"):  # no ZeRO optimizer: nothing to offload
+        out.notes.append(
+            f"zero_optimization.offload_optimizer ({opt_dev}) is ignored at ZeRO stage {stage!r}, as DeepSpeed "
+            "ignores it: only stages 1-3 offload the optimizer. Set stage 1, 2 or 3 to offload it, or remove it"
+        )
+        opt_dev = "none"
     if (opt_dev, par_dev) != ("none", "none") or strategy in ("zero1", "zero2", "zero3"):
-        if strategy in (None, "ddp") and (opt_dev, par_dev) != ("none", "none"):
-            raise ConfigError(
-                f"DeepSpeed config: offload needs ZeRO (zero_optimization.stage 1, 2 or 3); got stage "
-                f"{zero.get('stage', 0)!r}"
-            )
         if strategy not in (None, "ddp"):
             offload_for(out, opt_dev, par_dev, strategy, "zero_optimization.offload_optimizer / offload_param")
 
@@ -396,6 +476,9 @@ _OFFLOAD_NOTED = {
     "buffer_size": "DeepSpeed's NVMe swap buffers; phalanx's disk offload memory-maps its files",
     "max_in_cpu": "DeepSpeed's NVMe swap buffers; phalanx's disk offload memory-maps its files",
     "fast_init": "DeepSpeed's NVMe optimizer initialisation",
+    "pipeline_read": "DeepSpeed's NVMe read pipelining; phalanx's disk offload memory-maps its files",
+    "pipeline_write": "DeepSpeed's NVMe write pipelining; phalanx's disk offload memory-maps its files",
+    "cpuadam_cores_perc": "the cores of DeepSpeed's CPU Adam; phalanx steps your optimizer on the host shard",
 }
 
 
@@ -413,6 +496,11 @@ def _offload_block(block: Any, name: str, out: Mapped) -> tuple[str, str | None]
             f"DeepSpeed config: {name}.ratio={block['ratio']!r} (partial offload) is not supported; "
             "phalanx offloads all of it: use 1.0"
         )
+    if block.get("super_offload"):
+        raise ConfigError(
+            f"DeepSpeed config: {name}.super_offload asks for SuperOffload (superchip offloading), which phalanx "
+            "does not have; remove it to offload as ZeRO-Offload does"
+        )
     device = str(block.get("device", "none")).lower()
     if device == "auto":  # Accelerate's fill: the launcher's environment, else none
         variable = f"ACCELERATE_DEEPSPEED_{name.split('.')[-1].upper()}_DEVICE"
@@ -427,6 +515,8 @@ def _offload_block(block: Any, name: str, out: Mapped) -> tuple[str, str | None]
             out.ignore(f"{name}.{key}", _OFFLOAD_NOTED[key])
         elif key == "ratio":
             out.ignore(f"{name}.ratio", "1.0: all of it is offloaded")
+        elif key == "super_offload":
+            out.ignore(f"{name}.super_offload", "false")
         elif key == "nvme_path" and mapping[device] != "disk":
             out.ignore(f"{name}.nvme_path", f"read only with device nvme; got {device}")
     return mapping[device], (str(path) if path else None)
