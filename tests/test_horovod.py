@@ -246,6 +246,20 @@ def _more_operations() -> dict:
     handle = hvd.allreduce_async(torch.tensor([float(rank)]), op=hvd.Sum)
     out["async"] = (hvd.poll(handle), hvd.synchronize(handle).tolist())
     out["built"] = (hvd.ccl_built(), hvd.ddl_built())
+    # SyncBatchNorm over the ranks' halves of one batch, against torch's BatchNorm1d on the whole batch.
+    torch.manual_seed(3)
+    batch = torch.randn(6, 4, 3) * 3 + 1
+    mine = batch[rank * 3 : rank * 3 + 3].clone().requires_grad_()
+    sync_bn = hvd.SyncBatchNorm(4)
+    y = sync_bn(mine)
+    (y * torch.arange(1.0, 4.0)).sum().backward()  # every rank's loss; their sum is the whole batch's
+    out["sync_bn"] = {
+        "y": y.detach(),
+        "grad": mine.grad,
+        "running": (sync_bn.running_mean.clone(), sync_bn.running_var.clone()),
+        "weight_grad": hvd.allreduce(sync_bn.weight.grad, op=hvd.Sum),
+        "eval": sync_bn.eval()(mine.detach()),
+    }
     return out
 
 
@@ -257,6 +271,20 @@ def test_horovod_s_other_operations(run_ranks):
     assert first["reducescatter"] == [0.0, 3.0, 6.0] and second["reducescatter"] == [9.0, 12.0]
     assert first["grouped"] == [[1.0, 1.0], [2.0]]
     assert first["async"][1] == [1.0] and first["built"] == (False, False)
+    torch.manual_seed(3)
+    batch = torch.randn(6, 4, 3) * 3 + 1
+    whole = batch.clone().requires_grad_()
+    bn = torch.nn.BatchNorm1d(4)
+    y = bn(whole)
+    (y * torch.arange(1.0, 4.0)).sum().backward()
+    for rank, res in enumerate((first, second)):
+        got, rows = res["sync_bn"], slice(rank * 3, rank * 3 + 3)
+        torch.testing.assert_close(got["y"], y.detach()[rows], **TOL)
+        torch.testing.assert_close(got["grad"], whole.grad[rows], **TOL)
+        torch.testing.assert_close(got["running"][0], bn.running_mean, **TOL)
+        torch.testing.assert_close(got["running"][1], bn.running_var, **TOL)
+        torch.testing.assert_close(got["weight_grad"], bn.weight.grad, **TOL)
+        torch.testing.assert_close(got["eval"], bn.eval()(batch[rows]), **TOL)
 
 
 def _adasum() -> dict:

@@ -77,6 +77,7 @@ from phalanx.compat.horovod.state import (
     broadcast_parameters,
     join,
 )
+from phalanx.compat.horovod.sync_batch_norm import SyncBatchNorm
 from phalanx.compat.horovod.world import (
     Adasum,
     Average,
@@ -119,7 +120,7 @@ __all__ = [
     "ddl_built", "start_timeline", "stop_timeline", "JoinedRanksError",
     "ProcessSet", "add_process_set", "remove_process_set", "global_process_set", "reducescatter_async",
     "alltoall_async", "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_allgather_async",
-    "grouped_reducescatter_async", "sparse_allreduce_async",
+    "grouped_reducescatter_async", "sparse_allreduce_async", "SyncBatchNorm",
 ]  # fmt: skip
 
 
