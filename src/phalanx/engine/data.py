@@ -8,6 +8,14 @@ is the same on 1, 2 or 4 ranks, as long as the global batch size is.
 The last chunk may be short. Unless the loader drops it, it is padded by wrapping around to the start of
 the order so that every rank gets the same number of samples (no rank starves, no collective hangs);
 :meth:`LoaderState.trim` lets ``gather_for_metrics`` drop the padding again.
+
+Three rules are there for the Accelerate front (``phalanx.accelerate``), which follows Accelerate's:
+- ``pad_to_global_batch``: the short last chunk is padded to a whole global batch (every rank gets ``batch_size``
+  samples), where the Engine pads only to a multiple of the world size;
+- ``even_batches=False``: the short last chunk is not padded; each rank takes its ``batch_size`` slice of what is
+  there, so the ranks past the end get one batch fewer (``join_uneven_inputs`` keeps their collectives in step);
+- ``order_stream``: the shuffled order of epoch ``e`` is the ``e``-th pass of one ``torch.Generator``, started once
+  (as a ``RandomSampler`` with a generator draws it), where the Engine draws each epoch from ``seed + epoch``.
 """
 
 from __future__ import annotations
@@ -103,6 +111,13 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.base_sampler = base_sampler
         self.epoch = 0
         self.start_batch = 0
+        self.even_batches = True
+        """False: a short last global batch is not padded, and the ranks past its end get no batch from it."""
+        self.pad_to_global_batch = False
+        """True: a short last global batch is padded to ``batch_size`` on every rank (Accelerate's padding)."""
+        self.order_stream: torch.Tensor | None = None
+        """The state of a ``torch.Generator`` whose successive passes give the shuffled orders (Accelerate's)."""
+        self._stream_at: tuple[int, torch.Tensor] | None = None  # (epoch, generator state before its permutation)
 
     @property
     def global_batch_size(self) -> int:
@@ -121,12 +136,35 @@ class GlobalBatchSampler(Sampler[list[int]]):
         if not self.shuffle:
             return list(range(self.num_samples))
         g = torch.Generator()
+        if self.order_stream is not None:
+            return self._streamed_order(epoch, g)
         g.manual_seed(self.seed + epoch)
         return torch.randperm(self.num_samples, generator=g).tolist()
 
-    def __len__(self) -> int:
+    def _streamed_order(self, epoch: int, g: torch.Generator) -> list[int]:
+        assert self.order_stream is not None
+        at, state = (0, self.order_stream) if self._stream_at is None or self._stream_at[0] > epoch else self._stream_at
+        g.set_state(state)
+        for _ in range(at, epoch):
+            # A RandomSampler draws two permutations per pass: its order, and an empty slice of a second at the end.
+            torch.randperm(self.num_samples, generator=g)
+            torch.randperm(self.num_samples, generator=g)
+        self._stream_at = (epoch, g.get_state())
+        return torch.randperm(self.num_samples, generator=g).tolist()
+
+    @property
+    def global_batches(self) -> int:
+        """Global batches in an epoch (the last one may be short unless dropped)."""
         g = self.global_batch_size
         return self.num_samples // g if self.drop_last else math.ceil(self.num_samples / g)
+
+    def __len__(self) -> int:
+        """This rank's batches in an epoch: the global batches, less the last one where it holds nothing for this
+        rank (``even_batches=False``)."""
+        n = self.global_batches
+        if n and not self.even_batches and self.real_size(n - 1) <= self.rank * self.batch_size:
+            return n - 1
+        return n
 
     def real_size(self, batch: int) -> int:
         """Real (unpadded) samples in global batch ``batch``."""
@@ -135,7 +173,9 @@ class GlobalBatchSampler(Sampler[list[int]]):
     def padded_size(self, real: int) -> int:
         """Samples in a global batch holding ``real`` real ones, once padded to split evenly over ranks."""
         g = self.global_batch_size
-        return g if real >= g else math.ceil(real / self.world_size) * self.world_size
+        if real >= g or not self.even_batches:
+            return min(real, g)
+        return g if self.pad_to_global_batch else math.ceil(real / self.world_size) * self.world_size
 
     def chunks(self, epoch: int, start: int = 0) -> Iterator[tuple[list[int], int]]:
         """(this rank's indices, real samples in the global batch) for each batch from ``start``."""
@@ -144,6 +184,9 @@ class GlobalBatchSampler(Sampler[list[int]]):
         for b in range(start, len(self)):
             chunk = order[b * g : (b + 1) * g]
             real = self.real_size(b)
+            if not self.even_batches and real < g:  # each rank its batch_size slice of what there is
+                yield chunk[self.rank * self.batch_size : (self.rank + 1) * self.batch_size], real
+                continue
             per_rank = self.padded_size(real) // self.world_size
             need = per_rank * self.world_size - real
             chunk = chunk + [order[i % len(order)] for i in range(need)]
@@ -236,6 +279,9 @@ class PreparedDataLoader(DataLoader):
         self.device = device
         self._non_blocking = pin and device.type == "cuda"
         self._own_generator = loader.generator is None
+        self.seed_from_global_rng = False
+        """Draw each pass's worker seed from the global RNG, as a torch DataLoader does (the Accelerate front)."""
+        self._pass_seed: int | None = None
         self._state = LoaderState(loader=self)
         self._active = active
         self._batches_done = 0
@@ -265,7 +311,14 @@ class PreparedDataLoader(DataLoader):
         start = self._batches_done = sampler.start_batch
         if self._own_generator:
             assert self.generator is not None
-            self.generator.manual_seed(sampler.seed * 1_000_003 + sampler.epoch)
+            if self.seed_from_global_rng:
+                # As a torch DataLoader without a generator: a pass draws its workers' seed from the global RNG. A
+                # resumed pass takes the one its epoch drew, and leaves the global RNG as the checkpoint left it.
+                if start == 0 or self._pass_seed is None:
+                    self._pass_seed = int(torch.empty((), dtype=torch.int64).random_().item())
+                self.generator.manual_seed(self._pass_seed)
+            else:
+                self.generator.manual_seed(sampler.seed * 1_000_003 + sampler.epoch)
         total = len(sampler)
         state = self._state
         self._active.enter(state)
@@ -288,11 +341,14 @@ class PreparedDataLoader(DataLoader):
 
     def state_dict(self) -> dict[str, Any]:
         sampler = self.global_sampler
-        return {
+        state = {
             "epoch": sampler.epoch,
             "samples_done": self._batches_done * sampler.global_batch_size,
             "seed": sampler.seed,
         }
+        if self.seed_from_global_rng and self._pass_seed is not None:
+            state["pass_seed"] = self._pass_seed
+        return state
 
     def resume_problem(self, state: Mapping[str, Any]) -> str | None:
         """Why this loader cannot resume at ``state`` (None when it can)."""
@@ -316,6 +372,8 @@ class PreparedDataLoader(DataLoader):
         sampler.seed = int(state["seed"])
         sampler.start_batch = state["samples_done"] // g
         self._batches_done = sampler.start_batch
+        if "pass_seed" in state:
+            self._pass_seed = int(state["pass_seed"])
 
 
 class PreparedIterableLoader:

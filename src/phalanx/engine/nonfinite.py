@@ -57,6 +57,9 @@ class NonFiniteGuard:
         self.active = mode != "ignore" and not loss_scaled
         self.skipped = 0
         self.verdict: bool | None = None  # this round's: True when the step must not be applied
+        self.local = False
+        """Decide from this rank's gradients alone, with no exchange: while finished ranks stand in for the
+        reductions of the others (Accelerate's ``join_uneven_inputs``), which hold the same reduced gradients."""
         self._bad_loss: torch.Tensor | None = None
 
     def note_loss(self, loss: torch.Tensor) -> None:
@@ -88,13 +91,14 @@ class NonFiniteGuard:
         self._bad_loss = None
         finite = torch.isfinite(norm).all().to(self.device) if norm is not None else _all_finite(grads(), self.device)
         mine = torch.stack([bad_loss, ~finite]).float()
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        exchange = not self.local and dist.is_initialized() and dist.get_world_size() > 1
+        if exchange:
             everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
             watched(dist.all_gather, everyone, mine)
-            flags = torch.stack(everyone).cpu().tolist()
+            flags = dict(enumerate(torch.stack(everyone).cpu().tolist()))
         else:
-            flags = [mine.cpu().tolist()]
-        bad_ranks = [r for r, (loss_bad, grad_bad) in enumerate(flags) if loss_bad or grad_bad]
+            flags = {_rank(): mine.cpu().tolist()}
+        bad_ranks = [r for r, (loss_bad, grad_bad) in flags.items() if loss_bad or grad_bad]
         self.verdict = bool(bad_ranks)
         if not bad_ranks:
             return False
@@ -113,8 +117,11 @@ class NonFiniteGuard:
             )
             return True
         held = names()[:_SHOWN] if flags[_rank()][1] else []
-        per_rank = [b.decode() for b in all_gather_bytes(", ".join(held).encode(), self.device)]
-        where = "; ".join(f"rank {r}: {n}" for r, n in enumerate(per_rank) if n)
+        mine_held = ", ".join(held)
+        per_rank = [b.decode() for b in all_gather_bytes(mine_held.encode(), self.device)] if exchange else []
+        where = "; ".join(
+            f"rank {r}: {n}" for r, n in (enumerate(per_rank) if exchange else [(_rank(), mine_held)]) if n
+        )
         raise NonFiniteError(
             f"non-finite values at optimizer step {step} on {', '.join(what)}"
             + (f"; first parameters with non-finite gradients: {where}" if where else "")

@@ -92,6 +92,10 @@ class GradReducer:
                 p.grad = b.views[i]
                 self._bucket_of[p] = (b, i)
         self.require_sync = True
+        self.reduce_again = False
+        """A backward after one already reduced in this step reduces the sum again, as torch DDP does (the Accelerate
+        front): with the default factor 1/dp, what was reduced stays, and the new gradients add their mean. The
+        Engine refuses such a backward instead."""
         self.scale = GradScale(world_size)  # the window's factor, applied before the all-reduce
         self._reduced = False  # this step's gradients were already reduced
         self._next_bucket = 0
@@ -111,7 +115,9 @@ class GradReducer:
         if not self.require_sync:
             return
         if self._reduced:
-            raise second_backward_error("ddp", self.names.get(param, "?"))
+            if not self.reduce_again:
+                raise second_backward_error("ddp", self.names.get(param, "?"))
+            self._reduced = False
         if not self._callback_queued:
             self._callback_queued = True
             Variable._execution_engine.queue_callback(self._finalize_backward)
@@ -177,6 +183,15 @@ class GradReducer:
             self.wait()  # peers are in these same all-reduces; finish them before raising
             raise unused_parameters_error("ddp", unused, "in this step")
 
+    def shadow_reduce(self) -> None:
+        """All-reduce zeros in place of every bucket, in bucket order: the share of a rank that has run out of data
+        (Accelerate's ``join_uneven_inputs``, torch's ``Join``) in the reduction its peers' backward runs. The peers
+        still divide by the whole group, as torch DDP does under ``Join`` by default."""
+        for b in self.buckets:
+            zeros = torch.zeros_like(b.flat)
+            self.stats.record("all_reduce", zeros, self.world_size)
+            watched(dist.all_reduce, zeros, group=self.group, label=f"ddp bucket {b.index}")
+
     def wait(self) -> None:
         for b in self.buckets:
             if b.work is not None:
@@ -223,6 +238,10 @@ class DDPStrategy(Strategy):
     @property
     def reducers(self) -> list[GradReducer]:
         return list(self._reducers.values())
+
+    def reducer_of(self, model: nn.Module) -> GradReducer | None:
+        """The reducer of a model this strategy wrapped (None for any other)."""
+        return self._reducers.get(id(model))
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         topo = self.topology
