@@ -4,12 +4,14 @@ where the Engine's differ (issue 29). Each test names the Accelerate behaviour i
 from __future__ import annotations
 
 import json
+import pickle
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 from _common import OddNet, make_data
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler, TensorDataset
 
 import phalanx
 from phalanx.accelerate import Accelerator, DummyOptim, DummyScheduler
@@ -91,7 +93,8 @@ def test_a_dummy_scheduler_s_total_is_divided_by_the_processes(run_ranks, tmp_pa
 
 
 def _order(seed: int | None, config_seed: int | None = None) -> list[int]:
-    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(data_seed=config_seed))
+    config = DataLoaderConfiguration(data_seed=config_seed, use_seedable_sampler=config_seed is not None)
+    accelerator = Accelerator(dataloader_config=config)
     if seed is not None:
         set_seed(seed)
     loader = DataLoader(TensorDataset(torch.arange(32)), batch_size=4, shuffle=True)
@@ -99,9 +102,17 @@ def _order(seed: int | None, config_seed: int | None = None) -> list[int]:
     return [int(v) for (batch,) in loader for v in batch]
 
 
-def test_set_seed_reaches_the_data_order():
+def test_set_seed_reaches_the_data_order_and_making_an_accelerator_does_not_seed():
     assert _order(1) == _order(1) != _order(2)
-    assert _order(None, config_seed=5) == _order(None, config_seed=5) != _order(None, config_seed=6)
+    # use_seedable_sampler: Accelerate's SeedableRandomSampler, whose epoch e is drawn from data_seed + e
+    g = torch.Generator()
+    g.manual_seed(5)
+    assert _order(None, config_seed=5) == torch.randperm(32, generator=g).tolist() != _order(None, config_seed=6)
+    set_seed(7)
+    expected = torch.rand(3)
+    set_seed(7)
+    Accelerator()  # Accelerate's Accelerator() leaves the global RNG alone: a set_seed before it holds
+    assert torch.equal(torch.rand(3), expected)
 
 
 def test_skip_first_batches_skips_one_pass_without_loading():
@@ -133,8 +144,14 @@ def test_accelerate_s_names_and_arguments():
             assert accelerator.sync_gradients
         with accelerator.no_sync(model):  # Accelerate's form takes the model
             accelerator.backward(F.mse_loss(model(x), y))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one process: nothing to join, and Accelerate says nothing either
+        with accelerator.join_uneven_inputs([model], even_batches=False):
+            pass
+    accelerator.state.distributed_type = DistributedType.FSDP  # as Accelerate's test_distributed_data_loop does
+    assert accelerator.distributed_type == DistributedType.FSDP
     with pytest.warns(UserWarning, match="only supported for multi-GPU"), accelerator.join_uneven_inputs([model]):
-        pass  # one process: nothing to join, as Accelerate says
+        pass
     accelerator.end_training()
     with pytest.raises(ConfigError, match="split_batches=True.*divide your DataLoader's batch_size"):
         Accelerator(split_batches=True)
@@ -231,5 +248,122 @@ def _batch_sampler_as_sampler() -> list[list[int]]:
 
 def test_a_batch_sampler_given_as_sampler_is_prepared(run_ranks):
     # Accelerate's test_distributed_data_loop prepares such a loader; each global batch (2 x 2 ranks) is split.
+    # The last batch is padded to batch_size on every rank from the epoch's start, as Accelerate pads it.
     first, second = run_ranks(_batch_sampler_as_sampler, 2)
-    assert first == [[0, 1], [4, 5], [8]] and second == [[2, 3], [6, 7], [9]]
+    assert first == [[0, 1], [4, 5], [8, 9]] and second == [[2, 3], [6, 7], [0, 1]]
+
+
+def _accelerate_s_batches(n: int, batch_size: int, rank: int, even: bool, seed: int | None) -> tuple[list, int]:
+    # The oracle: Accelerate's own BatchSamplerShard over a RandomSampler given a generator as Accelerate's prepare
+    # gives it one (seeded with a draw from the global RNG), two epochs.
+    from accelerate.data_loader import BatchSamplerShard
+
+    sampler: torch.utils.data.Sampler[int] = SequentialSampler(range(n))
+    if seed is not None:
+        set_seed(seed)
+        g = torch.Generator()
+        g.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
+        sampler = RandomSampler(range(n), generator=g)
+    shard = BatchSamplerShard(BatchSampler(sampler, batch_size, False), 2, rank, even_batches=even)
+    return [list(b) for _ in range(2) for b in shard], len(shard)
+
+
+def _our_batches(accelerator: Accelerator, n: int, batch_size: int, seed: int | None) -> tuple[list, int]:
+    if seed is not None:
+        set_seed(seed)
+    loader = DataLoader(TensorDataset(torch.arange(n)), batch_size=batch_size, shuffle=seed is not None)
+    loader = accelerator.prepare(loader)
+    return [b.tolist() for _ in range(2) for (b,) in loader], len(loader)
+
+
+def _uneven_inputs_joined() -> dict:
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel
+
+    out: dict = {"batches": []}
+    for even in (True, False):
+        accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(even_batches=even))
+        rank = accelerator.process_index
+        for n, batch_size, seed in ((7, 2, None), (3, 1, None), (23, 4, None), (23, 4, 3)):
+            ours = _our_batches(accelerator, n, batch_size, seed)
+            out["batches"].append((ours, _accelerate_s_batches(n, batch_size, rank, even, seed)))
+    # The global RNG moves as under Accelerate: one draw at prepare (the order's seed), one per pass (torch's).
+    set_seed(4)
+    for _ in accelerator.prepare(DataLoader(TensorDataset(torch.arange(8)), batch_size=2, shuffle=True)):
+        pass
+    after_ours = torch.rand(2)
+    set_seed(4)
+    torch.empty((), dtype=torch.int64).random_()
+    for _ in DataLoader(TensorDataset(torch.arange(8)), batch_size=2):  # its sampler has a generator: no draw
+        pass
+    out["rng"] = (after_ours, torch.rand(2))
+
+    # join_uneven_inputs, against torch DDP under torch's Join on the same batches: rank 0 has 2, rank 1 has 1.
+    def train(model, optimizer, batches, context):  # type: ignore[no-untyped-def]
+        grads = []
+        with context:
+            for x in batches:
+                model(x).sum().backward()
+                grads.append([p.grad.clone() for p in model.parameters()])
+                optimizer.step()
+                optimizer.zero_grad()
+        return grads, [p.detach().clone() for p in model.parameters()]
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    loader = accelerator.prepare(DataLoader(TensorDataset(torch.arange(1.0, 4.0)[:, None]), batch_size=1))
+    batches = [x for (x,) in loader]
+    out["ours"] = train(model, optimizer, batches, accelerator.join_uneven_inputs([model, optimizer]))
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(torch.nn.Linear(1, 1))
+    sgd = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    out["torch"] = train(ddp, sgd, batches, Join([ddp]))
+
+    def twice(m):  # type: ignore[no-untyped-def]
+        # Backward twice without zero_grad (nlp_example accumulates so): torch DDP reduces both, and so does the front
+        m.zero_grad()
+        for _ in range(2):
+            m(torch.full((1, 1), float(accelerator.process_index + 1))).sum().backward()
+        return [p.grad.clone() for p in m.parameters()]
+
+    out["twice"] = (twice(model), twice(ddp))
+    # even_batches overrides the map-style loaders for the block, and says that an iterable one keeps its own
+    accelerator.prepare(DataLoader(_Stream(), batch_size=1))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with accelerator.join_uneven_inputs([model], even_batches=True):
+            out["inside"] = len(loader)
+    out["said"] = [str(w.message) for w in said]
+    out["after"] = len(loader)
+    with pytest.raises(TypeError, match="takes the models .* that accelerator.prepare returned"):
+        with accelerator.join_uneven_inputs([torch.nn.Linear(1, 1)]):
+            pass
+    # Pickled (e.g. with a collate_fn into a DataLoader worker), a copy tells who and how, and trains nothing
+    copy = pickle.loads(pickle.dumps(accelerator))
+    out["pickled"] = (copy.state.__dict__ == accelerator.state.__dict__, copy.mixed_precision, copy.num_processes)
+    with pytest.raises(AttributeError, match="was unpickled"):
+        copy.prepare(torch.nn.Linear(1, 1))
+    return out
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        yield from torch.arange(4)
+
+
+def test_uneven_batches_and_join_as_accelerate_and_torch_join(run_ranks):
+    for rank, out in enumerate(run_ranks(_uneven_inputs_joined, 2)):
+        for ours, theirs in out["batches"]:  # batches (two epochs) and length as Accelerate's BatchSamplerShard
+            assert ours == theirs
+        assert torch.equal(*out["rng"])
+        (our_grads, our_params), (torch_grads, torch_params) = out["ours"], out["torch"]
+        assert len(our_grads) == 2 - rank  # rank 1 ran out first; it stood in for rank 0's second step
+        for ours, theirs in zip(our_grads, torch_grads):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=0)  # the finished rank's zero, divided by 2
+        torch.testing.assert_close(our_params, torch_params, rtol=0, atol=0)  # the last to finish's replica
+        torch.testing.assert_close(*out["twice"], rtol=0, atol=0)
+        assert out["inside"] == 2 and out["after"] == 2 - rank
+        assert any("only supported for map-style datasets" in m for m in out["said"])
+        assert out["pickled"] == (True, "no", 2)

@@ -7,7 +7,12 @@ Where they differ, the Engine keeps its own way and this front does as Accelerat
 - A prepared LR scheduler steps ``num_processes`` times per optimizer step (once with ``split_batches``), because
   Accelerate's examples size their schedules from the unsharded loader. The Engine steps it once.
 - A ``DummyScheduler``'s ``total_num_steps`` is divided by the number of processes, as Accelerate divides it.
-- ``set_seed`` before ``prepare`` sets the data order of the prepared loaders.
+- The prepared loaders split, pad and shuffle as Accelerate's: a short last batch is padded to ``batch_size`` on
+  every process (or left short, ``even_batches=False``); a shuffled order comes from one generator seeded at
+  ``prepare`` from the global RNG (so ``set_seed`` reaches it) and drawn on epoch after epoch; each pass draws its
+  workers' seed from the global RNG, as a torch DataLoader does.
+- Making an Accelerator leaves the global RNGs as they were (the Engine seeds them).
+- ``join_uneven_inputs`` makes the processes that ran out of batches stand in for the others' reductions (join.py).
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx.compat.accelerate.join import UnevenInputsJoin, joined_models
+from phalanx.compat.accelerate.loaders import accelerate_loader_rules, keep_global_rngs
 from phalanx.compat.accelerate.utils import (
     DataLoaderConfiguration,
     DeepSpeedPlugin,
@@ -30,14 +37,17 @@ from phalanx.compat.accelerate.utils import (
     FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
     GradScalerKwargs,
-    seed_set,
 )
 from phalanx.config.dialects.dummies import DummyScheduler
 from phalanx.config.dialects.names import precision_from_accelerate, strategy_from_zero_stage
 from phalanx.config.options import ConfigError
+from phalanx.engine import collectives
+from phalanx.engine.data import PreparedDataLoader, PreparedIterableLoader
 from phalanx.engine.engine import Engine
 from phalanx.engine.prepared import PreparedScheduler
 from phalanx.logging import warn_once
+from phalanx.runtime.world import seed_everything
+from phalanx.strategies.ddp import DDPStrategy
 
 __all__ = ["Accelerator", "AcceleratedScheduler", "GradientState"]
 
@@ -106,10 +116,11 @@ class Accelerator(Engine):
                 "Accelerator(split_batches=True): phalanx splits each global batch of batch_size x num_processes; "
                 "divide your DataLoader's batch_size by the number of processes and leave split_batches False"
             )
-        if not loader_config.even_batches:
+        if loader_config.data_seed is not None and not loader_config.use_seedable_sampler:
             warn_once(
-                "DataLoaderConfiguration(even_batches=False): phalanx's prepared loaders always give every process "
-                "the same number of batches (the last one padded and trimmed by gather_for_metrics)"
+                f"DataLoaderConfiguration(data_seed={loader_config.data_seed}) is not used without "
+                "use_seedable_sampler=True, as in Accelerate: the shuffled order comes from the global RNG (set_seed); "
+                "pass use_seedable_sampler=True for an order drawn from data_seed + epoch"
             )
         plugin = gradient_accumulation_plugin or GradientAccumulationPlugin(num_steps=gradient_accumulation_steps)
         if gradient_accumulation_plugin is not None and gradient_accumulation_steps != 1:
@@ -137,7 +148,11 @@ class Accelerator(Engine):
         for name, value in (("log_with", log_with), ("project_dir", project_dir), ("project_config", project_config)):
             if value is not None:
                 warn_once(f"Accelerator({name}=...) is not used: phalanx's trackers are the Trainer's report_to")
-        super().__init__(**options)
+        with keep_global_rngs():  # Accelerate's Accelerator() does not seed; a set_seed before it must hold
+            super().__init__(**options)
+        if self._origins.get("seed", "default") != "default":
+            seed_everything(self.config.seed)  # a seed given to phalanx (flag, file, environment) still seeds
+        self.state = _State(self, _distributed_type(self, deepspeed_plugin is not None, fsdp_plugin is not None))
         self.split_batches = False
         self._forward_unsynced = False  # the last forward ran under no_sync (torch DDP's rule for its backward)
         self._triggered = False  # trigger_sync_in_backward: the next backward reduces
@@ -145,13 +160,37 @@ class Accelerator(Engine):
         self.dataloader_config = loader_config
         self.rng_types = rng_types
         self.gradient_state = GradientState(self, plugin)
-        self.distributed_type = _distributed_type(self, deepspeed_plugin is not None, fsdp_plugin is not None)
-        self.state = _State(self)
+        self._join: UnevenInputsJoin | None = None
 
     # ------------------------------------------------------------------------------------------- who and how
     @property
     def mixed_precision(self) -> str:
         return {"fp32": "no", "fp16-mixed": "fp16", "bf16-mixed": "bf16"}.get(self.config.precision, "no")
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        return self.state.distributed_type  # type: ignore[no-any-return]
+
+    @property
+    def even_batches(self) -> bool:
+        return self.dataloader_config.even_batches
+
+    # ------------------------------------------------------------------------------------------- pickling
+    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
+        # Process groups, hooks and threads do not travel: the copy (e.g. in a DataLoader worker, through a
+        # collate_fn that reads accelerator.mixed_precision) answers who and how the run is, and nothing more.
+        keep = ("config", "_origins", "world", "device", "state", "dataloader_config", "split_batches",
+                "step_scheduler_with_optimizer", "rng_types")  # fmt: skip
+        return _unpickled_accelerator, ({k: self.__dict__[k] for k in keep},)
+
+    def __getattr__(self, name: str) -> Any:
+        if self.__dict__.get("_unpickled") and not name.startswith("__"):
+            raise AttributeError(
+                f"this Accelerator was unpickled (it has no {name!r}), and a copy only tells who and how the run is "
+                "(state, distributed_type, mixed_precision, num_processes, process_index, device, ...); prepare, "
+                "train and save with the Accelerator of the process that made it"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def use_distributed(self) -> bool:
@@ -167,18 +206,27 @@ class Accelerator(Engine):
 
     # ------------------------------------------------------------------------------------------- prepare
     def prepare(self, *objects: Any, device_placement: list[bool] | None = None, **kwargs: Any) -> Any:
-        out = super().prepare(*objects, **kwargs)
-        seed = self.dataloader_config.data_seed if self.dataloader_config.data_seed is not None else seed_set()
-        if seed is not None:
-            for obj in out if isinstance(out, tuple) else (out,):
-                if hasattr(obj, "global_sampler"):
-                    obj.global_sampler.seed = seed  # set_seed reaches the data order, as in Accelerate
-        return out
+        return super().prepare(*objects, **kwargs)
+
+    def prepare_loader(self, loader: Any) -> PreparedDataLoader | PreparedIterableLoader:
+        prepared = super().prepare_loader(loader)
+        if isinstance(prepared, PreparedDataLoader) and prepared is not loader:
+            accelerate_loader_rules(prepared, loader, self.dataloader_config, self.topology.dp_group)
+        return prepared
 
     def prepare_model(self, model: Any, param_init_fn: Any = None) -> nn.Module:  # type: ignore[override]
         prepared = super().prepare_model(model, param_init_fn)
+        reducer = self.strategy.reducer_of(prepared) if isinstance(self.strategy, DDPStrategy) else None
+        if reducer is not None:
+            reducer.reduce_again = True  # torch DDP's rule: backward twice without zero_grad reduces both
         prepared.register_forward_pre_hook(self._note_forward)
+        # Ahead of the strategy's own hooks (the buffers' broadcast): the join announces what follows.
+        prepared.register_forward_pre_hook(self._notify_join, prepend=True)
         return prepared
+
+    def _notify_join(self, module: nn.Module, args: Any) -> None:
+        if self._join is not None:
+            self._join.notify(module)
 
     def _note_forward(self, module: nn.Module, args: Any) -> None:
         # As in torch DDP, a forward run under no_sync() leaves its backward unreduced, wherever that backward runs.
@@ -231,21 +279,64 @@ class Accelerator(Engine):
 
     @contextlib.contextmanager
     def join_uneven_inputs(self, joinables: list[Any], even_batches: bool | None = None) -> Iterator[None]:
-        """Accelerate joins processes whose loaders run out at different times; phalanx's prepared loaders give
-        every process the same number of batches, so there is nothing to join."""
-        if self.state.distributed_type not in (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU):
-            warnings.warn(
-                "join_uneven_inputs is only supported for multi-GPU (and multi-CPU) data parallelism, as in "
-                f"Accelerate; this run is {self.state.distributed_type.value}, so nothing is joined",
-                UserWarning,
-                stacklevel=3,
-            )
-        if even_batches is False:
-            warn_once(
-                "join_uneven_inputs(even_batches=False): phalanx's prepared loaders always give every process the "
-                "same number of batches (the last one padded and trimmed by gather_for_metrics)"
-            )
-        yield
+        """Accelerate's join: with ``even_batches=False`` (here, or the loaders' setting), the processes whose
+        loaders run out first stand in for the others' gradient reductions until every process has left the block,
+        and every replica then takes the model of the last one to finish (see join.py). ``even_batches`` here
+        overrides the prepared map-style loaders' for the block. Accelerate joins on GPUs only; phalanx joins on
+        CPUs too."""
+        kind = self.state.distributed_type
+        if kind not in (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU):
+            if kind != DistributedType.NO:
+                warnings.warn(
+                    "Joining uneven inputs is only supported for multi-GPU (and, in phalanx, multi-CPU) data "
+                    f"parallelism, as in Accelerate; this run is {kind.value}, so join_uneven_inputs has no effect",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            yield
+            return
+        overridden = []
+        if even_batches is not None:
+            iterable = False
+            for loader in self._prepared_loaders:
+                if not isinstance(loader, PreparedDataLoader):
+                    iterable = True
+                    continue
+                overridden.append((loader.global_sampler, loader.global_sampler.even_batches))
+                loader.global_sampler.even_batches = even_batches
+            if iterable:
+                warnings.warn(
+                    "Overriding even_batches is only supported for map-style datasets, yet some dataloaders given "
+                    "were iterable (phalanx, as Accelerate, leaves them as they are)",
+                    UserWarning,
+                    stacklevel=3,
+                )
+        else:
+            even_batches = self.dataloader_config.even_batches
+        try:
+            if even_batches:
+                yield  # every process has the same number of batches: nothing to join, as in Accelerate
+                return
+            models = joined_models(joinables, self._models, self._optimizers)
+            if not isinstance(self.strategy, DDPStrategy):
+                warn_once(
+                    f"join_uneven_inputs stands in for finished processes under strategy='ddp' only; this run is "
+                    f"{self.strategy.name!r}, so nothing is joined, and a process that runs out of batches first "
+                    "leaves the others waiting (keep even_batches=True, or train with strategy='ddp')"
+                )
+                yield
+                return
+            self._join = UnevenInputsJoin(self, models)
+            self._nonfinite.local = True  # the non-finite check exchanges nothing while ranks stand in
+            try:
+                yield
+                self._join.finish()
+            finally:
+                self._join = None
+                self._nonfinite.local = False
+        finally:
+            for sampler, value in overridden:
+                sampler.even_batches = value
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         from phalanx.compat.accelerate.utils import skip_first_batches
@@ -254,25 +345,45 @@ class Accelerator(Engine):
 
 
 class _State:
-    """Accelerate's ``AcceleratorState``: who this process is and how the run is distributed."""
+    """Accelerate's ``AcceleratorState``: who this process is and how the run is distributed (plain values, so that
+    it pickles and compares as Accelerate's does)."""
 
-    def __init__(self, accelerator: Accelerator) -> None:
-        self._accelerator = accelerator
+    def __init__(self, accelerator: Accelerator, distributed_type: DistributedType) -> None:
+        self.num_processes = accelerator.num_processes
+        self.process_index = accelerator.process_index
+        self.local_process_index = accelerator.local_process_index
+        self.device = accelerator.device
+        self.distributed_type = distributed_type
+        self.mixed_precision = accelerator.mixed_precision
+        self.backend = dist.get_backend() if dist.is_initialized() else None
         self.debug = False
 
-    def __getattr__(self, name: str) -> Any:
-        if name in ("num_processes", "process_index", "local_process_index", "device", "distributed_type",
-                    "mixed_precision", "is_main_process", "is_local_main_process", "use_distributed"):  # fmt: skip
-            return getattr(self._accelerator, name)
-        raise AttributeError(f"AcceleratorState has no attribute {name!r} in phalanx.accelerate")
+    @property
+    def use_distributed(self) -> bool:
+        return self.num_processes > 1
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.local_process_index == 0
 
     def wait_for_everyone(self) -> None:
-        self._accelerator.wait_for_everyone()
+        if dist.is_initialized():
+            collectives.barrier()
 
     def destroy_process_group(self, group: Any = None) -> None:
         """The end of the run's collectives, as Accelerate's: the process group is torn down."""
         if dist.is_initialized():
             dist.destroy_process_group(group)
+
+
+def _unpickled_accelerator(values: dict[str, Any]) -> Accelerator:
+    accelerator = Accelerator.__new__(Accelerator)
+    accelerator.__dict__.update(values, _unpickled=True)
+    return accelerator
 
 
 class GradientState:
