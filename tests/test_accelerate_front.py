@@ -14,12 +14,18 @@ from _common import OddNet, make_data
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler, TensorDataset
 
 import phalanx
-from phalanx.accelerate import Accelerator, DummyOptim, DummyScheduler
+from phalanx.accelerate import Accelerator, DummyOptim, DummyScheduler, find_executable_batch_size, get_logger
 from phalanx.accelerate.utils import (
     DataLoaderConfiguration,
     DeepSpeedPlugin,
     DistributedType,
     GradientAccumulationPlugin,
+    InitProcessGroupKwargs,
+    broadcast_object_list,
+    gather_object,
+    pad_across_processes,
+    release_memory,
+    send_to_device,
     set_seed,
     skip_first_batches,
 )
@@ -340,6 +346,18 @@ def _uneven_inputs_joined() -> dict:
     with pytest.raises(TypeError, match="takes the models .* that accelerator.prepare returned"):
         with accelerator.join_uneven_inputs([torch.nn.Linear(1, 1)]):
             pass
+    # Accelerate's operations across processes
+    rank = accelerator.process_index
+    padded = accelerator.pad_across_processes({"ids": torch.ones(2, rank + 1, dtype=torch.long)}, dim=1, pad_index=-1)
+    out["padded"] = accelerator.gather(padded["ids"]).tolist()
+    out["pad_first"] = pad_across_processes(torch.ones(rank + 1), pad_first=True).tolist()
+    out["objects"] = gather_object([f"rank {rank}", {"n": rank}])
+    out["broadcast"] = broadcast_object_list([rank, "from 1" if rank == 1 else None], from_process=1)
+    ran: list[str] = []
+    accelerator.on_main_process(lambda: ran.append("main"))()
+    accelerator.on_last_process(lambda: ran.append("last"))()
+    accelerator.on_process(process_index=1)(lambda: ran.append("1"))()
+    out["ran"] = ran
     # Pickled (e.g. with a collate_fn into a DataLoader worker), a copy tells who and how, and trains nothing
     copy = pickle.loads(pickle.dumps(accelerator))
     out["pickled"] = (copy.state.__dict__ == accelerator.state.__dict__, copy.mixed_precision, copy.num_processes)
@@ -367,3 +385,48 @@ def test_uneven_batches_and_join_as_accelerate_and_torch_join(run_ranks):
         assert out["inside"] == 2 and out["after"] == 2 - rank
         assert any("only supported for map-style datasets" in m for m in out["said"])
         assert out["pickled"] == (True, "no", 2)
+        assert out["padded"] == [[1, -1], [1, -1], [1, 1], [1, 1]]
+        assert out["pad_first"] == ([0.0, 1.0] if rank == 0 else [1.0, 1.0])
+        assert out["objects"] == ["rank 0", {"n": 0}, "rank 1", {"n": 1}]
+        assert out["broadcast"] == [1, "from 1"]
+        assert out["ran"] == (["main"] if rank == 0 else ["last", "1"])
+
+
+def test_accelerate_s_helpers_on_one_process(caplog):
+    import datetime
+
+    accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=90))])
+    assert accelerator.config.timeout_s == 90
+    model, optimizer = accelerator.prepare(OddNet(), torch.optim.SGD(OddNet().parameters(), lr=0.1))
+    x, y = make_data(4)
+    accelerator.backward(F.mse_loss(model(x), y) * 1000)
+    accelerator.unscale_gradients()
+    accelerator.clip_grad_value_(model.parameters(), 0.01)
+    assert max(float(p.grad.abs().max()) for p in model.parameters()) == pytest.approx(0.01)
+    optimizer.step()
+    assert not accelerator.optimizer_step_was_skipped
+    # Trackers: none runs here, and the calls a script makes do nothing, as with Accelerate without log_with
+    accelerator.init_trackers("project", config={"lr": 0.1})
+    accelerator.log({"loss": 1.0}, step=1)
+    accelerator.get_tracker("wandb").log_images({})
+    calls: list[int] = []
+
+    @find_executable_batch_size(starting_batch_size=8)
+    def train(batch_size: int) -> int:
+        calls.append(batch_size)
+        if batch_size > 5:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return batch_size
+
+    assert train() == 5 and calls == [8, 7, 6, 5]  # 90% of the size after each out-of-memory error
+    a, b = release_memory(model, optimizer)
+    assert a is None and b is None
+    moved = send_to_device({"x": torch.ones(1), "keep": torch.ones(1)}, "meta", skip_keys="keep")
+    assert moved["x"].device.type == "meta" and moved["keep"].device.type == "cpu"
+    logger = get_logger("ported.script", log_level="INFO")
+    with caplog.at_level("INFO", logger="ported.script"):
+        logger.info("said once, on the main process", main_process_only=True)
+        logger.warning_once("only once")
+        logger.warning_once("only once")
+    assert [r.getMessage() for r in caplog.records] == ["said once, on the main process", "only once"]
+    assert pickle.loads(pickle.dumps(accelerator)).is_main_process

@@ -5,6 +5,7 @@ See :mod:`phalanx.compat.accelerate.accelerator` for where it follows Accelerate
 from __future__ import annotations
 
 from phalanx.compat.accelerate.accelerator import AcceleratedScheduler, Accelerator, GradientState
+from phalanx.compat.accelerate.operations import find_executable_batch_size, get_logger
 from phalanx.compat.accelerate.utils import (
     DataLoaderConfiguration,
     DeepSpeedPlugin,
@@ -13,6 +14,7 @@ from phalanx.compat.accelerate.utils import (
     FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
     GradScalerKwargs,
+    InitProcessGroupKwargs,
     ProjectConfiguration,
     set_seed,
     skip_first_batches,
@@ -23,5 +25,6 @@ __all__ = [
     "Accelerator", "AcceleratedScheduler", "GradientState", "DistributedType", "DataLoaderConfiguration",
     "GradientAccumulationPlugin",
     "DeepSpeedPlugin", "FullyShardedDataParallelPlugin", "DistributedDataParallelKwargs", "GradScalerKwargs",
-    "ProjectConfiguration", "set_seed", "skip_first_batches", "DummyOptim", "DummyScheduler",
+    "InitProcessGroupKwargs", "ProjectConfiguration", "set_seed", "skip_first_batches", "DummyOptim", "DummyScheduler",
+    "get_logger", "find_executable_batch_size",
 ]  # fmt: skip

@@ -18,6 +18,7 @@ Where they differ, the Engine keeps its own way and this front does as Accelerat
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from torch import nn
 
 from phalanx.compat.accelerate.join import UnevenInputsJoin, joined_models
 from phalanx.compat.accelerate.loaders import accelerate_loader_rules, keep_global_rngs
+from phalanx.compat.accelerate.operations import pad_across_processes
 from phalanx.compat.accelerate.utils import (
     DataLoaderConfiguration,
     DeepSpeedPlugin,
@@ -37,6 +39,7 @@ from phalanx.compat.accelerate.utils import (
     FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
     GradScalerKwargs,
+    InitProcessGroupKwargs,
 )
 from phalanx.config.dialects.dummies import DummyScheduler
 from phalanx.config.dialects.names import precision_from_accelerate, strategy_from_zero_stage
@@ -338,6 +341,77 @@ class Accelerator(Engine):
             for sampler, value in overridden:
                 sampler.even_batches = value
 
+    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+        """Every tensor padded along ``dim`` to the largest size any process holds (before ``gather``)."""
+        return pad_across_processes(tensor, dim, pad_index, pad_first)
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """Whether the last optimizer step was skipped (an fp16 overflow, or on_nonfinite='skip')."""
+        return self.step_was_skipped
+
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        """Divide fp16 gradients by the loss scale now (once per step), e.g. before clipping them yourself."""
+        self.strategy.finish_gradient_sync()
+        for opt in self._optimizers if optimizer is None else [optimizer]:
+            self.precision.unscale_(getattr(opt, "optimizer", opt))
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        """Clamp each gradient to [-clip_value, clip_value], once the gradients are reduced and unscaled."""
+        if self.strategy.shards_gradients:
+            raise RuntimeError(
+                f"clip_grad_value_ needs whole gradients on every process; under strategy={self.strategy.name!r} each "
+                "holds a shard (as Accelerate refuses it under DeepSpeed and FSDP): use clip_grad_norm_"
+            )
+        if not self.sync_gradients:
+            return  # inside an accumulation window the gradients are partial: clip at its last micro-batch
+        self.unscale_gradients()
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
+    # ------------------------------------------------------------------------------------------- who runs what
+    @property
+    def is_last_process(self) -> bool:
+        return self.process_index == self.num_processes - 1
+
+    def on_process(self, function: Any = None, process_index: int | None = None) -> Any:
+        """Decorator: run ``function`` on process ``process_index`` only (elsewhere it returns None)."""
+        if function is None:
+            return functools.partial(self.on_process, process_index=process_index)
+        if process_index is None:
+            raise ValueError("on_process needs process_index=..., the process that runs the function")
+        return _only_if(function, lambda: self.process_index == process_index)
+
+    def on_local_process(self, function: Any = None, local_process_index: int | None = None) -> Any:
+        """Decorator: run ``function`` on the process of this local index on each machine only."""
+        if function is None:
+            return functools.partial(self.on_local_process, local_process_index=local_process_index)
+        if local_process_index is None:
+            raise ValueError("on_local_process needs local_process_index=..., the process that runs the function")
+        return _only_if(function, lambda: self.local_process_index == local_process_index)
+
+    def on_main_process(self, function: Any) -> Any:
+        """Decorator: run ``function`` on the main process only."""
+        return _only_if(function, lambda: self.is_main_process)
+
+    def on_local_main_process(self, function: Any) -> Any:
+        """Decorator: run ``function`` on the first process of each machine only."""
+        return _only_if(function, lambda: self.is_local_main_process)
+
+    def on_last_process(self, function: Any) -> Any:
+        """Decorator: run ``function`` on the last process only."""
+        return _only_if(function, lambda: self.is_last_process)
+
+    # ------------------------------------------------------------------------------------------- trackers
+    def init_trackers(self, project_name: str, config: dict[str, Any] | None = None, init_kwargs: Any = None) -> None:
+        """Accelerate starts its trackers here; phalanx.accelerate has none (log_with is not used: see __init__)."""
+
+    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: Any = None) -> None:
+        """Accelerate sends ``values`` to its trackers; with none here, nothing is logged, as in Accelerate."""
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        """Accelerate's blank tracker (no tracker runs here): every call on it does nothing."""
+        return _BlankTracker(name)
+
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         from phalanx.compat.accelerate.utils import skip_first_batches
 
@@ -378,6 +452,25 @@ class _State:
         """The end of the run's collectives, as Accelerate's: the process group is torn down."""
         if dist.is_initialized():
             dist.destroy_process_group(group)
+
+
+def _only_if(function: Any, runs: Any) -> Any:
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return function(*args, **kwargs) if runs() else None
+
+    return wrapper
+
+
+class _BlankTracker:
+    """What Accelerate's ``get_tracker`` gives for a tracker that does not run: calls on it do nothing."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.tracker = None
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: None
 
 
 def _unpickled_accelerator(values: dict[str, Any]) -> Accelerator:
@@ -475,5 +568,12 @@ def _handler_options(handler: Any) -> dict[str, Any]:
         return {"find_unused_parameters": handler.find_unused_parameters, "bucket_mb": float(handler.bucket_cap_mb)}
     if isinstance(handler, GradScalerKwargs):
         return {"loss_scale_init": handler.init_scale, "loss_scale_window": handler.growth_interval}
+    if isinstance(handler, InitProcessGroupKwargs):
+        if handler.backend not in (None, "nccl", "gloo") or handler.init_method is not None:
+            warn_once(
+                f"InitProcessGroupKwargs(backend={handler.backend!r}, init_method={handler.init_method!r}) is not "
+                "used: phalanx picks gloo on CPUs and NCCL on GPUs, and its launcher sets the rendezvous"
+            )
+        return {"timeout_s": handler.timeout.total_seconds()} if handler.timeout is not None else {}
     warn_once(f"Accelerator(kwargs_handlers=[{type(handler).__name__}(...)]) is not used by phalanx")
     return {}

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 __all__ = [
     "DistributedType", "DataLoaderConfiguration", "GradientAccumulationPlugin", "DeepSpeedPlugin",
-    "FullyShardedDataParallelPlugin", "DistributedDataParallelKwargs", "GradScalerKwargs", "ProjectConfiguration",
-    "set_seed", "seed_set", "skip_first_batches",
+    "FullyShardedDataParallelPlugin", "DistributedDataParallelKwargs", "GradScalerKwargs", "InitProcessGroupKwargs",
+    "ProjectConfiguration", "set_seed", "seed_set", "skip_first_batches",
 ]  # fmt: skip
 
 
@@ -109,6 +109,15 @@ class GradScalerKwargs:
     backoff_factor: float = 0.5
     growth_interval: int = 2000
     enabled: bool = True
+
+
+@dataclasses.dataclass
+class InitProcessGroupKwargs:
+    """Accelerate's process-group arguments: ``timeout`` (a ``datetime.timedelta``) becomes phalanx's timeout_s."""
+
+    backend: str | None = "nccl"
+    init_method: str | None = None
+    timeout: Any = None
 
 
 @dataclasses.dataclass
