@@ -282,7 +282,7 @@ def _our_batches(accelerator: Accelerator, n: int, batch_size: int, seed: int | 
     return [b.tolist() for _ in range(2) for (b,) in loader], len(loader)
 
 
-def _uneven_inputs_joined() -> dict:
+def _uneven_inputs_joined(tmp: str) -> dict:
     from torch.distributed.algorithms.join import Join
     from torch.nn.parallel import DistributedDataParallel
 
@@ -358,6 +358,9 @@ def _uneven_inputs_joined() -> dict:
     accelerator.on_last_process(lambda: ran.append("last"))()
     accelerator.on_process(process_index=1)(lambda: ran.append("1"))()
     out["ran"] = ran
+    # A checkpoint is one folder: per-process folders (Accelerate's test makes them) are refused before any write
+    with pytest.raises(ValueError, match="the processes name different folders .*process 1: .*rank1"):
+        accelerator.save_state(f"{tmp}/rank{rank}")
     # Pickled (e.g. with a collate_fn into a DataLoader worker), a copy tells who and how, and trains nothing
     copy = pickle.loads(pickle.dumps(accelerator))
     out["pickled"] = (copy.state.__dict__ == accelerator.state.__dict__, copy.mixed_precision, copy.num_processes)
@@ -371,8 +374,8 @@ class _Stream(torch.utils.data.IterableDataset):
         yield from torch.arange(4)
 
 
-def test_uneven_batches_and_join_as_accelerate_and_torch_join(run_ranks):
-    for rank, out in enumerate(run_ranks(_uneven_inputs_joined, 2)):
+def test_uneven_batches_and_join_as_accelerate_and_torch_join(run_ranks, tmp_path):
+    for rank, out in enumerate(run_ranks(_uneven_inputs_joined, 2, str(tmp_path))):
         for ours, theirs in out["batches"]:  # batches (two epochs) and length as Accelerate's BatchSamplerShard
             assert ours == theirs
         assert torch.equal(*out["rng"])
@@ -390,6 +393,27 @@ def test_uneven_batches_and_join_as_accelerate_and_torch_join(run_ranks):
         assert out["objects"] == ["rank 0", {"n": 0}, "rank 1", {"n": 1}]
         assert out["broadcast"] == [1, "from 1"]
         assert out["ran"] == (["main"] if rank == 0 else ["last", "1"])
+    assert not list(tmp_path.iterdir())
+
+
+def test_automatic_checkpoint_naming_as_accelerate_s(tmp_path):
+    from phalanx.accelerate.utils import ProjectConfiguration
+
+    def accelerator() -> tuple[Accelerator, torch.nn.Module]:
+        config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=2)
+        acc = Accelerator(project_config=config)
+        return acc, acc.prepare(torch.nn.Linear(2, 2))
+
+    first, model = accelerator()
+    for _ in range(3):
+        first.save_state()
+    assert sorted(d.name for d in (tmp_path / "checkpoints").iterdir()) == ["checkpoint_1", "checkpoint_2"]
+    assert first.save_iteration == 3 and first.project_dir == str(tmp_path)
+    second, _ = accelerator()
+    second.load_state()  # the newest; the next save goes on after it
+    assert second.save_state().name == "checkpoint_3"
+    with pytest.raises(ValueError, match=r"save_state\(\) needs a folder: pass one, or .*automatic_checkpoint_naming"):
+        Accelerator().save_state()
 
 
 def test_accelerate_s_helpers_on_one_process(caplog):

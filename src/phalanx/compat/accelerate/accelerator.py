@@ -20,14 +20,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx.compat.accelerate.folders import automatic_folder, latest_automatic, same_folder_everywhere
 from phalanx.compat.accelerate.join import UnevenInputsJoin, joined_models
 from phalanx.compat.accelerate.loaders import accelerate_loader_rules, keep_global_rngs
 from phalanx.compat.accelerate.operations import pad_across_processes
@@ -40,6 +43,7 @@ from phalanx.compat.accelerate.utils import (
     GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
+    ProjectConfiguration,
 )
 from phalanx.config.dialects.dummies import DummyScheduler
 from phalanx.config.dialects.names import precision_from_accelerate, strategy_from_zero_stage
@@ -141,16 +145,21 @@ class Accelerator(Engine):
         if rng_types and set(rng_types) - {"generator"}:
             warn_once(
                 f"Accelerator(rng_types={rng_types}): phalanx does not synchronise the global RNGs at each epoch; the "
-                "data order is the same on every rank without it (it comes from the seed)"
+                "data order is the same on every rank without it (its generator is process 0's, from prepare)"
             )
         if not plugin.sync_with_dataloader:
             warn_once(
                 "GradientAccumulationPlugin(sync_with_dataloader=False) is not used: phalanx always ends the "
                 "accumulation window at the end of the DataLoader"
             )
-        for name, value in (("log_with", log_with), ("project_dir", project_dir), ("project_config", project_config)):
-            if value is not None:
-                warn_once(f"Accelerator({name}=...) is not used: phalanx's trackers are the Trainer's report_to")
+        if log_with is not None:
+            warn_once(
+                "Accelerator(log_with=...) is not used: phalanx.accelerate runs no trackers (init_trackers and log do "
+                "nothing); the Trainer's report_to writes metrics"
+            )
+        self.project_configuration = project_config or ProjectConfiguration()
+        if project_dir is not None:
+            self.project_configuration.project_dir = project_dir
         with keep_global_rngs():  # Accelerate's Accelerator() does not seed; a set_seed before it must hold
             super().__init__(**options)
         if self._origins.get("seed", "default") != "default":
@@ -411,6 +420,55 @@ class Accelerator(Engine):
     def get_tracker(self, name: str, unwrap: bool = False) -> Any:
         """Accelerate's blank tracker (no tracker runs here): every call on it does nothing."""
         return _BlankTracker(name)
+
+    # ------------------------------------------------------------------------------------------- state
+    @property
+    def project_dir(self) -> str | None:
+        return self.project_configuration.project_dir
+
+    @property
+    def logging_dir(self) -> str | None:
+        return self.project_configuration.logging_dir
+
+    @property
+    def save_iteration(self) -> int:
+        return self.project_configuration.iteration
+
+    def save_state(  # type: ignore[override]
+        self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True, **kwargs: Any
+    ) -> Path:
+        """Accelerate's ``save_state``: into ``output_dir``, which every process must name alike; without it, into
+        ``project_dir/checkpoints/checkpoint_<i>`` under ``ProjectConfiguration(automatic_checkpoint_naming=True)``,
+        keeping ``total_limit`` of them. ``safe_serialization`` changes nothing: phalanx writes its own format."""
+        keep_last, model_files = kwargs.pop("keep_last", None), kwargs.pop("model_files", False)
+        if kwargs:
+            warn_once(f"save_state({', '.join(sorted(kwargs))}=...) is not used by phalanx.accelerate")
+        automatic = output_dir is None or self.project_configuration.automatic_checkpoint_naming
+        if automatic and output_dir is not None:
+            warn_once(
+                f"save_state({str(output_dir)!r}): under automatic_checkpoint_naming Accelerate saves into "
+                "project_dir/checkpoints/checkpoint_<i> whatever folder is named, and so does phalanx.accelerate"
+            )
+        if automatic:
+            output_dir = automatic_folder(self.project_configuration, "save_state")
+            keep_last = self.project_configuration.total_limit
+        assert output_dir is not None
+        same_folder_everywhere("save_state", output_dir, self.device)
+        saved = super().save_state(output_dir, keep_last, model_files)
+        if automatic:
+            self.project_configuration.iteration += 1
+        return saved
+
+    def load_state(  # type: ignore[override]
+        self, input_dir: str | os.PathLike[str] | None = None, load_kwargs: Any = None, **kwargs: Any
+    ) -> None:
+        """Accelerate's ``load_state``: from ``input_dir``, or the newest of ``project_dir/checkpoints`` under
+        automatic checkpoint naming (the next save then takes the following number)."""
+        verify = kwargs.pop("verify", True)
+        if input_dir is None:
+            input_dir = latest_automatic(self.project_configuration)
+        same_folder_everywhere("load_state", input_dir, self.device)
+        super().load_state(input_dir, verify)
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         from phalanx.compat.accelerate.utils import skip_first_batches
