@@ -121,6 +121,25 @@ def test_set_seed_reaches_the_data_order_and_making_an_accelerator_does_not_seed
     assert torch.equal(torch.rand(3), expected)
 
 
+def test_on_one_process_a_shuffled_loader_is_torch_s_as_under_accelerate():
+    # With one process Accelerate leaves the DataLoader as torch has it: each pass draws its order from the global RNG,
+    # and the short last batch stays short.
+    dataset = TensorDataset(torch.arange(20))
+    set_seed(11)
+    theirs = [b.tolist() for _ in range(2) for (b,) in DataLoader(dataset, batch_size=3, shuffle=True)]
+    rng_after = torch.rand(2)
+    accelerator = Accelerator()
+    set_seed(11)
+    loader = accelerator.prepare(DataLoader(dataset, batch_size=3, shuffle=True))
+    assert [b.tolist() for _ in range(2) for (b,) in loader] == theirs and torch.equal(torch.rand(2), rng_after)
+    # A resume mid-epoch gives the rest of that epoch's order (the seed its pass drew is in the loader's state)
+    batches = iter(loader)
+    next(batches), next(batches)
+    state, rest = loader.state_dict(), [b.tolist() for (b,) in batches]
+    loader.load_state_dict(state)
+    assert [b.tolist() for (b,) in loader] == rest
+
+
 def test_skip_first_batches_skips_one_pass_without_loading():
     accelerator = Accelerator()
     loader = accelerator.prepare(DataLoader(TensorDataset(torch.arange(32)), batch_size=4))

@@ -9,13 +9,14 @@ The last chunk may be short. Unless the loader drops it, it is padded by wrappin
 the order so that every rank gets the same number of samples (no rank starves, no collective hangs);
 :meth:`LoaderState.trim` lets ``gather_for_metrics`` drop the padding again.
 
-Three rules are there for the Accelerate front (``phalanx.accelerate``), which follows Accelerate's:
+These rules are there for the Accelerate front (``phalanx.accelerate``), which follows Accelerate's:
 - ``pad_to_global_batch``: the short last chunk is padded to a whole global batch (every rank gets ``batch_size``
   samples), where the Engine pads only to a multiple of the world size;
 - ``even_batches=False``: the short last chunk is not padded; each rank takes its ``batch_size`` slice of what is
   there, so the ranks past the end get one batch fewer (``join_uneven_inputs`` keeps their collectives in step);
 - ``order_stream``: the shuffled order of epoch ``e`` is the ``e``-th pass of one ``torch.Generator``, started once
-  (as a ``RandomSampler`` with a generator draws it), where the Engine draws each epoch from ``seed + epoch``.
+  (as a ``RandomSampler`` with a generator draws it), where the Engine draws each epoch from ``seed + epoch``;
+  ``order_per_pass``: each pass draws its order's seed from the global RNG (a ``RandomSampler`` without one).
 """
 
 from __future__ import annotations
@@ -118,6 +119,10 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.order_stream: torch.Tensor | None = None
         """The state of a ``torch.Generator`` whose successive passes give the shuffled orders (Accelerate's)."""
         self._stream_at: tuple[int, torch.Tensor] | None = None  # (epoch, generator state before its permutation)
+        self.order_per_pass = False
+        """Each pass draws its order's seed from the global RNG (Accelerate's one process); a resumed pass reuses
+        ``pass_order_seed``, the one its epoch drew."""
+        self.pass_order_seed: int | None = None
 
     @property
     def global_batch_size(self) -> int:
@@ -138,7 +143,9 @@ class GlobalBatchSampler(Sampler[list[int]]):
         g = torch.Generator()
         if self.order_stream is not None:
             return self._streamed_order(epoch, g)
-        g.manual_seed(self.seed + epoch)
+        g.manual_seed(
+            self.pass_order_seed if self.order_per_pass and self.pass_order_seed is not None else self.seed + epoch
+        )
         return torch.randperm(self.num_samples, generator=g).tolist()
 
     def _streamed_order(self, epoch: int, g: torch.Generator) -> list[int]:
@@ -179,6 +186,8 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     def chunks(self, epoch: int, start: int = 0) -> Iterator[tuple[list[int], int]]:
         """(this rank's indices, real samples in the global batch) for each batch from ``start``."""
+        if self.order_per_pass and self.shuffle and (start == 0 or self.pass_order_seed is None):
+            self.pass_order_seed = int(torch.empty((), dtype=torch.int64).random_().item())
         order = self.global_order(epoch)
         g = self.global_batch_size
         for b in range(start, len(self)):
@@ -348,6 +357,8 @@ class PreparedDataLoader(DataLoader):
         }
         if self.seed_from_global_rng and self._pass_seed is not None:
             state["pass_seed"] = self._pass_seed
+        if sampler.order_per_pass and sampler.pass_order_seed is not None:
+            state["order_seed"] = sampler.pass_order_seed
         return state
 
     def resume_problem(self, state: Mapping[str, Any]) -> str | None:
@@ -374,6 +385,8 @@ class PreparedDataLoader(DataLoader):
         self._batches_done = sampler.start_batch
         if "pass_seed" in state:
             self._pass_seed = int(state["pass_seed"])
+        if "order_seed" in state:
+            sampler.pass_order_seed = int(state["order_seed"])
 
 
 class PreparedIterableLoader:

@@ -7,8 +7,9 @@ rules are in ``engine/data.py``), so that a ported script sees Accelerate's batc
 - **Order.** A shuffled loader without ``use_seedable_sampler`` draws its order from one ``torch.Generator``,
   seeded at ``prepare`` with a draw from the global RNG (process 0's, broadcast), and drawn on epoch after epoch: a
   ``RandomSampler`` with a generator, as Accelerate gives it one. A generator the sampler already had is taken over
-  as it stands. With ``use_seedable_sampler=True`` the order of epoch ``e`` comes from ``data_seed + e`` (or the
-  global seed + e), Accelerate's ``SeedableRandomSampler``, which is the Engine's own rule.
+  as it stands. On one process Accelerate gives no generator: each pass draws its order's seed from the global
+  RNG, and so does the front. With ``use_seedable_sampler=True`` the order of epoch ``e`` comes from
+  ``data_seed + e`` (or the global seed + e), Accelerate's ``SeedableRandomSampler``, which is the Engine's rule.
 - **The global RNG.** Each pass draws its workers' seed from the global RNG, as a torch DataLoader without a
   generator does, so that the global RNG (dropout's) moves as under Accelerate.
 """
@@ -47,7 +48,8 @@ def accelerate_loader_rules(
 ) -> None:
     """Give ``prepared`` (made from ``loader`` by the Engine) Accelerate's padding and order (module docstring)."""
     sampler = prepared.global_sampler
-    sampler.pad_to_global_batch = True
+    one_process = not (dist.is_initialized() and dist.get_world_size(group) > 1)
+    sampler.pad_to_global_batch = not one_process  # one process: Accelerate leaves the loader's batches as they are
     sampler.even_batches = config.even_batches
     prepared.seed_from_global_rng = loader.generator is None
     shuffled = _random_sampler(loader)
@@ -57,11 +59,14 @@ def accelerate_loader_rules(
         sampler.seed = config.data_seed if config.data_seed is not None else torch.initial_seed()
         return
     generator = shuffled.generator
+    if generator is None and one_process:
+        sampler.order_per_pass = True  # Accelerate leaves the sampler without a generator: a seed drawn each pass
+        return
     if generator is None:
         generator = torch.Generator()
         generator.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
     state = generator.get_state()
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
+    if not one_process:
         broadcast_coalesced([state], src=group_rank0(group), group=group)  # process 0's order, as Accelerate syncs
     sampler.order_stream = state
 
