@@ -159,6 +159,8 @@ def test_accelerate_s_names_and_arguments():
     assert accelerator.gradient_accumulation_steps == 3 and accelerator.gradient_state.num_steps == 3
     assert accelerator.distributed_type == DistributedType.NO and not accelerator.use_distributed
     assert accelerator.state.num_processes == 1 and accelerator.state.process_index == 0
+    assert accelerator.state.deepspeed_plugin is None  # scripts test it before reading DeepSpeed's config
+    assert "Num processes: 1" in repr(accelerator.state) and "Mixed precision type: bf16" in repr(accelerator.state)
     model = OddNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = accelerator.prepare(model, optimizer)

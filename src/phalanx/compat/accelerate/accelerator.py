@@ -164,7 +164,8 @@ class Accelerator(Engine):
             super().__init__(**options)
         if self._origins.get("seed", "default") != "default":
             seed_everything(self.config.seed)  # a seed given to phalanx (flag, file, environment) still seeds
-        self.state = _State(self, _distributed_type(self, deepspeed_plugin is not None, fsdp_plugin is not None))
+        kind = _distributed_type(self, deepspeed_plugin is not None, fsdp_plugin is not None)
+        self.state = _State(self, kind, (deepspeed_plugin, fsdp_plugin))
         self.split_batches = False
         self._forward_unsynced = False  # the last forward ran under no_sync (torch DDP's rule for its backward)
         self._triggered = False  # trigger_sync_in_backward: the next backward reduces
@@ -480,7 +481,7 @@ class _State:
     """Accelerate's ``AcceleratorState``: who this process is and how the run is distributed (plain values, so that
     it pickles and compares as Accelerate's does)."""
 
-    def __init__(self, accelerator: Accelerator, distributed_type: DistributedType) -> None:
+    def __init__(self, accelerator: Accelerator, distributed_type: DistributedType, plugins: tuple[Any, Any]) -> None:
         self.num_processes = accelerator.num_processes
         self.process_index = accelerator.process_index
         self.local_process_index = accelerator.local_process_index
@@ -489,6 +490,15 @@ class _State:
         self.mixed_precision = accelerator.mixed_precision
         self.backend = dist.get_backend() if dist.is_initialized() else None
         self.debug = False
+        self.deepspeed_plugin, self.fsdp_plugin = plugins
+
+    def __repr__(self) -> str:  # Accelerate's, which scripts log: logger.info(accelerator.state)
+        backend = f"  Backend: {self.backend}" if self.backend else ""
+        return (
+            f"Distributed environment: {self.distributed_type}{backend}\nNum processes: {self.num_processes}\n"
+            f"Process index: {self.process_index}\nLocal process index: {self.local_process_index}\n"
+            f"Device: {self.device}\n\nMixed precision type: {self.mixed_precision}\n"
+        )
 
     @property
     def use_distributed(self) -> bool:
