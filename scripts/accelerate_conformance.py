@@ -20,6 +20,7 @@ import argparse
 import ast
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -102,9 +103,25 @@ def instrument(source: str, only: int | None = None) -> str:
     return ast.unparse(tree) + "\n"
 
 
+def _free_port() -> int:
+    """A port nobody listens on now (a fixed one clashes with a run still closing, or another job's)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def run(script: Path, front: str, out: Path, python: str, timeout: float) -> dict[str, str]:
     if front == "accelerate":
-        cmd = [python, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517", str(script)]
+        cmd = [
+            python,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(_free_port()),
+            str(script),
+        ]
     else:
         cmd = [python, "-m", "phalanx", "launch", "-n", "2", str(script)]
     env = {**os.environ, "CONFORMANCE_OUT": str(out), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}

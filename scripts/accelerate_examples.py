@@ -28,6 +28,7 @@ import json
 import math
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -182,9 +183,25 @@ def swap_imports(source: str) -> str:
     return "".join(lines)
 
 
+def _free_port() -> int:
+    """A port nobody listens on now (a fixed one clashes with a run still closing, or another job's)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def run(script: Path, front: str, args: list[str], log: Path, stand_ins: Path, python: str, timeout: float) -> dict:
     if front == "accelerate":
-        cmd = [python, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29527", str(script)]
+        cmd = [
+            python,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(_free_port()),
+            str(script),
+        ]
     else:
         cmd = [python, "-m", "phalanx", "launch", "-n", "2", str(script)]
     env = {**os.environ, "CONFORMANCE_LOG": str(log), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
