@@ -425,6 +425,18 @@ def _optimizer_protocol() -> dict:
         out["too_many"] = "no error"
     except RuntimeError as e:
         out["too_many"] = str(e)
+    # Sparse gradients (an Embedding(sparse=True) under SparseAdam): reduced as sparse tensors, or densified.
+    for dense in (False, True):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(6, 2, sparse=True)
+        sparse_opt = hvd.DistributedOptimizer(
+            torch.optim.SparseAdam(list(emb.parameters()), lr=0.1), emb.named_parameters(), sparse_as_dense=dense
+        )
+        emb(torch.tensor([[0, 2], [2, 5]]) if rank == 0 else torch.tensor([[1, 2]])).sum().backward()
+        sparse_opt.synchronize()
+        out[f"sparse_grad_{dense}"] = (emb.weight.grad.is_sparse, emb.weight.grad.to_dense())
+        with sparse_opt.skip_synchronize():
+            sparse_opt.step()
     return out
 
 
@@ -439,6 +451,11 @@ def test_optimizer_protocol(run_ranks):
         assert res["b_grad"].abs().sum() > 0
         assert "zero_grad() after 1 backward pass" in res["zero_grad"]
         assert "backward ran 3 times" in res["too_many"] and "backward_passes_per_step=2" in res["too_many"]
+        # rows used: rank 0 rows 0, 2, 2, 5; rank 1 rows 1, 2; averaged over the 2 ranks
+        expected = torch.tensor([1.0, 1.0, 3.0, 0.0, 0.0, 1.0])[:, None].expand(6, 2) / 2
+        for dense in (False, True):
+            is_sparse, grad = res[f"sparse_grad_{dense}"]
+            assert is_sparse and torch.equal(grad, expected), (dense, grad)
 
 
 def test_bad_input_gets_clear_errors():

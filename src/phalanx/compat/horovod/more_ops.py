@@ -149,6 +149,10 @@ def _reducescatter_op(
 ) -> Op:
     kind, where = "hvd.reducescatter", "hvd.reducescatter"
     reduce_op = check_op(op, where)
+    if reduce_op is ReduceOp.Adasum:  # a RuntimeError, as Horovod raises it
+        raise NotImplementedError(
+            f"{where}: op=hvd.Adasum is not supported by reducescatter; use hvd.Average or hvd.Sum"
+        )
     if reduce_op not in (Average, Sum):
         raise ValueError(f"{where}: op=hvd.{reduce_op.name} is not supported; use hvd.Average or hvd.Sum")
     if tensor.dim() == 0:
@@ -361,6 +365,6 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: Any, process_set
         idx, val = coord.wait(indices), coord.wait(values)
         if reduce_op is ReduceOp.Average:
             val = val / coord.size
-        return torch.sparse_coo_tensor(idx.t(), val, t.shape)
+        return torch.sparse_coo_tensor(idx.t(), val, t.shape, check_invariants=False)
 
     return result

@@ -22,6 +22,7 @@ each bucket's all-reduce starts as soon as backward has produced its last gradie
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +37,6 @@ from phalanx.compat.horovod.ops import Compression, _reduce_, c10d_op, check_com
 from phalanx.compat.horovod.process_sets import coordinator_of, global_process_set
 from phalanx.compat.horovod.world import Average, ReduceOp, Sum, check_op, current
 from phalanx.config.strategy_options import DataParallelOptions
-from phalanx.logging import warn_once
 from phalanx.runtime.collective_log import watched
 from phalanx.runtime.comm import CommStats
 from phalanx.strategies.ddp import GradReducer
@@ -96,7 +96,10 @@ class _HorovodReducer(GradReducer):
         dense: bool,
     ) -> None:
         coord = coordinator_of(process_set, "hvd.DistributedOptimizer")
+        gradless = [p for p in module.parameters() if p.grad is None]
         super().__init__(module, _BUCKET_BYTES, coord.group, coord.size, CommStats(), find_unused_parameters=True)
+        for p in gradless:  # as they were: a sparse gradient accumulated into a dense bucket view would stay dense
+            p.grad = None
         self.op, self.compression, self.coord, self.sparse_as_dense = op, compression, coord, dense
         self.process_set = process_set
         self.scale.default = self.scale.value = 1.0 / predivide if op is Average else 1.0
@@ -218,10 +221,13 @@ class _DistributedOptimizerMixin(_OptimizerBase):
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         if self._hvd_should_synchronize:
             if self._hvd_synchronized:
-                # Horovod reduces a second time here; the gradients are already reduced, so we only warn.
-                warn_once(
-                    "optimizer.step() after optimizer.synchronize() outside `with optimizer.skip_synchronize():`; the "
-                    "gradients are reduced once (wrap the step in optimizer.skip_synchronize() to say so)"
+                # Horovod reduces a second time here; the gradients are already reduced, so we only warn (a Python
+                # warning, with Horovod's words, so that code filtering or checking it keeps working).
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(); phalanx reduces the gradients once (wrap the step in "
+                    "`with optimizer.skip_synchronize():` to say so)",
+                    stacklevel=2,
                 )
             else:
                 self.synchronize()
