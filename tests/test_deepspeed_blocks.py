@@ -610,3 +610,26 @@ def test_fused_adam_matches_deepspeed(case: str) -> None:
     theirs = _train(lambda p: engine({"optimizer": block}).build_optimizer(p))
     # FusedAdam's CPU kernel orders the same arithmetic differently, so allow float32 rounding.
     _assert_same_params(_train(lambda p: build_optimizer(block, p)), theirs, atol=1e-6)
+
+
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_adam_without_bias_correction_follows_fused_adam_s_formula(adam_w_mode: bool) -> None:
+    """BERT's recipe (FusedAdam with bias_correction false), against the formula written out in float64."""
+    lr, b1, b2, eps, wd = 0.1, 0.9, 0.99, 1e-6, 0.01
+    block = {"type": "Adam", "params": {"lr": lr, "betas": [b1, b2], "eps": eps, "weight_decay": wd,
+                                        "bias_correction": False, "adam_w_mode": adam_w_mode}}  # fmt: skip
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(5, dtype=torch.float64))
+    opt = build_optimizer(block, [p])
+    assert type(opt).__name__ == "AdamNoBiasCorrection"
+    w, m, v = p.detach().clone(), torch.zeros(5, dtype=torch.float64), torch.zeros(5, dtype=torch.float64)
+    for step in range(3):
+        g = torch.randn(5, dtype=torch.float64)
+        p.grad = g.clone()
+        opt.step()
+        g = g if adam_w_mode else g + wd * w
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        w = w - lr * (m / (v.sqrt() + eps) + (wd * w if adam_w_mode else 0))
+        torch.testing.assert_close(p.detach(), w, rtol=1e-12, atol=1e-12)
+    notes = [str(n) for n in describe_blocks(block)]
+    assert any("no bias correction" in n for n in notes), notes

@@ -29,7 +29,9 @@ from torch.optim.lr_scheduler import LRScheduler
 from phalanx.config.options import ConfigError
 from phalanx.logging import get_logger
 
-__all__ = ["BlockNote", "DeepSpeedSchedule", "build_optimizer", "build_scheduler", "describe_blocks"]
+__all__ = [
+    "AdamNoBiasCorrection", "BlockNote", "DeepSpeedSchedule", "build_optimizer", "build_scheduler", "describe_blocks",
+]  # fmt: skip
 
 
 class BlockNote(NamedTuple):
@@ -254,10 +256,10 @@ def _resolve_optimizer(
                     'add "torch_adam": true to use torch\'s AMSGrad, or remove amsgrad'
                 )
             if not kwargs.pop("bias_correction", True):
-                raise ConfigError(
-                    "optimizer.params.bias_correction=false is not supported: phalanx builds torch's "
-                    "Adam, which always corrects the moment bias; remove the key"
-                )
+                # torch's Adam always corrects the moments' bias; FusedAdam's bias_correction=false (BERT's recipe)
+                # is this small optimizer instead.
+                cls, how = AdamNoBiasCorrection, how + ", no bias correction (FusedAdam's bias_correction=false)"
+                kwargs["decoupled"] = decoupled
             kwargs.pop("set_grad_none", None)  # torch's zero_grad() sets grads to None already
             for key in ("lr", "betas", "eps", "weight_decay"):  # written out: torch's AdamW would decay by 0.01
                 if key not in kwargs:
@@ -296,6 +298,57 @@ def _resolve_optimizer(
     kwargs = _take_params(type_name, f"torch.optim.{cls.__name__}", given, defaults, shown, notes)
     notes.insert(0, BlockNote("optimizer", "type", f"torch.optim.{cls.__name__}", repr(type_name)))
     return cls, kwargs, notes
+
+
+class AdamNoBiasCorrection(Optimizer):
+    """DeepSpeed's FusedAdam with ``bias_correction: false``: Adam whose moments are used as they are, not divided by
+    ``1 - beta**step``. ``decoupled`` is FusedAdam's ``adam_w_mode`` (weight decay applied to the weights, as AdamW;
+    otherwise added to the gradient, as Adam's L2)::
+
+        m = b1 m + (1 - b1) g        v = b2 v + (1 - b2) g^2
+        p -= lr (m / (sqrt(v) + eps) + wd p)          (decoupled; else g += wd p first)
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        decoupled: bool = True,
+    ) -> None:
+        if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"invalid lr={lr}, betas={betas}, eps={eps} or weight_decay={weight_decay}")
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "decoupled": decoupled}
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad if group["decoupled"] or wd == 0 else p.grad.add(p, alpha=wd)
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.mul_(b1).add_(grad, alpha=1 - b1)
+                v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+                if group["decoupled"] and wd != 0:
+                    p.mul_(1 - lr * wd)
+                p.addcdiv_(m, v.sqrt().add_(eps), value=-lr)
+        return loss
 
 
 def build_optimizer(block: dict[str, Any], params: Any, auto_values: dict[str, Any] | None = None) -> Optimizer:
