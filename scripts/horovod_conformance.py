@@ -3,6 +3,7 @@ of the suite: the file comes from a Horovod checkout outside this repository and
 
     .venv/bin/python scripts/horovod_conformance.py HOROVOD_CHECKOUT          # every test, one launch each
     .venv/bin/python scripts/horovod_conformance.py HOROVOD_CHECKOUT -k allreduce
+    .venv/bin/python scripts/horovod_conformance.py HOROVOD_CHECKOUT --examples   # Horovod's 4 PyTorch examples
 
 ``import horovod.torch as hvd`` becomes ``import phalanx.horovod as hvd``. Each rank sees the environment that
 ``horovodrun --gloo`` gives it (``HOROVOD_RANK``, ``HOROVOD_SIZE``, ``HOROVOD_LOCAL_RANK``, ...), set from the
@@ -51,12 +52,202 @@ sys.exit(pytest.main(sys.argv[1:]))
 """
 
 
+# Stand-ins for torchvision when it is not installed: a small CNN for every model name, generated images for the
+# datasets, and the few transforms the examples use, on tensors.
+TORCHVISION = {
+    "__init__.py": "from . import datasets, models, transforms\n",
+    "models.py": """import torch.nn as nn
+
+
+def _small(num_classes=1000, **kwargs):
+    return nn.Sequential(nn.Conv2d(3, 8, 5, stride=4), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(8, num_classes))
+
+
+def __getattr__(name):
+    return _small
+""",
+    "datasets.py": """import torch
+
+
+class _Generated(torch.utils.data.Dataset):
+    def __init__(self, n, shape, classes, seed, transform):
+        g = torch.Generator().manual_seed(seed)
+        self.x, self.y = torch.rand(n, *shape, generator=g), torch.randint(0, classes, (n,), generator=g)
+        self.transform = transform
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        x = self.x[i]
+        return (self.transform(x) if self.transform else x), int(self.y[i])
+
+
+def MNIST(root, train=True, download=False, transform=None):
+    return _Generated(256 if train else 128, (1, 28, 28), 10, 0 if train else 1, transform)
+
+
+def ImageFolder(root, transform=None):
+    return _Generated(64, (3, 72, 72), 10, len(str(root)), transform)
+
+
+def FakeData(size=64, image_size=(3, 72, 72), num_classes=10, transform=None, **kwargs):
+    return _Generated(size, image_size, num_classes, 2, transform)
+""",
+    "transforms.py": """import torch
+import torch.nn.functional as F
+
+
+class Compose:
+    def __init__(self, steps):
+        self.steps = steps
+
+    def __call__(self, x):
+        for step in self.steps:
+            x = step(x)
+        return x
+
+
+def _resize(size):
+    return lambda x: F.interpolate(x[None], size=(size, size), mode="bilinear", align_corners=False)[0]
+
+
+def ToTensor():
+    return lambda x: x
+
+
+def Normalize(mean, std):
+    return lambda x: (x - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
+
+
+RandomResizedCrop = Resize = _resize
+
+
+def CenterCrop(size):
+    def crop(x):
+        top, left = (x.shape[1] - size) // 2, (x.shape[2] - size) // 2
+        return x[:, top:top + size, left:left + size]
+    return crop
+
+
+def RandomHorizontalFlip():
+    return lambda x: x
+""",
+}
+
+RUN_EXAMPLE = """import os
+import runpy
+import sys
+import types
+
+import torch
+
+try:
+    import torchvision  # noqa: F401
+except ImportError:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "stand-ins"))
+try:
+    from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+except ImportError:  # no tensorboard: a writer that writes nothing
+    stub = types.ModuleType("torch.utils.tensorboard")
+    stub.SummaryWriter = type("SummaryWriter", (), {"__init__": lambda self, *a, **k: None,
+                                                    "__getattr__": lambda self, name: lambda *a, **k: None})
+    sys.modules["torch.utils.tensorboard"] = stub
+
+import phalanx.horovod as hvd
+
+optimizers = []
+_wrap = hvd.DistributedOptimizer
+
+
+def _recording(*args, **kwargs):
+    optimizers.append(_wrap(*args, **kwargs))
+    return optimizers[-1]
+
+
+hvd.DistributedOptimizer = _recording
+kill_at = int(os.environ.get("HVD_EXAMPLE_KILL_AT_COMMIT", "0"))
+if kill_at and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get("RANK") == "1":
+    _commit, commits = hvd.elastic.State.commit, []
+
+    def _dying_commit(self):
+        _commit(self)
+        commits.append(1)
+        if len(commits) == kill_at:
+            os._exit(3)
+
+    hvd.elastic.State.commit = _dying_commit
+script, sys.argv = sys.argv[1], sys.argv[1:]
+runpy.run_path(script, run_name="__main__")
+for opt in optimizers:
+    w = torch.cat([p.detach().reshape(-1).double() for g in opt.param_groups for p in g["params"]])
+    print(f"example-final rank {hvd.rank()} restart {os.environ.get('TORCHELASTIC_RESTART_COUNT')} "
+          f"params {w.sum().item():.10f} {w.square().sum().item():.10f}", flush=True)
+"""
+
+EXAMPLES = [
+    ("synthetic", "pytorch/pytorch_synthetic_benchmark.py", [], "--model resnet50 --batch-size 4 "
+     "--num-warmup-batches 2 --num-batches-per-iter 2 --num-iters 2"),
+    ("synthetic --use-adasum", "pytorch/pytorch_synthetic_benchmark.py", [], "--model resnet50 --batch-size 4 "
+     "--num-warmup-batches 2 --num-batches-per-iter 2 --num-iters 2 --use-adasum"),
+    ("mnist", "pytorch/pytorch_mnist.py", [], "--epochs 1 --batch-size 32 --test-batch-size 64 --data-dir data"),
+    ("imagenet resnet50", "pytorch/pytorch_imagenet_resnet50.py", [], "--epochs 1 --batch-size 8 --val-batch-size 8 "
+     "--warmup-epochs 1 --train-dir train --val-dir val --log-dir logs --checkpoint-format ckpt-{epoch}.pth.tar"),
+    ("synthetic elastic, rank 1 lost at its 5th commit", "elastic/pytorch/pytorch_synthetic_benchmark_elastic.py",
+     ["--max-restarts", "1"], "--model resnet50 --batch-size 4 --num-warmup-batches 2 --num-batches-per-iter 2 "
+     "--num-iters 3"),
+]  # fmt: skip
+
+
+def run_examples(checkout: Path, timeout: float) -> int:
+    """Horovod's PyTorch examples, only the import changed, on 2 ranks; each must end with identical replicas."""
+    failed = 0
+    with tempfile.TemporaryDirectory(prefix="horovod-examples-") as tmp:
+        root = Path(tmp)
+        (root / "stand-ins" / "torchvision").mkdir(parents=True)
+        for name, text in TORCHVISION.items():
+            (root / "stand-ins" / "torchvision" / name).write_text(text)
+        (root / "run_example.py").write_text(RUN_EXAMPLE)
+        for label, path, launch_args, args in EXAMPLES:
+            text = (checkout / "examples" / path).read_text()
+            text = re.sub(r"^import horovod\.torch as hvd$", "import phalanx.horovod as hvd", text, flags=re.M)
+            text = re.sub(r"^import horovod$", "import phalanx.horovod as horovod", text, flags=re.M)
+            script = root / Path(path).name
+            script.write_text(text)
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+            if "elastic" in path:
+                env["HVD_EXAMPLE_KILL_AT_COMMIT"] = "5"
+            cmd = [sys.executable, "-m", "phalanx", "launch", "-n", "2", *launch_args, "run_example.py", str(script)]
+            try:
+                run = subprocess.run([*cmd, *args.split()], cwd=root, env=env, capture_output=True, text=True,
+                                     timeout=timeout)  # fmt: skip
+                finals = re.findall(r"example-final rank (\d) restart (\d+) params (\S+ \S+)", run.stdout)
+                ranks = {r: p for r, _, p in finals}
+                restarts = sorted({x for _, x, _ in finals})
+                ok = run.returncode == 0 and sorted(ranks) == ["0", "1"] and len(set(ranks.values())) == 1
+                if "elastic" in path:
+                    ok = ok and restarts == ["1"]
+                verdict = f"ok (identical replicas, restarts {restarts})" if ok else "FAILED"
+                if not ok:
+                    failed += 1
+                    verdict += "\n" + (run.stdout + run.stderr)[-2500:]
+            except subprocess.TimeoutExpired:
+                failed, verdict = failed + 1, "FAILED: timeout (a hang)"
+            print(f"{label}: {verdict}", flush=True)
+    print(f"\n{len(EXAMPLES) - failed} of {len(EXAMPLES)} example runs ok")
+    return 1 if failed else 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("checkout", help="a Horovod checkout (it holds test/parallel/test_torch.py)")
     p.add_argument("-k", dest="select", help="only tests whose name contains this")
     p.add_argument("--timeout", type=float, default=90.0, help="seconds for one test's launch")
+    p.add_argument("--examples", action="store_true", help="run Horovod's PyTorch examples instead of test_torch.py")
     args = p.parse_args()
+    if args.examples:
+        return run_examples(Path(args.checkout), max(args.timeout, 300.0))
     source = Path(args.checkout) / "test"
     with tempfile.TemporaryDirectory(prefix="horovod-conformance-") as tmp:
         root = Path(tmp)

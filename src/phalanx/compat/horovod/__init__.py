@@ -11,27 +11,30 @@ its import line.
 Run it with ``phalanx launch -n 2 train.py`` (or torchrun, ``srun``, ``mpirun``, or ``python train.py`` for one
 process). Gradients are reduced by phalanx's own bucketed all-reduce (the ddp strategy's), over c10d.
 
-As Horovod's coordinator does, every ``allreduce``, ``allgather`` and ``broadcast`` first checks that the ranks agree
-on the dtype, the shape, the op, the scale factors and the root rank; when they do not, every rank raises the same
-``HorovodMismatchError`` (a ``RuntimeError``) naming each rank's call, before any bytes move. int16 travels widened
-over gloo, which has no int16.
+As Horovod's coordinator does, every operation is queued and matched across ranks by name (unnamed ones by a
+counter), and it starts only once every rank has asked for it with the same dtype, shape, op, scale factors and
+root rank; when they disagree, every rank raises the same ``HorovodMismatchError`` (a ``RuntimeError``) naming each
+rank's call, before any bytes move, and ranks that wait for operations the others never issue raise instead of
+hanging (coordinator.py). Process sets are torch process groups (process_sets.py); ``join()`` stands in for a
+finished rank with zeros in the others' all-reduces and optimizer steps; ``hvd.elastic`` runs on phalanx's restarts
+(elastic.py). int16 travels widened over gloo, which has no int16.
 
 Where phalanx differs from Horovod, on purpose:
 - ``broadcast_optimizer_state`` never steps the optimizer, so a fresh optimizer's parameters stay as they are
   (Horovod takes a zero-gradient step that applies weight decay).
-- Ranks must issue collectives in the same order (c10d matches them by order, Horovod by name).
-- ``join()`` waits for every rank but does not stand in for the others' later all-reduces: give every rank the
-  same number of steps.
 - ``step()`` after ``synchronize()`` outside ``skip_synchronize()`` warns and does not reduce a second time.
-- The asynchronous forms (``allreduce_async``, ...) complete when issued; ``synchronize`` gives the result.
+- There is no background thread: an asynchronous operation starts at the next coordinator round, which
+  ``poll``, ``synchronize`` or any synchronous call runs (``poll`` may wait there for the other ranks' round).
 - ``op=hvd.Adasum`` (allreduce and DistributedOptimizer) gathers every rank's tensor and combines them as one tree
   in rank order (Horovod: recursive halving, less traffic, the same tree).
-- Not implemented, each with an error that says what to use: MPI communicators, process sets other than the global
-  one, and the timeline (a warning).
+- A lost rank restarts every process (torchrun's agent) instead of shrinking the running ones; ``hvd.elastic``
+  resumes them from the last commit, written to disk when the launch can restart.
+- Not implemented, each with an error that says what to use: MPI communicators, and the timeline (a warning).
 """
 
 from __future__ import annotations
 
+from phalanx.compat.horovod import elastic
 from phalanx.compat.horovod.coordinator import HorovodInternalError, HorovodMismatchError, JoinedRanksError
 from phalanx.compat.horovod.more_ops import (
     HostsUpdatedInterrupt,
@@ -120,7 +123,7 @@ __all__ = [
     "ddl_built", "start_timeline", "stop_timeline", "JoinedRanksError",
     "ProcessSet", "add_process_set", "remove_process_set", "global_process_set", "reducescatter_async",
     "alltoall_async", "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_allgather_async",
-    "grouped_reducescatter_async", "sparse_allreduce_async", "SyncBatchNorm",
+    "grouped_reducescatter_async", "sparse_allreduce_async", "SyncBatchNorm", "elastic",
 ]  # fmt: skip
 
 

@@ -203,6 +203,11 @@ class Coordinator:
                 assert op.finish is not None
                 op.result, op.state, op.finish = op.finish(), _DONE, None
             return op.result
+        except (HorovodMismatchError, JoinedRanksError, HorovodInternalError, ValueError, TypeError):
+            raise
+        except RuntimeError as e:  # c10d's: a peer died or the network broke; elastic runs restore on this
+            op.state, op.error = _FAILED, HorovodInternalError(f"{op.kind} ({op.name!r}) failed: {e}")
+            raise op.error from e
         finally:
             if op.state in (_FAILED, _DONE):
                 self.in_flight.pop(op.name, None)
