@@ -373,6 +373,11 @@ def _uneven_inputs_joined(tmp: str) -> dict:
     out["padded"] = accelerator.gather(padded["ids"]).tolist()
     out["pad_first"] = pad_across_processes(torch.ones(rank + 1), pad_first=True).tolist()
     out["objects"] = gather_object([f"rank {rank}", {"n": rank}])
+    metrics = accelerator.prepare(DataLoader(TensorDataset(torch.arange(5)), batch_size=2))
+    with accelerator.join_uneven_inputs([model], even_batches=True):  # every process gathers at every batch
+        out["as_objects"] = [
+            accelerator.gather_for_metrics([int(v) for v in batch], use_gather_object=True) for (batch,) in metrics
+        ]
     out["broadcast"] = broadcast_object_list([rank, "from 1" if rank == 1 else None], from_process=1)
     ran: list[str] = []
     accelerator.on_main_process(lambda: ran.append("main"))()
@@ -413,6 +418,7 @@ def test_uneven_batches_and_join_as_accelerate_and_torch_join(run_ranks, tmp_pat
         assert out["pad_first"] == ([0.0, 1.0] if rank == 0 else [1.0, 1.0])
         assert out["objects"] == ["rank 0", {"n": 0}, "rank 1", {"n": 1}]
         assert out["broadcast"] == [1, "from 1"]
+        assert out["as_objects"] == [[0, 1, 2, 3], [4]]  # as objects, and without the last batch's padding
         assert out["ran"] == (["main"] if rank == 0 else ["last", "1"])
     assert not list(tmp_path.iterdir())
 

@@ -53,6 +53,7 @@ from phalanx.engine.data import PreparedDataLoader, PreparedIterableLoader
 from phalanx.engine.engine import Engine
 from phalanx.engine.prepared import PreparedScheduler
 from phalanx.logging import warn_once
+from phalanx.runtime.collective_log import watched
 from phalanx.runtime.world import seed_everything
 from phalanx.strategies.ddp import DDPStrategy
 
@@ -350,6 +351,23 @@ class Accelerator(Engine):
         finally:
             for sampler, value in overridden:
                 sampler.even_batches = value
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:  # type: ignore[override]
+        """Accelerate's: the processes' data in sample order without the last batch's padding; with
+        ``use_gather_object`` (a list of any picklable items) gathered as objects, never as tensors."""
+        if not use_gather_object:
+            return super().gather_for_metrics(input_data)
+        if not isinstance(input_data, list):
+            raise TypeError(
+                f"gather_for_metrics(use_gather_object=True) takes a list of picklable items; got a "
+                f"{type(input_data).__name__} (wrap it in a list)"
+            )
+        parts: list[Any] = [input_data]
+        if self.topology.dp_size > 1:
+            parts = [None] * self.topology.dp_size
+            watched(dist.all_gather_object, parts, input_data, group=self.topology.dp_group)
+        flat = [item for part in parts for item in part]
+        return flat[: self._loaders.trim(len(flat))]
 
     def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
         """Every tensor padded along ``dim`` to the largest size any process holds (before ``gather``)."""
