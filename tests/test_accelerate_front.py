@@ -373,6 +373,8 @@ def _uneven_inputs_joined(tmp: str) -> dict:
     out["padded"] = accelerator.gather(padded["ids"]).tolist()
     out["pad_first"] = pad_across_processes(torch.ones(rank + 1), pad_first=True).tolist()
     out["objects"] = gather_object([f"rank {rank}", {"n": rank}])
+    one = torch.tensor([float(rank + 1)])
+    out["reduce"] = [accelerator.reduce(one).item(), accelerator.reduce({"x": one}, "mean")["x"].item()]
     metrics = accelerator.prepare(DataLoader(TensorDataset(torch.arange(5)), batch_size=2))
     with accelerator.join_uneven_inputs([model], even_batches=True):  # every process gathers at every batch
         out["as_objects"] = [
@@ -418,6 +420,7 @@ def test_uneven_batches_and_join_as_accelerate_and_torch_join(run_ranks, tmp_pat
         assert out["pad_first"] == ([0.0, 1.0] if rank == 0 else [1.0, 1.0])
         assert out["objects"] == ["rank 0", {"n": 0}, "rank 1", {"n": 1}]
         assert out["broadcast"] == [1, "from 1"]
+        assert out["reduce"] == [3.0, 1.5]  # Accelerate's reduce sums by default (the Engine's averages)
         assert out["as_objects"] == [[0, 1, 2, 3], [4]]  # as objects, and without the last batch's padding
         assert out["ran"] == (["main"] if rank == 0 else ["last", "1"])
     assert not list(tmp_path.iterdir())
@@ -470,6 +473,10 @@ def test_accelerate_s_helpers_on_one_process(caplog):
         return batch_size
 
     assert train() == 5 and calls == [8, 7, 6, 5]  # 90% of the size after each out-of-memory error
+    assert accelerator.unwrap_model(model, keep_fp32_wrapper=False) is model
+    assert set(accelerator.get_state_dict(model, unwrap=True)) == set(model.state_dict())
+    with accelerator.autocast():
+        pass
     a, b = release_memory(model, optimizer)
     assert a is None and b is None
     moved = send_to_device({"x": torch.ones(1), "keep": torch.ones(1)}, "meta", skip_keys="keep")

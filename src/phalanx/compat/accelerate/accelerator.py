@@ -49,7 +49,7 @@ from phalanx.config.dialects.dummies import DummyScheduler
 from phalanx.config.dialects.names import precision_from_accelerate, strategy_from_zero_stage
 from phalanx.config.options import ConfigError
 from phalanx.engine import collectives
-from phalanx.engine.data import PreparedDataLoader, PreparedIterableLoader
+from phalanx.engine.data import PreparedDataLoader, PreparedIterableLoader, map_tensors
 from phalanx.engine.engine import Engine
 from phalanx.engine.prepared import PreparedScheduler
 from phalanx.logging import warn_once
@@ -368,6 +368,35 @@ class Accelerator(Engine):
             watched(dist.all_gather_object, parts, input_data, group=self.topology.dp_group)
         flat = [item for part in parts for item in part]
         return flat[: self._loaders.trim(len(flat))]
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:  # type: ignore[override]
+        """Accelerate's ``reduce``: every tensor in ``tensor`` (nested lists, tuples, dicts) summed over the processes
+        by default (the Engine's ``reduce`` averages), or ``mean``/``max``/``min``; ``none`` sums too, as Accelerate's
+        code does. ``scale`` applies on XLA only, in Accelerate and here."""
+        if reduction not in ("sum", "mean", "max", "min", "none"):
+            raise ValueError(f"reduce(reduction={reduction!r}): use 'sum', 'mean', 'max' or 'none'")
+        op = "sum" if reduction == "none" else reduction
+        return map_tensors(tensor, lambda t: Engine.reduce(self, t, op).to(t.dtype))
+
+    def unwrap_model(  # type: ignore[override]
+        self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
+    ) -> nn.Module:
+        """The user's module (Accelerate's arguments are taken; phalanx's autocast is not a wrapper to keep)."""
+        return super().unwrap_model(model)
+
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        """The full state dict, on every process (a collective), as Accelerate's."""
+        return super().get_state_dict(model)
+
+    def autocast(self, autocast_handler: Any = None) -> Any:  # type: ignore[override]
+        """The configured precision's autocast (an ``AutocastKwargs`` handler is not used)."""
+        if autocast_handler is not None:
+            warn_once("accelerator.autocast(autocast_handler=...) is not used: phalanx's autocast is the precision's")
+        return super().autocast()
+
+    def clear(self, *objects: Any) -> list[None]:
+        """Accelerate's alias of ``free_memory``."""
+        return self.free_memory(*objects)
 
     def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
         """Every tensor padded along ``dim`` to the largest size any process holds (before ``gather``)."""
