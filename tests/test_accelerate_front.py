@@ -188,6 +188,32 @@ def test_accelerate_s_names_and_arguments():
         Accelerator(mixed_precision="fp8")
 
 
+def _each_batch_synced() -> list[tuple[list[bool], list[torch.Tensor]]]:
+    return [_accumulated(sync_each_batch) for sync_each_batch in (True, False)]
+
+
+def _accumulated(sync_each_batch: bool) -> tuple[list[bool], list[torch.Tensor]]:
+    plugin = GradientAccumulationPlugin(num_steps=2, sync_each_batch=sync_each_batch)
+    accelerator = Accelerator(gradient_accumulation_plugin=plugin)
+    torch.manual_seed(0)
+    model = accelerator.prepare(torch.nn.Linear(4, 2))
+    same = []
+    for i in range(2):
+        x = torch.full((3, 4), float(accelerator.process_index + i + 1))
+        with accelerator.accumulate(model):
+            accelerator.backward(model(x).square().mean())
+        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        everyone = accelerator.gather(grads[None])
+        same.append(bool(torch.equal(everyone[0], everyone[1])))
+    return same, [p.grad.clone() for p in model.parameters()]
+
+
+def test_sync_each_batch_reduces_every_micro_batch_to_the_same_sum(run_ranks):
+    for (each, each_grads), (once, once_grads) in run_ranks(_each_batch_synced, 2):
+        assert each == [True, True] and once == [False, True]  # reduced at the first micro-batch too, or not
+        torch.testing.assert_close(each_grads, once_grads)
+
+
 def _forwards_under_no_sync() -> list[bool]:
     # torch DDP's rule, which Accelerate scripts rely on (its test_sync.py): a forward run under no_sync(model) leaves
     # its backward unreduced wherever that backward runs; trigger_sync_in_backward makes the next one reduce.

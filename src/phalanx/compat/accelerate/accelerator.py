@@ -276,6 +276,31 @@ class Accelerator(Engine):
 
     # ------------------------------------------------------------------------------------------- the loop
     @contextlib.contextmanager
+    def accumulate(self, *models: nn.Module) -> Iterator[None]:
+        """Accelerate's ``accumulate``; with ``GradientAccumulationPlugin(sync_each_batch=True)`` every micro-batch
+        reduces its gradients (less memory, more communication), as Accelerate's does: the sum is the same."""
+        with super().accumulate(*models):
+            if not (self.gradient_state.sync_each_batch and self.use_distributed) or self.sync_gradients:
+                yield
+                return
+            if not isinstance(self.strategy, DDPStrategy):
+                warn_once(
+                    f"GradientAccumulationPlugin(sync_each_batch=True) is not used under strategy="
+                    f"{self.strategy.name!r}: its micro-batches accumulate unreduced (strategy='ddp' reduces each)"
+                )
+                yield
+                return
+            reducers = self.strategy.reducers
+            held = [r.require_sync for r in reducers]
+            for r in reducers:
+                r.require_sync = True  # undo accumulate's no_sync for this micro-batch
+            try:
+                yield
+            finally:
+                for r, before in zip(reducers, held):
+                    r.require_sync = before
+
+    @contextlib.contextmanager
     def no_sync(self, model: nn.Module | None = None) -> Iterator[None]:  # type: ignore[override]
         """Accelerate's form takes the model; backward inside only accumulates local gradients."""
         with super().no_sync():
