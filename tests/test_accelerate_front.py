@@ -503,6 +503,8 @@ def test_accelerate_s_helpers_on_one_process(caplog):
     assert set(accelerator.get_state_dict(model, unwrap=True)) == set(model.state_dict())
     with accelerator.autocast():
         pass
+    evaluated = accelerator.prepare_model(torch.nn.Linear(2, 2), evaluation_mode=True)  # placed, not spread
+    assert evaluated not in accelerator._models and evaluated(torch.ones(1, 2)).shape == (1, 2)
     a, b = release_memory(model, optimizer)
     assert a is None and b is None
     moved = send_to_device({"x": torch.ones(1), "keep": torch.ones(1)}, "meta", skip_keys="keep")

@@ -185,7 +185,7 @@ class Engine:
             for i, obj in enumerate(objects):
                 if kinds[i] == kind:
                     out[i] = (
-                        self.prepare_model(obj, param_init_fn)
+                        self.prepare_model(obj, param_init_fn=param_init_fn)
                         if kind == "model"
                         else getattr(self, f"prepare_{kind}")(obj)
                     )

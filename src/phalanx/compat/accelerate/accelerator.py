@@ -51,7 +51,7 @@ from phalanx.config.options import ConfigError
 from phalanx.engine import collectives
 from phalanx.engine.data import PreparedDataLoader, PreparedIterableLoader, map_tensors
 from phalanx.engine.engine import Engine
-from phalanx.engine.prepared import PreparedScheduler
+from phalanx.engine.prepared import PreparedScheduler, autocast_forward
 from phalanx.logging import warn_once
 from phalanx.runtime.collective_log import watched
 from phalanx.runtime.world import seed_everything
@@ -228,7 +228,16 @@ class Accelerator(Engine):
             accelerate_loader_rules(prepared, loader, self.dataloader_config, self.topology.dp_group)
         return prepared
 
-    def prepare_model(self, model: Any, param_init_fn: Any = None) -> nn.Module:  # type: ignore[override]
+    def prepare_model(  # type: ignore[override]
+        self, model: Any, device_placement: bool | None = None, evaluation_mode: bool = False, param_init_fn: Any = None
+    ) -> nn.Module:
+        """Accelerate's ``prepare_model``; with ``evaluation_mode=True`` the model is only placed on the device, with
+        the precision's autocast, and not spread over the processes (for inference), as Accelerate leaves it."""
+        if evaluation_mode:
+            model = model.to(self.device)
+            if self.precision.compute_dtype is not None:
+                autocast_forward(model, self.precision)
+            return model  # type: ignore[no-any-return]
         prepared = super().prepare_model(model, param_init_fn)
         reducer = self.strategy.reducer_of(prepared) if isinstance(self.strategy, DDPStrategy) else None
         if reducer is not None:
