@@ -465,6 +465,7 @@ def test_automatic_checkpoint_naming_as_accelerate_s(tmp_path):
         first.save_state()
     assert sorted(d.name for d in (tmp_path / "checkpoints").iterdir()) == ["checkpoint_1", "checkpoint_2"]
     assert first.save_iteration == 3 and first.project_dir == str(tmp_path)
+    assert pickle.loads(pickle.dumps(first)).project_dir == str(tmp_path)
     second, _ = accelerator()
     second.load_state()  # the newest; the next save goes on after it
     assert second.save_state().name == "checkpoint_3"

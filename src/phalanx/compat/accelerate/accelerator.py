@@ -194,7 +194,7 @@ class Accelerator(Engine):
         # Process groups, hooks and threads do not travel: the copy (e.g. in a DataLoader worker, through a
         # collate_fn that reads accelerator.mixed_precision) answers who and how the run is, and nothing more.
         keep = ("config", "_origins", "world", "device", "state", "dataloader_config", "split_batches",
-                "step_scheduler_with_optimizer", "rng_types")  # fmt: skip
+                "step_scheduler_with_optimizer", "rng_types", "project_configuration")  # fmt: skip
         return _unpickled_accelerator, ({k: self.__dict__[k] for k in keep},)
 
     def __getattr__(self, name: str) -> Any:

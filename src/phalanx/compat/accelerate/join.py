@@ -43,7 +43,6 @@ class UnevenInputsJoin:
         assert all(r is not None for r in reducers), "every joined model was prepared under ddp"
         self.reducers: list[GradReducer] = reducers  # type: ignore[assignment]
         self.broadcast_buffers = engine.strategy.opts.broadcast_buffers
-        self.iterations = 0  # forwards a finished rank stood in for
 
     def _flags(self) -> torch.Tensor:
         return torch.zeros(1 + 2 * len(self.models), dtype=torch.int64)
@@ -71,7 +70,6 @@ class UnevenInputsJoin:
             if int(flags[0]) == 0:
                 break
             last = False
-            self.iterations += 1
             for i, model in enumerate(self.models):
                 if int(flags[1 + 2 * i]):
                     broadcast_coalesced(list(model.buffers()), src=group_rank0(self.group), group=self.group)
