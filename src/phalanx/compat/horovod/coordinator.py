@@ -166,6 +166,7 @@ class Coordinator:
         self.rounds = 0
         self._counters: dict[str, int] = {}
         self._joined_at: int | None = None
+        self._early: tuple[Any, list[torch.Tensor]] | None = None
 
     # -- names -------------------------------------------------------------------------------------------------
     def auto_name(self, kind: str) -> str:
@@ -248,12 +249,26 @@ class Coordinator:
             msg[_HEAD : _HEAD + rows.numel()] = rows.reshape(-1)
         return msg
 
+    def begin_round(self) -> None:
+        """Start a round's exchange and return at once; the next ``wait``/``poll`` (or any round) finishes it. The
+        optimizer starts its step's round this way at the first gradient, so the exchange overlaps backward."""
+        if self._early is not None or not CHECKS or self.size == 1:
+            return
+        mine = self._message(True)
+        parts = [torch.empty_like(mine) for _ in range(self.size)]
+        work = watched(dist.all_gather, parts, mine, group=self.group, async_op=True, label="hvd coordinator round")
+        self._early = (work, parts)
+
     def _round(self, blocking: bool = True) -> int | None:
         """One round; returns the last-joined global rank when every rank has joined, else None. ``blocking``:
         this rank waits for one of its queued operations (not so in ``poll``)."""
-        mine = self._message(blocking)
-        parts = [torch.empty_like(mine) for _ in range(self.size)]
-        watched(dist.all_gather, parts, mine, group=self.group, label="hvd coordinator round")
+        if self._early is not None:  # begun earlier, with the queue as it was then
+            (work, parts), self._early = self._early, None
+            work.wait()
+        else:
+            mine = self._message(blocking)
+            parts = [torch.empty_like(mine) for _ in range(self.size)]
+            watched(dist.all_gather, parts, mine, group=self.group, label="hvd coordinator round")
         self.rounds += 1
         table = torch.stack(parts)
         active = [r for r in range(self.size) if int(table[r, 0]) == _ACTIVE]

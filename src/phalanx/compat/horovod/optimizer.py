@@ -105,18 +105,31 @@ class _HorovodReducer(GradReducer):
         self.scale.default = self.scale.value = 1.0 / predivide if op is Average else 1.0
         self.postscale = predivide / coord.size if op is Average else 1.0
         self.sparse: dict[torch.Tensor, torch.Tensor] = {}  # this window's sparse gradients, by parameter
+        self._negotiating: Op | None = None
         self.name = coord.auto_name("hvd.DistributedOptimizer")
         wires = [self.compression.compress(b.flat)[0] for b in self.buckets]
         self.plan = [(w.numel(), str(w.dtype).removeprefix("torch."), c10d_op(op).name) for w in wires]
         self.digest, self.text = digest_of("hvd.DistributedOptimizer", [b.flat for b in self.buckets], op=op)
 
-    def negotiate(self) -> None:
-        """One coordinator round before a reducing pass: every rank must be in this step (or joined)."""
+    def negotiate(self, early: bool = False) -> None:
+        """One coordinator round before a reducing pass: every rank must be in this step (or joined). ``early``:
+        begin it now (the first gradient of the pass) and finish it before the first bucket's all-reduce, so
+        that the exchange overlaps the rest of backward."""
         kind = "hvd.DistributedOptimizer"
-        run(
-            self.coord,
-            Op(kind, self.name, self.digest, self.text, lambda s: ([], lambda: None), plan=lambda: self.plan),
-        )
+        op = Op(kind, self.name, self.digest, self.text, lambda s: ([], lambda: None), plan=lambda: self.plan)
+        if not early:
+            run(self.coord, op)
+            return
+        if self._negotiating is not None:  # a pass that ended before its first bucket (an error in backward)
+            self.coord.wait(self._negotiating)
+        self._negotiating = self.coord.submit(op)
+        self.coord.begin_round()
+
+    def _launch(self, bucket: Any) -> None:
+        if self._negotiating is not None:  # the step's round, begun at the first gradient
+            op, self._negotiating = self._negotiating, None
+            self.coord.wait(op)
+        self._launch_reduce(bucket)
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         grad = param.grad
@@ -143,7 +156,7 @@ class _HorovodReducer(GradReducer):
             p.grad = sparse_allreduce_async(g, f"{self.name}.sparse.{i}", op, self.process_set)()
         self.sparse = {}
 
-    def _launch(self, bucket: Any) -> None:
+    def _launch_reduce(self, bucket: Any) -> None:
         self.scale.apply_(bucket.flat)
         wire, ctx = self.compression.compress(bucket.flat)
         self.stats.record("all_reduce", wire, self.world_size)
@@ -188,7 +201,7 @@ class _DistributedOptimizerMixin(_OptimizerBase):
         self._hvd_pass_open = True
         reducer.require_sync = self._hvd_passes + 1 == self.backward_passes_per_step
         if reducer.require_sync:
-            reducer.negotiate()
+            reducer.negotiate(early=True)
         Variable._execution_engine.queue_callback(self._hvd_close_pass)
 
     def _hvd_close_pass(self) -> None:
