@@ -333,7 +333,12 @@ def _uneven_inputs_joined(tmp: str) -> dict:
     from torch.distributed.algorithms.join import Join
     from torch.nn.parallel import DistributedDataParallel
 
-    out: dict = {"batches": []}
+    import phalanx.logging as plog
+
+    logged: list[str] = []
+    plog._WARNED.clear()
+    plog.get_logger().warning = lambda msg, *a: logged.append(msg % a if a else msg)  # type: ignore[method-assign]
+    out: dict = {"batches": [], "warned": logged}
     for even in (True, False):
         accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(even_batches=even))
         rank = accelerator.process_index
@@ -432,6 +437,9 @@ def test_uneven_batches_and_join_as_accelerate_and_torch_join(run_ranks, tmp_pat
     for rank, out in enumerate(run_ranks(_uneven_inputs_joined, 2, str(tmp_path))):
         for ours, theirs in out["batches"]:  # batches (two epochs) and length as Accelerate's BatchSamplerShard
             assert ours == theirs
+        if rank == 0:  # an uneven loader is said to need join_uneven_inputs around collectives (once)
+            uneven = [m for m in out["warned"] if "must run inside accelerator.join_uneven_inputs" in m]
+            assert len(uneven) == 2 and "(3 samples, batch_size 1)" in uneven[0]  # 3 and 5 samples; 7 and 23 are even
         assert torch.equal(*out["rng"])
         (our_grads, our_params), (torch_grads, torch_params) = out["ours"], out["torch"]
         assert len(our_grads) == 2 - rank  # rank 1 ran out first; it stood in for rank 0's second step

@@ -28,6 +28,7 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 from phalanx.compat.accelerate.utils import DataLoaderConfiguration
 from phalanx.engine.data import PreparedDataLoader
+from phalanx.logging import warn_once
 from phalanx.runtime.comm import broadcast_coalesced
 from phalanx.strategies._replicas import group_rank0
 
@@ -52,6 +53,14 @@ def accelerate_loader_rules(
     sampler.pad_to_global_batch = not one_process  # one process: Accelerate leaves the loader's batches as they are
     sampler.even_batches = config.even_batches
     prepared.seed_from_global_rng = loader.generator is None
+    if not one_process and not config.even_batches and sampler.global_batches:
+        if sampler.real_size(sampler.global_batches - 1) <= (sampler.world_size - 1) * sampler.batch_size:
+            warn_once(
+                f"even_batches=False: this loader ({sampler.num_samples} samples, batch_size {sampler.batch_size}) "
+                "gives the last processes one batch fewer; a loop that runs collectives (a backward through a "
+                "prepared model, gather) must run inside accelerator.join_uneven_inputs([model]), or the other "
+                "processes wait for them"
+            )
     shuffled = _random_sampler(loader)
     if shuffled is None or not sampler.shuffle:
         return
