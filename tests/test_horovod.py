@@ -335,6 +335,8 @@ def _optimizer_state_broadcast() -> dict:
         "untouched": all(torch.equal(before[k], v) for k, v in model.state_dict().items()),
         "fresh_state": len(fresh.state),
         "lr": fresh.param_groups[0]["lr"],
+        # Horovod leaves zero gradients behind on a fresh optimizer's parameters, and scripts read them.
+        "zero_grads": all(p.grad is not None and not p.grad.any() for p in model.parameters()),
     }
     # Now only the root has state (a local step), the others are fresh: they receive the root's tensors as they are.
     stepped = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -360,6 +362,7 @@ def test_broadcast_optimizer_state_leaves_parameters_untouched(run_ranks):
         # A fresh AdamW(weight_decay=0.1): no zero-gradient step (Horovod takes one, which decays the weights).
         assert res["untouched"] and res["untouched_after_state"]
         assert res["fresh_state"] == 0 and res["lr"] == 1e-2  # the root's hyperparameters, no state created
+        assert res["zero_grads"]
         assert res["cleared"] == 0
     root, other = results[0]["state"], results[1]["state"]
     assert set(root) == set(other) and len(root) == 6

@@ -127,6 +127,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
     check_root(root_rank, where)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{where}: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not optimizer.state:
+        _zero_grads(optimizer)
     if coordinator_of(process_set, where).size == 1:
         return
     mine_described = _describe_state(optimizer) if world.info.rank == root_rank else None
@@ -146,6 +148,17 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
         for group, hyper in zip(optimizer.param_groups, recipe["hyper"]):
             group.update(hyper)
     _broadcast_tensors(tensors, root_rank, world, process_set)
+
+
+def _zero_grads(optimizer: torch.optim.Optimizer) -> None:
+    """Horovod's broadcast of a fresh optimizer's state leaves every trainable parameter without a gradient with a
+    zero one (its zero-gradient step needs them; sparse under SparseAdam), and scripts read them: so do we, without
+    the step."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                zeros = torch.zeros_like(p)
+                p.grad = zeros.to_sparse() if isinstance(optimizer, torch.optim.SparseAdam) else zeros
 
 
 def _state_tensors(optimizer: torch.optim.Optimizer, index: int) -> list[torch.Tensor]:
