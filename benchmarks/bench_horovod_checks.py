@@ -5,6 +5,7 @@
 - synthetic: Horovod's pytorch_synthetic_benchmark.py loop (a model, DistributedOptimizer, forward, backward, step) on
   an MLP of 4 x Linear(1024, 1024), batch 32; the gradients go through phalanx's reducer, unchecked bucket by bucket;
   the checks cost one coordinator round per step (every rank must be in the same step, or joined);
+- synthetic_step: the same loop with the checks on and off in alternate steps (the median step of each);
 - allreduce: hvd.allreduce of one tensor per call (64 KiB and 4 MiB), where every call pays one round;
 - allreduce_async16: 16 hvd.allreduce_async of 64 KiB, then synchronize each: the 16 start in one round;
 - broadcast_parameters: the model's parameters broadcast from rank 0 (two rounds: the layout, then the buffers).
@@ -21,7 +22,6 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -42,30 +42,6 @@ def _rank_work(rounds: int, steps: int, calls: int) -> dict:
     )
     x, y = torch.randn(32, 1024), torch.randn(32, 1024)
     small, large = torch.randn(16 * 1024), torch.randn(1024 * 1024)
-
-    # Time spent inside coordinator rounds (starting them, and waiting for them) during the synthetic loop with the
-    # checks on: measured within the same steps, it does not depend on how busy the machine was in another round.
-    in_rounds = {"s": 0.0, "counting": False}
-    original_round = coordinator.Coordinator._round
-
-    def timed_round(self: Any, blocking: bool = True) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return original_round(self, blocking)
-        finally:
-            if in_rounds["counting"]:
-                in_rounds["s"] += time.perf_counter() - t0
-
-    original_begin = coordinator.Coordinator.begin_round
-
-    def timed_begin(self: Any) -> None:
-        t0 = time.perf_counter()
-        original_begin(self)
-        if in_rounds["counting"]:
-            in_rounds["s"] += time.perf_counter() - t0
-
-    coordinator.Coordinator._round = timed_round  # type: ignore[method-assign]
-    coordinator.Coordinator.begin_round = timed_begin  # type: ignore[method-assign]
 
     def synthetic() -> None:
         for _ in range(steps):
@@ -93,14 +69,23 @@ def _rank_work(rounds: int, steps: int, calls: int) -> dict:
             for mode in ("on", "off") if r % 2 else ("off", "on"):
                 coordinator.CHECKS = mode == "on"
                 hvd.allreduce(torch.zeros(1))  # line the ranks up
-                in_rounds["counting"] = bool(r) and name == "synthetic"
                 t0 = time.perf_counter()
                 fn()
-                in_rounds["counting"] = False
                 if r:
                     times[name][mode].append(time.perf_counter() - t0)
+    # The synthetic loop again, the checks on and off in alternate steps: neighbouring steps see the same load on
+    # this shared machine, so the medians of many single steps compare them more steadily than whole rounds do.
+    steps_times: dict[str, list[float]] = {"on": [], "off": []}
+    for i in range(2 * rounds * steps):
+        mode = "on" if i % 2 else "off"
+        coordinator.CHECKS = mode == "on"
+        t0 = time.perf_counter()
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        steps_times[mode].append(time.perf_counter() - t0)
     coordinator.CHECKS = True
-    times["synthetic"]["in_rounds"] = [in_rounds["s"]]
+    times["synthetic_step"] = steps_times
     return times
 
 
@@ -112,8 +97,9 @@ def main() -> None:
     args = p.parse_args()
     ranks = phalanx.spawn(_rank_work, nprocs=2, args=(args.rounds, args.steps, args.calls), threads_per_proc=1)
     rows = {}
-    share = max(r["synthetic"]["in_rounds"][0] / sum(r["synthetic"]["on"]) for r in ranks)
-    for name in ranks[0]:
+    step = {mode: [max(r["synthetic_step"][mode][i] for r in ranks) for i in range(args.rounds * args.steps)]
+            for mode in ("on", "off")}  # fmt: skip
+    for name in [k for k in ranks[0] if k != "synthetic_step"]:
         per_round = {mode: [max(r[name][mode][i] for r in ranks) for i in range(args.rounds)] for mode in ("on", "off")}
         on, off = statistics.median(per_round["on"]), statistics.median(per_round["off"])
         ratios = sorted(a / b for a, b in zip(per_round["on"], per_round["off"]))
@@ -122,8 +108,10 @@ def main() -> None:
                       "ratio_of_fastest": fastest}  # fmt: skip
         print(f"{name:22s} checks on {on * 1e3:8.2f} ms  off {off * 1e3:8.2f} ms  ratio {on / off:.3f} "
               f"(rounds {ratios[0]:.3f} to {ratios[-1]:.3f}; fastest rounds {fastest:.3f})")  # fmt: skip
-    rows["synthetic"]["share_of_step_in_rounds"] = share
-    print(f"synthetic: {share:.2%} of the steps' time is spent in coordinator rounds (the slower rank)")
+    on, off = statistics.median(step["on"]), statistics.median(step["off"])
+    rows["synthetic_step"] = {"on_s": on, "off_s": off, "ratio": on / off, "steps_each": len(step["on"])}
+    print(f"{'synthetic_step':22s} checks on {on * 1e3:8.2f} ms  off {off * 1e3:8.2f} ms  ratio {on / off:.3f} "
+          f"(median of {len(step['on'])} steps each, alternating)")  # fmt: skip
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps({"args": vars(args), "world_size": 2, "backend": "gloo", "rows": rows}, indent=1))
     print(f"written to {RESULTS}")

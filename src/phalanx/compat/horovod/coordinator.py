@@ -238,16 +238,14 @@ class Coordinator:
 
     # -- one round ---------------------------------------------------------------------------------------------
     def _message(self, blocking: bool) -> torch.Tensor:
-        msg = torch.zeros(_HEAD + _ROWS * _WIDTH, dtype=torch.int64)
         if self._joined_at is not None:
-            msg[0], msg[1] = _JOINED, self._joined_at
-            return msg
-        queue = self.pending[:_ROWS]
-        msg[0], msg[1], msg[2] = _ACTIVE, int(blocking), len(queue)
-        if queue:
-            rows = torch.tensor([[o.key, o.digest, o.first_dim, KINDS.index(o.kind)] for o in queue])
-            msg[_HEAD : _HEAD + rows.numel()] = rows.reshape(-1)
-        return msg
+            values = [_JOINED, self._joined_at, 0]
+        else:
+            queue = self.pending[:_ROWS]
+            values = [_ACTIVE, int(blocking), len(queue)]
+            for o in queue:
+                values += [o.key, o.digest, o.first_dim, KINDS.index(o.kind)]
+        return torch.tensor(values + [0] * (_HEAD + _ROWS * _WIDTH - len(values)), dtype=torch.int64)
 
     def begin_round(self) -> None:
         """Start a round's exchange and return at once; the next ``wait``/``poll`` (or any round) finishes it. The
@@ -270,20 +268,21 @@ class Coordinator:
             parts = [torch.empty_like(mine) for _ in range(self.size)]
             watched(dist.all_gather, parts, mine, group=self.group, label="hvd coordinator round")
         self.rounds += 1
-        table = torch.stack(parts)
-        active = [r for r in range(self.size) if int(table[r, 0]) == _ACTIVE]
+        table = torch.stack(parts).tolist()  # plain numbers: indexing a tensor costs microseconds a time
+        active = [r for r in range(self.size) if table[r][0] == _ACTIVE]
         if not active:
-            seq, last = max((int(table[r, 1]), r) for r in range(self.size))
+            seq, last = max((table[r][1], r) for r in range(self.size))
             return self.ranks[last]
         queues: list[dict[int, tuple[int, int, int]]] = [{} for _ in range(self.size)]
         order: list[int] = []
         for r in active:
-            rows = table[r, _HEAD : _HEAD + int(table[r, 2]) * _WIDTH].reshape(-1, _WIDTH).tolist()
+            flat = table[r][_HEAD : _HEAD + table[r][2] * _WIDTH]
+            rows = [flat[i : i + _WIDTH] for i in range(0, len(flat), _WIDTH)]
             queues[r] = {k: (d, f, kind) for k, d, f, kind in rows}
             if r == active[0]:
                 order = [row[0] for row in rows]
         ready = [k for k in order if all(k in queues[r] for r in active)]
-        if not ready and all(int(table[r, 1]) for r in active):
+        if not ready and all(table[r][1] for r in active):
             self._stalled(active)
         joined = len(active) < self.size
         by_key = {o.key: o for o in self.pending}
