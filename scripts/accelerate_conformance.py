@@ -20,6 +20,7 @@ import argparse
 import ast
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -110,27 +111,52 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run(script: Path, front: str, out: Path, python: str, timeout: float) -> dict[str, str]:
+def launch_command(script: Path, front: str, python: str) -> list[str]:
+    """2 CPU ranks: torchrun for Accelerate (accelerate launch --cpu starts one process only), phalanx launch."""
     if front == "accelerate":
-        cmd = [
-            python,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(_free_port()),
-            str(script),
-        ]
-    else:
-        cmd = [python, "-m", "phalanx", "launch", "-n", "2", str(script)]
+        torchrun = [python, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
+        return [*torchrun, str(script)]
+    return [python, "-m", "phalanx", "launch", "-n", "2", str(script)]
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def run_launch(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float) -> tuple[bool, str]:
+    """(whether it exited with 0, its output's tail); on a timeout the launcher and every process under it are
+    killed (torchrun starts its ranks in sessions of their own, which a plain kill of the launcher leaves behind)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        return proc.returncode == 0, output[-3000:]
+    except subprocess.TimeoutExpired:
+        for pid in [*_descendants(proc.pid), proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.communicate()
+        return False, "timed out"
+
+
+def run(script: Path, front: str, out: Path, python: str, timeout: float) -> dict[str, str]:
     env = {**os.environ, "CONFORMANCE_OUT": str(out), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     env["ACCELERATE_USE_CPU"] = "1"  # Accelerate runs on CPU processes only when told (accelerate launch --cpu)
-    try:
-        done = subprocess.run(cmd, cwd=script.parent, env=env, timeout=timeout, capture_output=True, check=False)
-        finished = done.returncode == 0
-    except subprocess.TimeoutExpired:
-        finished = False  # what was recorded before the hang counts; the rest did not pass
+    # what was recorded before a hang counts; the rest did not pass
+    finished, _ = run_launch(launch_command(script, front, python), script.parent, env, timeout)
     ranks = []
     for r in (0, 1):
         path = Path(f"{out}.{r}")

@@ -23,17 +23,16 @@ front's, and with its own front's straight run.
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import math
 import os
 import re
-import socket
-import subprocess
 import sys
 import tempfile
 import textwrap
 from pathlib import Path
+
+from accelerate_conformance import launch_command, run_launch, swap_imports
 
 SCRIPTS = {
     "nlp_example.py": [],
@@ -168,53 +167,12 @@ STAND_INS = {
 }
 
 
-def swap_imports(source: str) -> str:
-    """Every ``from accelerate... import`` becomes ``from phalanx.accelerate... import`` (``accelerate.utils`` ->
-    ``phalanx.accelerate.utils``); ``accelerate.test_utils`` stays."""
-    tree = ast.parse(source)
-    lines = source.splitlines(keepends=True)
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "accelerate":
-            if node.module.startswith("accelerate.test_utils"):
-                continue
-            target = "phalanx.accelerate.utils" if node.module.startswith("accelerate.utils") else "phalanx.accelerate"
-            i = node.lineno - 1
-            lines[i] = lines[i].replace(f"from {node.module} import", f"from {target} import", 1)
-    return "".join(lines)
-
-
-def _free_port() -> int:
-    """A port nobody listens on now (a fixed one clashes with a run still closing, or another job's)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run(script: Path, front: str, args: list[str], log: Path, stand_ins: Path, python: str, timeout: float) -> dict:
-    if front == "accelerate":
-        cmd = [
-            python,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(_free_port()),
-            str(script),
-        ]
-    else:
-        cmd = [python, "-m", "phalanx", "launch", "-n", "2", str(script)]
     env = {**os.environ, "CONFORMANCE_LOG": str(log), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     env["ACCELERATE_USE_CPU"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(stand_ins), env.get("PYTHONPATH", "")])
     env["HF_HUB_OFFLINE"] = "1"
-    try:
-        done = subprocess.run(
-            cmd + ["--cpu", *args], cwd=script.parent, env=env, timeout=timeout, capture_output=True, text=True
-        )
-        ok, tail = done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    except subprocess.TimeoutExpired:
-        ok, tail = False, "timed out"
+    ok, tail = run_launch([*launch_command(script, front, python), "--cpu", *args], script.parent, env, timeout)
     ranks = []
     for r in (0, 1):
         path = Path(f"{log}.{r}")
