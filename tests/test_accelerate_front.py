@@ -525,3 +525,17 @@ def test_accelerate_s_helpers_on_one_process(caplog):
         logger.warning_once("only once")
     assert [r.getMessage() for r in caplog.records] == ["said once, on the main process", "only once"]
     assert pickle.loads(pickle.dumps(accelerator)).is_main_process
+
+
+def test_a_deepspeed_plugin_clips_as_accelerate_fills_its_clipping(monkeypatch, tmp_path):
+    from phalanx.compat.accelerate.accelerator import _plugin_options
+
+    monkeypatch.delenv("ACCELERATE_GRADIENT_CLIPPING", raising=False)
+    # Accelerate builds the config with gradient_clipping "auto" and fills it with 1.0.
+    assert _plugin_options(DeepSpeedPlugin(zero_stage=2), None)["max_grad_norm"] == 1.0
+    assert _plugin_options(DeepSpeedPlugin(zero_stage=2, gradient_clipping=0.5), None)["max_grad_norm"] == 0.5
+    monkeypatch.setenv("ACCELERATE_GRADIENT_CLIPPING", "2.0")  # accelerate launch --gradient_clipping 2.0
+    assert _plugin_options(DeepSpeedPlugin(zero_stage=2), None)["max_grad_norm"] == 2.0
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage": 1}}')
+    assert "max_grad_norm" not in _plugin_options(DeepSpeedPlugin(hf_ds_config=str(path)), None)  # the file says

@@ -623,7 +623,7 @@ def test_adam_without_bias_correction_follows_fused_adam_s_formula(adam_w_mode: 
     opt = build_optimizer(block, [p])
     assert type(opt).__name__ == "AdamNoBiasCorrection"
     w, m, v = p.detach().clone(), torch.zeros(5, dtype=torch.float64), torch.zeros(5, dtype=torch.float64)
-    for step in range(3):
+    for _ in range(3):
         g = torch.randn(5, dtype=torch.float64)
         p.grad = g.clone()
         opt.step()

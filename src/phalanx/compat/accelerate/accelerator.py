@@ -692,6 +692,8 @@ def _plugin_options(ds: DeepSpeedPlugin | None, fsdp: FullyShardedDataParallelPl
             options["offload"] = "disk" if "nvme" in devices else "cpu"
         if ds.gradient_clipping:
             options["max_grad_norm"] = float(ds.gradient_clipping)
+        elif ds.hf_ds_config is None:  # Accelerate writes "auto" into the config it builds, then fills 1.0
+            options["max_grad_norm"] = float(os.environ.get("ACCELERATE_GRADIENT_CLIPPING", "1.0"))
         if ds.gradient_accumulation_steps:
             options["grad_accum_steps"] = int(ds.gradient_accumulation_steps)
     if fsdp is not None:
