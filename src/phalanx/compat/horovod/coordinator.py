@@ -158,8 +158,9 @@ def digest_of(
 class Coordinator:
     """One process set's queue, rounds and join state (see the module's docstring)."""
 
-    def __init__(self, group: Any, ranks: list[int], rank: int) -> None:
+    def __init__(self, group: Any, ranks: list[int], rank: int, device: torch.device | None = None) -> None:
         self.group, self.ranks, self.size = group, ranks, len(ranks)
+        self.device = device or torch.device("cpu")  # where collectives take tensors (NCCL: the rank's GPU)
         self.index = ranks.index(rank) if rank in ranks else -1
         self.pending: list[Op] = []
         self.in_flight: dict[str, Op] = {}
@@ -245,7 +246,8 @@ class Coordinator:
             values = [_ACTIVE, int(blocking), len(queue)]
             for o in queue:
                 values += [o.key, o.digest, o.first_dim, KINDS.index(o.kind)]
-        return torch.tensor(values + [0] * (_HEAD + _ROWS * _WIDTH - len(values)), dtype=torch.int64)
+        values += [0] * (_HEAD + _ROWS * _WIDTH - len(values))
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     def begin_round(self) -> None:
         """Start a round's exchange and return at once; the next ``wait``/``poll`` (or any round) finishes it. The
@@ -324,7 +326,7 @@ class Coordinator:
             self._start(op, [op.first_dim] * self.size)
             return
         for numel, dtype, reduce in box[0] or []:
-            zeros = torch.zeros(numel, dtype=getattr(torch, dtype))
+            zeros = torch.zeros(numel, dtype=getattr(torch, dtype), device=self.device)
             watched(dist.all_reduce, zeros, op=getattr(dist.ReduceOp, reduce), group=self.group, label="hvd join")
 
     def _mismatch(self, op: Op | None, kind: str, active: list[int]) -> None:

@@ -88,7 +88,7 @@ def _alltoall_op(coord: Coordinator, tensor: torch.Tensor, sizes: list[int], wor
         if coord.size == 1:
             out = tensor.detach().clone()
             return [], lambda: (out, torch.tensor(sizes, dtype=torch.int32))
-        counts = torch.tensor(sizes, dtype=torch.int64)
+        counts = torch.tensor(sizes, dtype=torch.int64, device=coord.device)
         received = torch.empty_like(counts)
         watched(dist.all_to_all_single, received, counts, group=coord.group, label=f"{kind} sizes")
         w = wire(tensor.detach(), world)
@@ -96,7 +96,7 @@ def _alltoall_op(coord: Coordinator, tensor: torch.Tensor, sizes: list[int], wor
         work = watched(
             dist.all_to_all_single, out, w, received.tolist(), sizes, group=coord.group, async_op=True, label=kind
         )
-        return [work], lambda: (out.to(tensor.device, tensor.dtype), received.to(torch.int32))
+        return [work], lambda: (out.to(tensor.device, tensor.dtype), received.to("cpu", torch.int32))
 
     return Op(
         kind, name or coord.auto_name(kind), digest, text, launch, first_dim=tensor.shape[0] if tensor.dim() else 0

@@ -93,17 +93,19 @@ _SETS: dict[int, Registered] = {}
 _NEXT_ID = 1
 _MY_RANK = 0
 _WORLD_SIZE = 1
+_DEVICE: Any = None
 
 
-def setup_process_sets(rank: int, world_size: int, distributed: bool, static: Any) -> None:
-    """Register the global set and ``hvd.init(process_sets=...)``'s static sets (collective when distributed)."""
-    global _NEXT_ID, _MY_RANK, _WORLD_SIZE
+def setup_process_sets(rank: int, world_size: int, distributed: bool, static: Any, device: Any = None) -> None:
+    """Register the global set and ``hvd.init(process_sets=...)``'s static sets (collective when distributed);
+    ``device``: where collectives take tensors."""
+    global _NEXT_ID, _MY_RANK, _WORLD_SIZE, _DEVICE
     _SETS.clear()
-    _NEXT_ID, _MY_RANK, _WORLD_SIZE = 1, rank, world_size
+    _NEXT_ID, _MY_RANK, _WORLD_SIZE, _DEVICE = 1, rank, world_size, device
     everyone = list(range(world_size))
     global_process_set.ranks = everyone
     group = dist.group.WORLD if distributed else None
-    _SETS[0] = Registered(global_process_set, group, Coordinator(group, everyone, rank))
+    _SETS[0] = Registered(global_process_set, group, Coordinator(group, everyone, rank, device))
     if static is None or static == "dynamic":
         return
     if isinstance(static, ProcessSet) or not isinstance(static, (list, tuple)):
@@ -146,7 +148,7 @@ def _register(ps: ProcessSet, where: str) -> ProcessSet:
     group = dist.new_group(ps.ranks) if dist.is_initialized() and _WORLD_SIZE > 1 else None
     ps.process_set_id = _NEXT_ID
     _NEXT_ID += 1
-    _SETS[ps.process_set_id] = Registered(ps, group, Coordinator(group, ps.ranks, _MY_RANK))
+    _SETS[ps.process_set_id] = Registered(ps, group, Coordinator(group, ps.ranks, _MY_RANK, _DEVICE))
     return ps
 
 

@@ -117,7 +117,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         Topology(world.world_size, world.rank),
     )
     _WORLD = HvdWorld(world, device, owns_group=not existed and world.init_method is not None)
-    setup_process_sets(world.rank, world.world_size, _WORLD.distributed, process_sets)
+    setup_process_sets(world.rank, world.world_size, _WORLD.distributed, process_sets, _WORLD.comm_device)
 
 
 def _reinit(world: WorldInfo, device: torch.device, timeout_s: float) -> None:
