@@ -601,6 +601,7 @@ def _process_sets_join_and_matching() -> dict:
     rank, out = hvd.rank(), {}
     even = hvd.add_process_set([2, 0])  # sorted, as Horovod sorts it
     alone = hvd.add_process_set(hvd.ProcessSet([1]))
+    pair = hvd.add_process_set([0, 1])
     out["sets"] = (even.ranks, even.size(), even.rank(), even.included(), hvd.global_process_set.size())
     try:
         hvd.add_process_set([0, 2])
@@ -667,6 +668,11 @@ def _process_sets_join_and_matching() -> dict:
             hvd.allgather(value)
         except hvd.JoinedRanksError as e:
             out["joined_gather"] = str(e)
+        if rank == 1:  # a set holding the joined rank 0: it stands in on the global set only, so this raises
+            try:
+                hvd.allreduce(value, process_set=pair)
+            except hvd.JoinedRanksError as e:
+                out["joined_set"] = str(e)
         out["last"] = hvd.join()
 
     hvd.shutdown()
@@ -695,6 +701,8 @@ def test_process_sets_join_and_name_matching(run_ranks):
             assert out["joined_grouped"] == [5.0, 50.0]
             assert out["joined_step"] == [[-1.0, -1.0]]
             assert "rank(s) [0] have called hvd.join()" in out["joined_gather"]
+        if rank == 1:
+            assert "process set [0, 1]: rank(s) [0] have called hvd.join()" in out["joined_set"]
         assert out["last"] == 2  # ranks 1 and 2 joined in the same round: the higher rank counts as last
         assert out["reinit"] == (rank, 3, 3.0)
 

@@ -168,6 +168,8 @@ class Coordinator:
         self._counters: dict[str, int] = {}
         self._joined_at: int | None = None
         self._early: tuple[Any, list[torch.Tensor]] | None = None
+        self.joined_ranks: set[int] = set()  # the global ranks in hvd.join() at the last round (global set only)
+        self.world: Coordinator | None = None  # the global set's coordinator, for the other sets
 
     # -- names -------------------------------------------------------------------------------------------------
     def auto_name(self, kind: str) -> str:
@@ -249,11 +251,30 @@ class Coordinator:
         values += [0] * (_HEAD + _ROWS * _WIDTH - len(values))
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
+    def _check_members_active(self) -> None:
+        """A rank in ``hvd.join()`` takes part in the global set's rounds only: a round of another set that holds
+        it would wait for it forever. Every rank of this set saw the same global rounds, so all of them raise."""
+        joined = sorted(self.world.joined_ranks.intersection(self.ranks)) if self.world is not None else []
+        if not joined:
+            return
+        names = ", ".join(repr(o.name) for o in self.pending)
+        error = JoinedRanksError(
+            f"process set {self.ranks}: rank(s) {joined} have called hvd.join(), which stands in for them in the "
+            f"global set only, so {names or 'this operation'} cannot run on this set (finish the set's operations "
+            "before any of its ranks joins)"
+        )
+        for op in self.pending:
+            op.state, op.error = _FAILED, error
+            self.in_flight.pop(op.name, None)
+        self.pending = []
+        raise error
+
     def begin_round(self) -> None:
         """Start a round's exchange and return at once; the next ``wait``/``poll`` (or any round) finishes it. The
         optimizer starts its step's round this way at the first gradient, so the exchange overlaps backward."""
         if self._early is not None or not CHECKS or self.size == 1:
             return
+        self._check_members_active()
         mine = self._message(True)
         parts = [torch.empty_like(mine) for _ in range(self.size)]
         work = watched(dist.all_gather, parts, mine, group=self.group, async_op=True, label="hvd coordinator round")
@@ -266,12 +287,14 @@ class Coordinator:
             (work, parts), self._early = self._early, None
             work.wait()
         else:
+            self._check_members_active()
             mine = self._message(blocking)
             parts = [torch.empty_like(mine) for _ in range(self.size)]
             watched(dist.all_gather, parts, mine, group=self.group, label="hvd coordinator round")
         self.rounds += 1
         table = torch.stack(parts).tolist()  # plain numbers: indexing a tensor costs microseconds a time
         active = [r for r in range(self.size) if table[r][0] == _ACTIVE]
+        self.joined_ranks = {self.ranks[r] for r in range(self.size) if r not in active} if active else set()
         if not active:
             seq, last = max((table[r][1], r) for r in range(self.size))
             return self.ranks[last]

@@ -148,7 +148,9 @@ def _register(ps: ProcessSet, where: str) -> ProcessSet:
     group = dist.new_group(ps.ranks) if dist.is_initialized() and _WORLD_SIZE > 1 else None
     ps.process_set_id = _NEXT_ID
     _NEXT_ID += 1
-    _SETS[ps.process_set_id] = Registered(ps, group, Coordinator(group, ps.ranks, _MY_RANK, _DEVICE))
+    coordinator = Coordinator(group, ps.ranks, _MY_RANK, _DEVICE)
+    coordinator.world = _SETS[0].coordinator
+    _SETS[ps.process_set_id] = Registered(ps, group, coordinator)
     return ps
 
 
