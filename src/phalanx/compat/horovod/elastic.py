@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import math
 import os
 import random
@@ -36,7 +37,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
+from phalanx.checkpoint.format import CheckpointError, from_json, to_json
 from phalanx.checkpoint.resume import ENV_LAUNCH_ID
 from phalanx.compat.horovod.coordinator import HorovodInternalError
 from phalanx.compat.horovod.more_ops import HostsUpdatedInterrupt
@@ -52,6 +56,8 @@ from phalanx.config.settings import resolve_config
 from phalanx.logging import get_logger
 
 __all__ = ["State", "ObjectState", "TorchState", "ElasticSampler", "run"]
+
+_META = "phalanx.hvd.elastic"  # the safetensors metadata key that holds a commit's JSON
 
 
 def _restartable() -> bool:
@@ -125,21 +131,32 @@ class State:
 
     def _file(self) -> Path | None:
         folder = _commit_dir()
-        return None if folder is None else folder / f"rank{rank()}.pt"
+        return None if folder is None else folder / f"rank{rank()}.safetensors"
 
     def _persist(self) -> None:
+        """This rank's commit on disk, as phalanx checkpoints are: tensors in safetensors, the rest as JSON in its
+        metadata; nothing is pickled, so loading it runs no code (a state that holds other objects is refused)."""
         path = self._file()
         if path is None:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
+        tensors: dict[str, torch.Tensor] = {}
+        saved = {"commit": self._commits, "world_size": size(), "state": self._snapshot()}
+        try:
+            doc = to_json(saved, "commit", tensors)
+        except CheckpointError as e:
+            raise CheckpointError(
+                f"hvd.elastic: the state cannot be committed to disk for a restart: {e}. Keep numbers, strings, "
+                "lists, dicts and tensors in ObjectState/TorchState"
+            ) from None
         tmp = path.with_suffix(".tmp")
-        torch.save({"commit": self._commits, "world_size": size(), "state": self._snapshot()}, tmp)
+        save_file(tensors, str(tmp), metadata={_META: json.dumps(doc)})
         os.replace(tmp, path)  # a rank killed while writing leaves its previous commit whole
 
     def _resume(self) -> bool:
         """After a restart: load the newest commit any rank holds, and sync from a rank that holds it."""
         path = self._file()
-        saved = torch.load(path, weights_only=False) if path is not None and path.exists() else None
+        saved = _read_commit(path) if path is not None and path.exists() else None
         mine = saved["commit"] if saved is not None else -1
         newest = int(allreduce(torch.tensor([mine]), op=Max, name="hvd.elastic.commit").item())
         if newest < 0:
@@ -154,6 +171,12 @@ class State:
             f"saved on {saved['world_size'] if saved else '?'} ranks, now {size()})"
         )
         return True
+
+
+def _read_commit(path: Path) -> dict[str, Any]:
+    with safe_open(str(path), framework="pt") as f:
+        doc = json.loads((f.metadata() or {})[_META])
+        return dict(from_json(doc, f.get_tensor))
 
 
 class ObjectState(State):
@@ -214,7 +237,7 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.processed_indices.update(int(i) for i in indices)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "processed_indices": set(self.processed_indices)}
+        return {"epoch": self.epoch, "processed_indices": sorted(self.processed_indices)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.epoch, self.processed_indices = state_dict["epoch"], set(state_dict["processed_indices"])
