@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from phalanx.config.options import Options
 from phalanx.config.strategy_options import (
     DataParallelOptions,
+    ParallelOptions,
     PipelineOptions,
     Zero3Options,
     ZeroOptions,
@@ -21,7 +22,6 @@ from phalanx.config.strategy_options import (
 )
 
 if TYPE_CHECKING:
-    from phalanx.config.settings import EngineConfig
     from phalanx.strategies.base import Strategy
 
 __all__ = [
@@ -30,7 +30,6 @@ __all__ = [
     "option_groups",
     "accepting",
     "accepts",
-    "pipeline_stages",
     "DEFAULT_STRATEGY",
 ]
 
@@ -43,25 +42,27 @@ class _Entry(NamedTuple):
 
 _REGISTRY: dict[str, _Entry] = {
     "ddp": _Entry(
-        "phalanx.strategies.ddp:DDPStrategy", (DataParallelOptions,),
+        "phalanx.strategies.ddp:DDPStrategy", (ParallelOptions, DataParallelOptions),
         "every rank holds the whole model; gradients are all-reduced in buckets during backward",
     ),
     "zero1": _Entry(
-        "phalanx.strategies.zero.bucketed:Zero1Strategy", (DataParallelOptions, ZeroShardOptions, ZeroOptions),
+        "phalanx.strategies.zero.bucketed:Zero1Strategy",
+        (ParallelOptions, DataParallelOptions, ZeroShardOptions, ZeroOptions),
         "optimizer state sharded over the ranks",
     ),
     "zero2": _Entry(
-        "phalanx.strategies.zero.bucketed:Zero2Strategy", (DataParallelOptions, ZeroShardOptions, ZeroOptions),
+        "phalanx.strategies.zero.bucketed:Zero2Strategy",
+        (ParallelOptions, DataParallelOptions, ZeroShardOptions, ZeroOptions),
         "optimizer state and gradients sharded",
     ),
     "zero3": _Entry(
         "phalanx.strategies.zero.zero3:Zero3Strategy",
-        (DataParallelOptions, ZeroShardOptions, ZeroOptions, Zero3Options),
+        (ParallelOptions, DataParallelOptions, ZeroShardOptions, ZeroOptions, Zero3Options),
         "optimizer state, gradients and parameters sharded; units gathered around their forward and backward",
     ),
     "pipeline": _Entry(
         "phalanx.strategies.pipeline.strategy:PipelineStrategy",
-        (DataParallelOptions, PipelineOptions, ZeroShardOptions),
+        (ParallelOptions, DataParallelOptions, PipelineOptions, ZeroShardOptions),
         "the model split into stages over ranks, micro-batches pushed through by GPipe or 1F1B",
     ),
 }  # fmt: skip
@@ -99,11 +100,3 @@ def accepts(name: str, group: type[Options]) -> bool:
 def accepting(group: type[Options]) -> list[str]:
     """The strategies that accept ``group``."""
     return [name for name in strategy_names() if accepts(name, group)]
-
-
-def pipeline_stages(config: EngineConfig, world_size: int) -> int:
-    """How many pipeline stages the ranks form under ``config`` (the topology's pp_size): 1 unless the strategy
-    reads the pipeline's settings, whose ``pp_size`` defaults to one stage per rank."""
-    if not accepts(config.strategy, PipelineOptions):
-        return 1
-    return config.options(PipelineOptions).pp_size or world_size

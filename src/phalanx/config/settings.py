@@ -24,7 +24,7 @@ from typing import Any
 
 from phalanx.config.general import PRECISIONS, GeneralOptions
 from phalanx.config.options import ConfigError, Options
-from phalanx.config.registry import accepting, accepts, option_groups, pipeline_stages, strategy_names
+from phalanx.config.registry import accepting, accepts, option_groups, strategy_names
 
 __all__ = ["ConfigError", "EngineConfig", "LaunchConfig", "PhalanxConfig", "resolve_config", "ENV_CONFIG_JSON"]
 
@@ -412,8 +412,10 @@ def resolve_config(
             if "WORLD_SIZE" in env
             else int(values.get("launch.nproc_per_node", 1)) * int(values.get("launch.nnodes", 1))
         )
-        pp = pipeline_stages(out.engine, world)
-        apply_batch_rule(values, origins, world, pp)
+        from phalanx.config.mesh import mesh_sizes
+
+        pp, _, _, tp = mesh_sizes(out.engine, world, origins)
+        apply_batch_rule(values, origins, world, pp, tp)
         out.engine = EngineConfig(**{k: v for k, v in values.items() if "." not in k})
     out.launch = LaunchConfig(**{k.split(".", 1)[1]: v for k, v in values.items() if k.startswith("launch.")})
     out.origins = origins

@@ -23,6 +23,7 @@ __all__ = [
     "ZeroOptions",
     "Zero3Options",
     "PipelineOptions",
+    "ParallelOptions",
     "COMM_DTYPES",
     "COLLECTIVES",
     "OFFLOAD",
@@ -50,6 +51,56 @@ class DataParallelOptions(Options):
     find_unused_parameters: bool = option(
         False, "Allow trainable parameters that get no gradient in a backward (they are reduced as zeros)."
     )
+
+
+@dataclass
+class ParallelOptions(Options):
+    """The device mesh's tensor-parallel and data-parallel degrees (Accelerate's ``ParallelismConfig`` names)."""
+
+    title: ClassVar[str] = "device mesh (tensor parallelism, hybrid sharding)"
+    applies_to: ClassVar[str] = "every strategy"
+
+    tp_size: int = option(
+        1,
+        "Tensor-parallel degree: each layer of the plan is split over this many ranks (contiguous ranks, the "
+        "innermost axis of the mesh).",
+        check=lambda v: v >= 1,
+        fix="use 1 for no tensor parallelism",
+    )
+    dp_shard_size: int | None = option(
+        None,
+        "Data-parallel ranks that shard the model (zero1/2/3); default: every data-parallel rank under zero, 1 "
+        "otherwise. With dp_replicate_size it is hybrid sharding (FSDP's HYBRID_SHARD).",
+        check=lambda v: v >= 1,
+        fix="use 1 or more",
+    )
+    dp_replicate_size: int | None = option(
+        None,
+        "Data-parallel replicas, each holding a whole copy (or, under zero, one dp_shard_size group's shards); "
+        "default: the data-parallel ranks that dp_shard_size leaves.",
+        check=lambda v: v >= 1,
+        fix="use 1 or more",
+    )
+    tp_plan: str | None = option(
+        None,
+        "The tensor-parallel plan: a JSON object of module-name patterns to styles (inline, or a path to a .json "
+        "file); default: the model's own plan (a transformers model's base_model_tp_plan, or tp_plan() of the "
+        "model). See docs/tensor-parallel.md.",
+    )
+    sequence_parallel: bool = option(
+        False,
+        "Under tensor parallelism, split the sequence (dim 1) over the tp ranks in the norm and dropout regions, "
+        "so that their activations take 1/tp_size of the memory (Korthikanti et al., 2022).",
+    )
+
+    def check(self, config: EngineConfig) -> None:
+        if self.tp_size == 1:
+            for key in ("tp_plan", "sequence_parallel"):
+                if key in self.set_fields():
+                    raise ConfigError(
+                        f"{key}={getattr(self, key)!r} applies under tensor parallelism only; got tp_size=1 (set "
+                        "tp_size to 2 or more, or leave it unset)"
+                    )
 
 
 # ---------------------------------------------------------------- zero

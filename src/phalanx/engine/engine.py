@@ -35,7 +35,8 @@ from phalanx.checkpoint.pretrained import model_files_writer, write_model_dir
 from phalanx.checkpoint.resume import Resumer
 from phalanx.checkpoint.state import TrainingParts, load_checkpoint, save_checkpoint
 from phalanx.config.dialects.dummies import DummyOptim, DummyScheduler, realise_optimizer, realise_scheduler
-from phalanx.config.registry import get_strategy_class, pipeline_stages
+from phalanx.config.mesh import mesh_sizes
+from phalanx.config.registry import get_strategy_class
 from phalanx.config.settings import EngineConfig, resolve_config
 from phalanx.engine.data import ActiveLoaders, PreparedDataLoader, PreparedIterableLoader
 from phalanx.engine.guards import (
@@ -109,8 +110,8 @@ class Engine:
                 "mmap threshold, and this process has no glibc (Linux with glibc only); leave it unset"
             )
         init_distributed(self.world, self.device, self.config.timeout_s)
-        pp_size = pipeline_stages(self.config, self.world.world_size)
-        self.topology = Topology(self.world.world_size, self.world.rank, pp_size)
+        pp, rep, shard, tp = mesh_sizes(self.config, self.world.world_size, self._origins)
+        self.topology = Topology(self.world.world_size, self.world.rank, pp, tp, rep, shard)
         self.topology.build_groups(self.device.type)
         start_watchdog(
             self.world.rank,

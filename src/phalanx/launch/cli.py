@@ -355,6 +355,9 @@ def _main(args: list[str]) -> int:
         cfg = resolve_flags(ns)
         if command == "config":
             print(cfg.describe())
+            from phalanx.launch.launcher import mesh_text
+
+            print(mesh_text(cfg).removeprefix("phalanx: "))
             return 0
         if command == "launch":
             warning = _misplaced(args, ns.script_args, spellings)

@@ -369,12 +369,8 @@ _INCARNATION = 0
 def _mirrors(topology: Any) -> dict[tuple[int, ...], Any]:
     """gloo groups over the same ranks as each NCCL group, for the fingerprint exchange (every rank creates all)."""
     out: dict[tuple[int, ...], Any] = {tuple(range(topology.world_size)): dist.new_group(backend="gloo")}
-    pp, dp = topology.pp_size, topology.dp_size
-    if pp > 1:
-        for ranks in [list(range(s * dp, (s + 1) * dp)) for s in range(pp)] + [
-            [s * dp + d for s in range(pp)] for d in range(dp)
-        ]:
-            out[tuple(ranks)] = dist.new_group(ranks, backend="gloo")
+    for ranks in getattr(topology, "groups_by_ranks", {}):  # the mesh's axes, in the order they were made
+        out[ranks] = dist.new_group(list(ranks), backend="gloo")
     return out
 
 

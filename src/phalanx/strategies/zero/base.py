@@ -87,7 +87,23 @@ class ZeroStrategy(Strategy):
         self.shard_opts = self.config.options(ZeroShardOptions)
         self.opts = cfg = self.config.options(ZeroOptions)
         self.group, self.world, self.rank = topo.dp_group, topo.dp_size, topo.dp_rank
-        if self.world == 1:
+        self.rep_group, self.rep_world, self.rep_rank = None, 1, 0
+        assert topo.dp_replicate_size is not None and topo.dp_shard_size is not None
+        if topo.dp_replicate_size > 1 and not self.within_stage:
+            # Hybrid sharding: shards over dp_shard, whole replicas over dp_replicate. Gradients are reduce-scattered
+            # within a replica and the shards then all-reduced across replicas (FSDP's HYBRID_SHARD).
+            self.group, self.world, self.rank = topo.dp_shard_group, topo.dp_shard_size, topo.dp_shard_rank
+            self.rep_group, self.rep_world, self.rep_rank = (
+                topo.dp_replicate_group, topo.dp_replicate_size, topo.dp_replicate_rank,
+            )  # fmt: skip
+        if self.rep_world > 1 and self.grads_whole:
+            raise ValueError(
+                f"hybrid sharding (dp_replicate_size={topo.dp_replicate_size} x dp_shard_size={topo.dp_shard_size}) "
+                f"applies to zero2 and zero3; strategy {self.name!r} keeps whole gradients on every rank. Use zero2 "
+                f"(its optimizer state is sharded too), or leave dp_replicate_size unset to shard over all "
+                f"{topo.dp_size} data-parallel ranks"
+            )
+        if self.world == 1 and self.rep_world == 1:
             what, fix = self._no_sharding_hint()
             warnings.warn(
                 f"{what} on one data-parallel rank shards nothing: it trains correctly but saves no memory ({fix})",
@@ -101,6 +117,7 @@ class ZeroStrategy(Strategy):
             self.comm_dtype_,
             self.stats,
             accumulates=not self.grads_whole,
+            replicas=(self.rep_group, self.rep_world),
         )
         if cfg.offload != "none" and self.device.type == "cuda" and self.precision.scaler is not None:
             raise ValueError(
@@ -118,7 +135,7 @@ class ZeroStrategy(Strategy):
             tuple[torch.optim.Optimizer, list[list[tuple[Segment, int, int]]], set[nn.Parameter]]
         ] = []
         self.require_sync = True
-        self.scale = GradScale(self.world)  # applied after the reduction when it accumulates, before it otherwise
+        self.scale = GradScale(topo.dp_size)  # applied after the reduction when it accumulates, before it otherwise
         self._callback_queued = False
         self._missing: list[str] = []
         self._clean: set[int] = set()  # optimizers whose gradient ranges are zero since their last step
@@ -138,9 +155,9 @@ class ZeroStrategy(Strategy):
     ) -> list[nn.Parameter]:
         """Checks, and rank 0's buffers and unsharded parameters; sharded ones are broadcast flat, in place."""
         check_prepared_once(model, self._models)
-        if self.world > 1 and replicate:
+        if self.topology.dp_size > 1 and replicate:
             replicate_from_first(
-                model, self.group, self.device, self.stats, self.dp_opts.broadcast_buffers, skip=sharded
+                model, self.topology.dp_group, self.device, self.stats, self.dp_opts.broadcast_buffers, skip=sharded
             )
         for name, p in model.named_parameters():
             self._names.setdefault(p, name)
@@ -149,9 +166,10 @@ class ZeroStrategy(Strategy):
 
     def _add_segments(self, segments: list[Segment]) -> None:
         for s in segments:
-            if self.world > 1:  # every replica starts from rank 0's values: one in-place broadcast per flat buffer
+            if self.topology.dp_size > 1:  # every replica starts from rank 0's values: one broadcast per flat buffer
                 self.stats.record("broadcast", s.full)
-                watched(dist.broadcast, s.full, src=group_rank0(self.group), group=self.group)
+                dp = self.topology.dp_group
+                watched(dist.broadcast, s.full, src=group_rank0(dp), group=dp)
             s.index = len(self.segments)
             self.segments.append(s)
             for i, p in enumerate(s.params):

@@ -84,9 +84,19 @@ class SegmentComm:
     """
 
     def __init__(
-        self, group: Any, world: int, mode: str, comm_dtype: torch.dtype | None, stats: CommStats, accumulates: bool
+        self,
+        group: Any,
+        world: int,
+        mode: str,
+        comm_dtype: torch.dtype | None,
+        stats: CommStats,
+        accumulates: bool,
+        replicas: tuple[Any, int] = (None, 1),
     ) -> None:
+        """``replicas``: (group, size) of the ranks holding the same shard under hybrid sharding, over which each
+        reduced shard is then all-reduced; size 1 for none."""
         self.group, self.world, self.mode, self.comm_dtype = group, world, mode, comm_dtype
+        self.rep_group, self.rep_world = replicas
         self.stats, self.accumulates = stats, accumulates
         self.inflight: list[Segment] = []
         self.rank = dist.get_rank(group) if world > 1 else 0
@@ -210,6 +220,9 @@ class SegmentComm:
             seg.work.wait()
         out, seg.work, seg.work_out = seg.work_out, None, None
         assert out is not None and seg.master_grad is not None
+        if self.rep_world > 1:  # hybrid: this replica's sum, then the sum over replicas of the same shard
+            self.stats.record("all_reduce", out, self.rep_world)
+            watched(dist.all_reduce, out, group=self.rep_group, label=f"gradients of segment {seg.index} (replicas)")
         if out.data_ptr() != seg.master_grad.data_ptr():
             if self.accumulates:  # each backward's share adds up (offloaded slices live on the host)
                 seg.master_grad.add_(out.to(device=seg.master_grad.device, dtype=seg.master_grad.dtype))

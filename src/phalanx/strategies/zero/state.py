@@ -28,6 +28,8 @@ __all__ = ["sharded_state", "load_sharded_state", "nonfinite_grad_names"]
 def sharded_state(zs: ZeroStrategy, model: nn.Module, optimizers: Any = None) -> list[ShardEntry]:
     """Each rank gives its own slice of every parameter and optimizer state tensor; rank 0 the replicated rest."""
     zs.finish_gradient_sync()
+    if zs.rep_rank > 0:
+        return []  # hybrid sharding: the first replica's shards cover every tensor once
     segments = zs._models[id(model)].segments
     entries = []
     for s in segments:

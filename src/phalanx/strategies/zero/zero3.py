@@ -195,9 +195,9 @@ class Zero3Strategy(ZeroStrategy):
         units.insert(0, units.pop())  # the root first
         for i, u in enumerate(units):
             u.index = len(self.units) + i
-        if init is not None and self.world > 1:
+        if init is not None and self.topology.dp_size > 1:
             replicate_from_first(
-                model, self.group, self.device, self.stats, self.dp_opts.broadcast_buffers, skip=params
+                model, self.topology.dp_group, self.device, self.stats, self.dp_opts.broadcast_buffers, skip=params
             )
         state = self._register(model, params, all_segments)
         state.units = units
