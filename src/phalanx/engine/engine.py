@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
 import weakref
 from collections.abc import Callable, Iterator
@@ -42,15 +43,18 @@ from phalanx.engine.data import ActiveLoaders, PreparedDataLoader, PreparedItera
 from phalanx.engine.guards import (
     as_prepared,
     check_backward_has_a_model,
+    check_checkpointable,
     check_loader_batch,
     check_materialised,
     check_not_released,
     check_prepared_models,
+    save_model_arguments,
     warn_accumulation_unused,
 )
 from phalanx.engine.nonfinite import NonFiniteGuard
 from phalanx.engine.precision import Precision, loss_scaling
 from phalanx.engine.prepared import PreparedOptimizer, PreparedScheduler, autocast_forward, kind_of
+from phalanx.engine.tensor_parallel import TensorParallelState
 from phalanx.logging import configure_logging, warn_once
 from phalanx.runtime.comm import all_gather_bytes, all_reduce
 from phalanx.runtime.comm import world_size as comm_world_size
@@ -93,6 +97,8 @@ class Engine:
         config_file: str | os.PathLike[str] | None = None,
         **options: Any,
     ) -> None:
+        if isinstance(options.get("tp_plan"), dict):  # a plan given as a dict travels as JSON, as in a config file
+            options["tp_plan"] = json.dumps(options["tp_plan"])
         overrides = dict(
             strategy=strategy, precision=precision, grad_accum_steps=grad_accum_steps, seed=seed, **options
         )
@@ -123,6 +129,7 @@ class Engine:
         )
         self._checkpointed: list[Any] = []  # register_for_checkpointing
         self._resumer = Resumer(self.config.resume_from)
+        self._tp = TensorParallelState(self.config, self.topology, self.device)
         self._released: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models given up by free_memory
         self._start_training_state()
         seed_everything(self.config.seed)
@@ -140,7 +147,9 @@ class Engine:
             )
         self.strategy = strategy_cls(self.config, self.topology, self.device, self.precision)
         shard_group = self.strategy.grad_shard_group()
-        if self.strategy.shards_gradients and comm_world_size(shard_group) > 1:
+        if self.topology.tp_size > 1:  # the tp ranks hold different gradients: an overflow anywhere skips everywhere
+            self.precision.sync_found_inf, self.precision.found_inf_group = True, None
+        elif self.strategy.shards_gradients and comm_world_size(shard_group) > 1:
             # An fp16 overflow in any rank's share of the gradients must skip the step on every rank.
             self.precision.sync_found_inf, self.precision.found_inf_group = True, shard_group
         self._models: list[nn.Module] = []
@@ -208,7 +217,7 @@ class Engine:
             else:
                 init.materialise_through(None, torch.device("cpu"))
         check_materialised(model, self.strategy.name, self.strategy.materialises_meta or self.strategy.defers_init)
-        model = self.strategy.place_model(model)
+        model = self.strategy.place_model(self._tp.split(model))
         wrapped = self.strategy.wrap_model(model)
         if uninitialised(model):
             model.register_forward_pre_hook(lambda m, args: check_initialised(m, "forward"), prepend=True)
@@ -219,6 +228,7 @@ class Engine:
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer | DummyOptim) -> PreparedOptimizer:
         optimizer = realise_optimizer(optimizer, self.config.deepspeed)
+        self._tp.adopt(optimizer)
         prepared = PreparedOptimizer(self.strategy.wrap_optimizer(optimizer), self)
         self._optimizers.append(prepared)
         return prepared
@@ -348,6 +358,8 @@ class Engine:
         self.precision.scale_loss(loss).backward(**kwargs)
         if boundary:
             self.strategy.finish_gradient_sync()
+            if not self.strategy.shards_gradients:  # zero2/3 keep no whole gradients to compare
+                self._tp.check_once([self.unwrap_model(m) for m in self._models])
 
     def _short_window(self, accum: int, window_len: int) -> float:
         """A short last window (the DataLoader ran out) still averages over the micro-batches it had."""
@@ -627,11 +639,7 @@ class Engine:
         ``save_state``/``load_state``, in the order registered. Their state is saved from rank 0, as JSON and
         tensors."""
         for obj in objects:
-            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-                raise TypeError(
-                    f"register_for_checkpointing needs objects with state_dict() and load_state_dict(); "
-                    f"{type(obj).__name__} has {'neither' if not hasattr(obj, 'state_dict') else 'not both'}"
-                )
+            check_checkpointable(obj)
             self._checkpointed.append(obj)
         self._resume_if_ready()
 
@@ -750,15 +758,7 @@ class Engine:
         ``model.load_state_dict(safetensors.torch.load_file(path))``), and ``config.json`` when the module has a
         ``config`` with ``save_pretrained`` or ``to_json_file``.
         """
-        if len(args) == 2 and isinstance(args[0], nn.Module):
-            model, directory = args
-        elif len(args) == 1 and len(self._models) == 1:
-            model, directory = self._models[0], args[0]
-        else:
-            raise TypeError(
-                f"use engine.save_model(save_directory) with one prepared model, or engine.save_model(model, "
-                f"save_directory); got {len(args)} argument(s) with {len(self._models)} prepared model(s)"
-            )
+        model, directory = save_model_arguments(args, self._models)
         state = self.get_state_dict(model)
         return write_model_dir(
             state, self.unwrap_model(model), Path(directory), metadata, self.is_main_process, self.device

@@ -100,3 +100,23 @@ def check_loader_batch(loader: Any, config: Any, origins: dict[str, str]) -> Non
         f"each rank's micro batch. Make them agree: DataLoader(..., batch_size={wanted}), or set "
         f'train_micro_batch_size_per_gpu to "auto" (or {got}) in the DeepSpeed config'
     )
+
+
+def check_checkpointable(obj: Any) -> None:
+    if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+        raise TypeError(
+            f"register_for_checkpointing needs objects with state_dict() and load_state_dict(); "
+            f"{type(obj).__name__} has {'neither' if not hasattr(obj, 'state_dict') else 'not both'}"
+        )
+
+
+def save_model_arguments(args: tuple[Any, ...], models: Sequence[nn.Module]) -> tuple[nn.Module, Any]:
+    """(model, directory) from ``save_model(save_directory)`` or ``save_model(model, save_directory)``."""
+    if len(args) == 2 and isinstance(args[0], nn.Module):
+        return args[0], args[1]
+    if len(args) == 1 and len(models) == 1:
+        return models[0], args[0]
+    raise TypeError(
+        f"use engine.save_model(save_directory) with one prepared model, or engine.save_model(model, "
+        f"save_directory); got {len(args)} argument(s) with {len(models)} prepared model(s)"
+    )

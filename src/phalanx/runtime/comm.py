@@ -81,9 +81,14 @@ def all_reduce(
 
 
 def broadcast_coalesced(
-    tensors: Sequence[torch.Tensor], src: int = 0, group: Any = None, stats: CommStats | None = None
+    tensors: Sequence[torch.Tensor],
+    src: int = 0,
+    group: Any = None,
+    stats: CommStats | None = None,
+    device: torch.device | None = None,
 ) -> None:
-    """Broadcast many tensors as one flat buffer per dtype: one collective instead of one per tensor."""
+    """Broadcast many tensors as one flat buffer per dtype: one collective instead of one per tensor. ``device``:
+    where the buffer travels from (the collective's device, e.g. CUDA under NCCL for tensors on the host)."""
     if world_size(group) == 1 or not tensors:
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
@@ -91,6 +96,8 @@ def broadcast_coalesced(
         by_dtype[t.dtype].append(t)
     for group_tensors in by_dtype.values():
         flat = torch.cat([t.detach().reshape(-1) for t in group_tensors])
+        if device is not None:
+            flat = flat.to(device)
         if stats is not None:
             stats.record("broadcast", flat)
         watched(dist.broadcast, flat, src=src, group=group)

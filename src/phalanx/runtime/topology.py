@@ -150,6 +150,8 @@ class Topology:
         self.pp_group = self._axis_groups(("pp",))
         self.dp_group = self._axis_groups(("dp_replicate", "dp_shard"))
         self.tp_group = self._axis_groups(("tp",))
+        if self.tp_size == self.world_size:
+            self.tp_group = dist.group.WORLD  # the layers always name their group
         if self.dp_replicate_size != self.dp_size:  # hybrid: the two data-parallel axes apart
             self.dp_shard_group = self._axis_groups(("dp_shard",))
             self.dp_replicate_group = self._axis_groups(("dp_replicate",))

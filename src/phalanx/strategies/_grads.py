@@ -25,11 +25,17 @@ meant is one factor per accumulation window, held by a :class:`GradScale` that e
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
-__all__ = ["GradScale", "build_buckets", "clip_to_norm_", "second_backward_error", "unused_parameters_error",
-           "frozen_after_prepare_error"]  # fmt: skip
+from phalanx.runtime.collective_log import watched
+
+__all__ = ["GradScale", "build_buckets", "clip_to_norm_", "mesh_norm", "tp_replicas", "second_backward_error",
+           "unused_parameters_error", "frozen_after_prepare_error"]  # fmt: skip
 
 
 class GradScale:
@@ -58,6 +64,35 @@ class GradScale:
             return
         value = self.value
         tensor.mul_(value.to(tensor.device) if isinstance(value, torch.Tensor) else value)
+
+
+def tp_replicas(p: torch.Tensor) -> int:
+    """How many tensor-parallel ranks hold this same piece of ``p`` (its ``TPParam.replicas``; 1 without tp)."""
+    info = getattr(p, "_phalanx_tp", None)
+    return 1 if info is None else int(info.replicas)
+
+
+def mesh_norm(
+    pieces: list[tuple[torch.Tensor, int]], norm_type: float, device: torch.device, groups: list[Any]
+) -> torch.Tensor:
+    """The global ``norm_type`` norm of gradient pieces spread over a mesh: ``pieces`` are (gradient or slice of
+    one, how many ranks of the groups hold that same piece); ``groups`` are the process groups over which ranks hold
+    different pieces (the sum of powers, or the max, is combined over each). A piece held by r ranks is counted
+    1/r times on each, so that a tensor-parallel replicated parameter counts once. In float64 on ``device``."""
+    local = [(g.detach().to(torch.float64), r) for g, r in pieces if g.numel()]
+    if math.isinf(norm_type):
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for g, _ in local:
+            total = torch.maximum(total, g.abs().max().to(device))
+        for group in groups:
+            watched(dist.all_reduce, total, op=dist.ReduceOp.MAX, group=group)
+        return total
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for g, r in local:
+        total += (g.norm(norm_type) ** norm_type).to(device) / r
+    for group in groups:
+        watched(dist.all_reduce, total, group=group)
+    return total ** (1.0 / norm_type)
 
 
 def clip_to_norm_(grads: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:

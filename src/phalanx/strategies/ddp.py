@@ -34,7 +34,9 @@ from phalanx.strategies._grads import (
     build_buckets,
     clip_to_norm_,
     frozen_after_prepare_error,
+    mesh_norm,
     second_backward_error,
+    tp_replicas,
     unused_parameters_error,
 )
 from phalanx.strategies._memory import memory_report_dict, nbytes, state_bytes_per_element, state_tensors
@@ -298,8 +300,16 @@ class DDPStrategy(Strategy):
                     p.grad.zero_()
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
-        # After the all-reduce every replica holds the same gradients, so the local norm is the global one.
-        grads = [p.grad for p in parameters if p.grad is not None]
+        # After the all-reduce every replica holds the same gradients, so the local norm is the global one; under
+        # tensor parallelism the tp ranks hold different pieces, each replicated piece counted once.
+        params = [p for p in parameters if p.grad is not None]
+        grads = [p.grad for p in params if p.grad is not None]
+        if self.topology.tp_size > 1:
+            pieces = [(g, tp_replicas(p)) for p, g in zip(params, grads)]
+            total = mesh_norm(pieces, float(norm_type), self.device, [self.topology.tp_group])
+            total = total.to(grads[0].dtype if grads else torch.float32)
+            clip_to_norm_(grads, max_norm, total)
+            return total
         if not grads:
             return torch.zeros((), device=self.device)
         total = torch.nn.utils.get_total_norm(grads, norm_type)

@@ -95,10 +95,11 @@ class PipelineStrategy(Strategy):
         self.schedule = self.opts.pp_schedule
         self.microbatches = self.opts.pp_microbatches or 2 * self.pp_size
         self.partition = parse_partition(self.opts.pp_partition)
-        # pp-major layout: the same data-parallel column of the previous and next stage.
-        self.prev_rank = topo.rank - topo.dp_size if not self.is_first else None
-        self.next_rank = topo.rank + topo.dp_size if not self.is_last else None
-        self.last_rank = (self.pp_size - 1) * topo.dp_size + topo.dp_rank
+        # The same (dp, tp) coordinates in the previous and next stage.
+        here = topo.coordinates(topo.rank)
+        self.prev_rank = topo.rank_at((here[0] - 1, *here[1:])) if not self.is_first else None
+        self.next_rank = topo.rank_at((here[0] + 1, *here[1:])) if not self.is_last else None
+        self.last_rank = topo.rank_at((self.pp_size - 1, *here[1:]))
         self.stage_module: PipelineStage | None = None
         self.stage_starts: list[int] = []
         self.block_names: list[str] = []
@@ -437,7 +438,7 @@ class PipelineStrategy(Strategy):
         out: dict[str, torch.Tensor] = {}
         local = self.stage_module.state_dict()
         for s, layout in enumerate(self._layout):
-            src = s * self.topology.dp_size + self.topology.dp_rank
+            src = self.topology.rank_at((s, *self.topology.coordinates(self.topology.rank)[1:]))
             by_dtype: dict[torch.dtype, list[tuple[str, tuple[int, ...]]]] = {}
             for name, shape, dtype in layout:
                 by_dtype.setdefault(dtype, []).append((name, shape))

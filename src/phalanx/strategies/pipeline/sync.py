@@ -23,7 +23,7 @@ from torch import nn
 from phalanx.checkpoint.shards import ShardEntry, StateReader, balanced_slices, load_whole_tensors, named_tensors
 from phalanx.config.strategy_options import PipelineOptions
 from phalanx.runtime.collective_log import watched
-from phalanx.strategies._grads import clip_to_norm_
+from phalanx.strategies._grads import clip_to_norm_, mesh_norm, tp_replicas
 from phalanx.strategies.base import Strategy
 from phalanx.strategies.ddp import DDPStrategy
 from phalanx.strategies.zero.bucketed import Zero1Strategy
@@ -86,6 +86,13 @@ class WholeStageSync(StageSync):
         params = [p for p in parameters if p.grad is not None]
         grads = [p.grad for p in params if p.grad is not None]
         norm_type = float(norm_type)
+        topo = self.topology
+        if topo.tp_size > 1:  # stages and tp ranks hold different pieces; a tp-replicated one counts once
+            pieces = [(g, tp_replicas(p)) for p, g in zip(params, grads)]
+            groups = ([topo.pp_group] if topo.pp_size > 1 else []) + [topo.tp_group]
+            total = mesh_norm(pieces, norm_type, self.device, groups).to(grads[0].dtype if grads else torch.float32)
+            clip_to_norm_(grads, max_norm, total)
+            return total
         if grads:
             local = torch.nn.utils.get_total_norm(grads, norm_type).to(torch.float64)
         else:

@@ -24,7 +24,14 @@ from torch.autograd import Variable
 from phalanx.checkpoint.shards import ShardEntry, StateReader, named_tensors
 from phalanx.config.strategy_options import DataParallelOptions, ZeroOptions, ZeroShardOptions
 from phalanx.runtime.collective_log import watched
-from phalanx.strategies._grads import GradScale, clip_to_norm_, second_backward_error, unused_parameters_error
+from phalanx.strategies._grads import (
+    GradScale,
+    clip_to_norm_,
+    mesh_norm,
+    second_backward_error,
+    tp_replicas,
+    unused_parameters_error,
+)
 from phalanx.strategies._memory import (
     expected_peak,
     memory_report_dict,
@@ -421,11 +428,21 @@ class ZeroStrategy(Strategy):
         # Each rank holds the reduced gradient of its slices only: combine the local norms over the ranks.
         self.finish_gradient_sync()
         wanted: set[Any] = set(parameters)
-        slices = []
+        slices, pieces = [], []
         for s in self.segments:
             if s.master_grad is not None:
-                slices += [s.master_grad[a:b] for _, a, b in s.local_runs(wanted)]
+                for i, a, b in s.local_runs(wanted):
+                    slices.append(s.master_grad[a:b])
+                    pieces.append((slices[-1], tp_replicas(s.params[i])))
         norm_type = float(norm_type)
+        if self.topology.tp_size > 1:  # the tp ranks hold different pieces; a replicated one counts once
+            # Within a pipeline stage the pieces differ over every rank of the world (stages, shards, tp pieces).
+            groups = (
+                [None] if self.within_stage else [*([self.group] if self.world > 1 else []), self.topology.tp_group]
+            )
+            total = mesh_norm(pieces, norm_type, self.device, groups).float()
+            clip_to_norm_([g for g in slices if g.numel()], max_norm, total)
+            return total
         local = [g.float() for g in slices if g.numel()]
         if math.isinf(norm_type):
             total = max((g.abs().max().to(self.device) for g in local), default=torch.zeros((), device=self.device))

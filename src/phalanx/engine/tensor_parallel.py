@@ -1,0 +1,135 @@
+"""The Engine's side of tensor parallelism: reading the plan setting, splitting a model before the data-parallel
+strategy wraps it, and the one-time check that replicated parameters got equal gradients on every tp rank.
+
+The layers, plans, the vocab-parallel loss and the RNG tracker are in ``strategies/tensor_parallel/``; the mesh and
+its tp group in ``runtime/topology.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from phalanx.config.options import ConfigError
+from phalanx.config.settings import EngineConfig
+from phalanx.config.strategy_options import ParallelOptions
+from phalanx.runtime.comm import broadcast_coalesced
+from phalanx.runtime.topology import Topology
+from phalanx.strategies._replicas import check_same_model, group_rank0
+
+if TYPE_CHECKING:
+    from phalanx.strategies.tensor_parallel import TPReport
+
+__all__ = ["plan_setting", "split_model", "TensorParallelState"]
+
+
+def plan_setting(value: str | None) -> dict[str, str] | None:
+    """``tp_plan`` as a plan: None (the model's own), an inline JSON object, or a path to a JSON file of one."""
+    if value is None:
+        return None
+    text = value.strip()
+    where = "tp_plan"
+    if not text.startswith("{"):
+        path = Path(text).expanduser()
+        if not path.is_file():
+            raise ConfigError(
+                f"tp_plan={value!r} is neither a JSON object nor a file: give the plan inline, e.g. "
+                '\'{"layers.*.q_proj": "colwise"}\', or the path of a .json file that holds one'
+            )
+        text, where = path.read_text(), f"tp_plan file {str(path)!r}"
+    try:
+        plan = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"{where} is not valid JSON ({e}); it must map module-name patterns to styles") from None
+    if not isinstance(plan, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items()):
+        raise ConfigError(f"{where} must be a JSON object of module-name patterns to style names; got {plan!r:.200}")
+    return plan
+
+
+class TensorParallelState:
+    """What the Engine keeps about its tensor-parallel models: each split's report (its RNG tracker, the vocab size
+    the loss expects), and whether the replicated-gradient check has run."""
+
+    def __init__(self, config: EngineConfig, topology: Topology, device: torch.device) -> None:
+        self.config, self.topology, self.device = config, topology, device
+        self.reports: list[TPReport] = []
+        self.checked = False
+        self.replaced: dict[int, nn.Parameter] = {}  # id of a parameter before the split -> its local piece
+
+    @property
+    def active(self) -> bool:
+        return self.topology.tp_size > 1
+
+    def split(self, model: nn.Module) -> nn.Module:
+        if not self.active:
+            return model
+        before = dict(model.named_parameters(remove_duplicate=False))
+        report = split_model(model, self.config, self.topology, self.device)
+        if report is not None:
+            self.reports.append(report)
+            after = dict(model.named_parameters(remove_duplicate=False))
+            self.replaced.update({id(p): after[n] for n, p in before.items() if after.get(n) is not p})
+        return model
+
+    def adopt(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer built on the model before ``prepare`` split it holds the whole parameters: point it at the
+        local pieces (their state too, when it has any)."""
+        if not self.replaced:
+            return
+        for group in optimizer.param_groups:
+            group["params"] = [self.replaced.get(id(p), p) for p in group["params"]]
+        for old in [p for p in optimizer.state if id(p) in self.replaced]:
+            if optimizer.state[old]:
+                raise ValueError(
+                    "the optimizer holds state for whole parameters that tensor parallelism has just split; "
+                    "prepare the model and optimizer before the first step (or build the optimizer after prepare)"
+                )
+            del optimizer.state[old]
+
+    def check_once(self, models: list[nn.Module]) -> None:
+        """After the first reduced backward: every replicated parameter's gradient is equal on its holders (a
+        plan that leaves a partial gradient unsynchronised is named here, not discovered as silent drift)."""
+        if self.checked or not self.active:
+            return
+        self.checked = True
+        from phalanx.strategies.tensor_parallel import check_replicated_grads
+
+        for model in models:
+            check_replicated_grads(model, self.topology.tp_group)
+
+    def trackers(self) -> list[Any]:
+        return [r.tracker for r in self.reports]
+
+
+def split_model(model: nn.Module, config: EngineConfig, topology: Topology, device: torch.device) -> TPReport | None:
+    """Split ``model`` in place over the tp group by its plan; None when it was split already."""
+    if any(getattr(p, "_phalanx_tp", None) is not None for p in model.parameters()):
+        return None
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        raise ValueError(
+            f"tp_size={topology.tp_size}: the model is on the meta device, and tensor parallelism splits its "
+            "initialised weights (so that every layout starts from the same values); build the model on the CPU "
+            "(or load its weights) before engine.prepare, or use tp_size=1 with deferred initialisation"
+        )
+    # The tp ranks split one set of weights: the first tp rank's (ranks may have been seeded apart).
+    check_same_model(model, topology.tp_group, device)
+    broadcast_coalesced(
+        [t.data for t in model.parameters()] + list(model.buffers()),
+        src=group_rank0(topology.tp_group),
+        group=topology.tp_group,
+        device=device,
+    )
+    from phalanx.strategies.tensor_parallel import apply_tp_plan
+
+    opts = config.options(ParallelOptions)
+    return apply_tp_plan(
+        model,
+        plan_setting(opts.tp_plan),
+        topology.tp_group,
+        sequence_parallel=opts.sequence_parallel,
+        seed=config.seed,
+    )
