@@ -164,10 +164,13 @@ def _gpt_run(strategy: str, options: dict, opt: str = "sgd", max_norm: float | N
 
 def _full_state(engine, model) -> dict:
     """The whole state dict, tp pieces put together (a check independent of the checkpoint code's own gather)."""
-    from phalanx.strategies.tensor_parallel import tp_gather_full
+    from phalanx.strategies.tensor_parallel import tp_gather_full, tp_param_info
 
     state = engine.get_state_dict(model)
-    infos = engine._tp.reports[0].params  # every parameter's layout, taken when the plan split the model
+    infos = dict(engine._tp.reports[0].params)  # every parameter's layout, taken when the plan split the model
+    for n, p in engine.unwrap_model(model).named_parameters(remove_duplicate=False):  # tied names too
+        if tp_param_info(p) is not None:
+            infos.setdefault(n, tp_param_info(p))
     for k, v in state.items():
         info = infos.get(k)
         if info is not None and info.dim is not None and tuple(v.shape) != info.full_shape:
@@ -271,3 +274,94 @@ def test_pipeline_with_tensor_parallelism_pp2_tp2(run_ranks):
 def test_pipeline_data_and_tensor_parallelism_pp2_dp2_tp2_on_8_ranks(run_ranks):
     results = run_ranks(_pipe_run, 8, {"pp_size": 2, "tp_size": 2}, 2)
     _check_against(results, _pipe_reference(2), "pp2 x dp2 x tp2")
+
+
+# ------------------------------------------------------------------------- tp2 x dp2: the details stay correct
+def _replicated_grads_and_overflow() -> dict:
+    """tp2 x ddp2: replicated parameters' gradients after one backward; then an fp16 overflow on one rank only."""
+    from phalanx.demo import TinyGPT
+
+    engine = phalanx.Engine(strategy="ddp", seed=0, tp_size=2, precision="fp16-mixed")
+    torch.manual_seed(100)
+    model = TinyGPT(_gpt_cfg())
+    optimizer = _make_opt("sgd", model)
+    model, optimizer = engine.prepare(model, optimizer)
+    x, y = _gpt_data(TP_BATCH)
+    half = TP_BATCH // 2
+    rows = slice(engine.topology.dp_rank * half, (engine.topology.dp_rank + 1) * half)
+    engine.backward(F.cross_entropy(model(x[rows]).flatten(0, 1), y[rows].flatten()))
+    unwrapped = engine.unwrap_model(model)
+    replicated = {n: p.grad.clone() for n, p in unwrapped.named_parameters() if p._phalanx_tp.dim is None}
+    optimizer.step()
+    optimizer.zero_grad()
+    first_skipped = engine.step_was_skipped
+    before = {n: p.detach().clone() for n, p in unwrapped.named_parameters()}
+    engine.backward(F.cross_entropy(model(x[rows]).flatten(0, 1), y[rows].flatten()))
+    if engine.rank == 1:  # tp rank 1 of the first replica: one element of one split parameter overflows
+        unwrapped.blocks[0].mlp[0].weight.grad.view(-1)[3] = float("inf")
+    optimizer.step()
+    unchanged = all(torch.equal(before[n], p.detach()) for n, p in unwrapped.named_parameters())
+    return {
+        "replicated": replicated,
+        "tp_rank": engine.topology.tp_rank,
+        "first_skipped": first_skipped,
+        "skipped": engine.step_was_skipped,
+        "unchanged": unchanged,
+    }
+
+
+def test_tp2xdp2_replicated_grads_agree_and_an_overflow_on_one_tp_rank_skips_everywhere(run_ranks):
+    results = run_ranks(_replicated_grads_and_overflow, 4)
+    assert [r["tp_rank"] for r in results] == [0, 1, 0, 1]
+    # norms, biases of row-parallel layers, the position embedding: the same gradient on every tp rank
+    assert {"ln_f.weight", "blocks.0.proj.bias", "pos.weight"} <= set(results[0]["replicated"])
+    for a, b in ((0, 1), (2, 3)):
+        for name, g in results[a]["replicated"].items():
+            assert torch.equal(g, results[b]["replicated"][name]), name
+    assert not any(r["first_skipped"] for r in results)
+    assert all(r["skipped"] and r["unchanged"] for r in results)  # rank 1's inf skipped the step on all four
+
+
+def _accumulate_items(world_options: dict) -> dict:
+    from phalanx.demo import TinyGPT
+
+    engine = phalanx.Engine(strategy="zero2", seed=0, grad_accum_steps=2, **world_options)
+    torch.manual_seed(100)
+    model = TinyGPT(_gpt_cfg())
+    optimizer = _make_opt("sgd", model)
+    x, y = _masked_data()
+    loader = DataLoader(TensorDataset(x, y), batch_size=TP_BATCH // 2 // engine.topology.dp_size, shuffle=True)
+    model, optimizer, loader = engine.prepare(model, optimizer, loader)
+    for xb, yb in loader:
+        with engine.accumulate():
+            loss_sum = F.cross_entropy(model(xb).flatten(0, 1), yb.flatten(), reduction="sum", ignore_index=-100)
+            engine.backward(loss_sum, items=(yb != -100).sum())
+            optimizer.step()
+            optimizer.zero_grad()
+    return {"losses": [], "norms": [], "state": _full_state(engine, model), "rank": engine.rank}
+
+
+def _masked_data() -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = _gpt_data(TP_STEPS * TP_BATCH)
+    g = torch.Generator().manual_seed(3)
+    y = y.masked_fill(torch.rand(y.shape, generator=g) < 0.4, -100)  # uneven token counts per micro-batch and rank
+    return x, y
+
+
+def test_tp2xdp2_accumulation_with_items_matches_single_process(run_ranks):
+    from phalanx.demo import TinyGPT
+
+    results = run_ranks(_accumulate_items, 4, {"tp_size": 2})
+    torch.manual_seed(100)
+    model = TinyGPT(_gpt_cfg())
+    optimizer = _make_opt("sgd", model)
+    x, y = _masked_data()
+    order = global_order(len(x), 0, 0)
+    for step in range(TP_STEPS):
+        idx = order[step * TP_BATCH : (step + 1) * TP_BATCH]
+        loss = F.cross_entropy(model(x[idx]).flatten(0, 1), y[idx].flatten(), ignore_index=-100)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    ref = {"losses": [], "norms": [], "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    _check_against(results, ref, "tp2 x zero2, accumulation with items=")

@@ -52,7 +52,7 @@ from phalanx.engine.guards import (
     warn_accumulation_unused,
 )
 from phalanx.engine.nonfinite import NonFiniteGuard
-from phalanx.engine.precision import Precision, loss_scaling
+from phalanx.engine.precision import Precision, loss_scaling, precision_report
 from phalanx.engine.prepared import PreparedOptimizer, PreparedScheduler, autocast_forward, kind_of
 from phalanx.engine.tensor_parallel import TensorParallelState
 from phalanx.logging import configure_logging, warn_once
@@ -788,13 +788,9 @@ class Engine:
         """
         report = self.strategy.memory_report([o.optimizer for o in self._optimizers])
         report["peak"] = peak_memory_bytes(self.device)
+        report["mesh"] = dict(zip(("pp", "dp_replicate", "dp_shard", "tp"), self.topology.sizes))
         return report
 
     def precision_report(self) -> dict[str, str]:
         """The dtypes actually in use: parameters, gradients, optimizer state, compute and communication."""
-        return self.precision.report(
-            params=[p for m in self._models for p in m.parameters()],
-            grads=[p.grad for o in self._optimizers for g in o.param_groups for p in g["params"] if p.grad is not None],
-            optimizers=[o.optimizer for o in self._optimizers],
-            comm_dtype=self.strategy.comm_dtype(),
-        )
+        return precision_report(self.precision, self._models, self._optimizers, self.strategy.comm_dtype())

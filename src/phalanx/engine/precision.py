@@ -17,7 +17,7 @@ import torch
 
 from phalanx.config.general import PRECISIONS
 
-__all__ = ["Precision", "LossScaling", "loss_scaling"]
+__all__ = ["Precision", "LossScaling", "loss_scaling", "precision_report"]
 
 _AUTOCAST_DTYPE = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 
@@ -222,3 +222,14 @@ class Precision:
             if self.scaler is None
             else ("static" if self.schedule is not None and self.schedule.policy.static else "dynamic"),
         }
+
+
+def precision_report(precision: Precision, models: list[Any], optimizers: list[Any], comm_dtype: Any) -> dict[str, str]:
+    """``engine.precision_report()``: the dtypes of the prepared models' parameters and gradients, the optimizers'
+    state, compute and communication."""
+    return precision.report(
+        params=[p for m in models for p in m.parameters()],
+        grads=[p.grad for o in optimizers for g in o.param_groups for p in g["params"] if p.grad is not None],
+        optimizers=[o.optimizer for o in optimizers],
+        comm_dtype=comm_dtype,
+    )
