@@ -34,7 +34,7 @@ from typing import Any
 MANIFEST = Path(__file__).with_name("config_manifest.json")
 # The settings a manifest entry may expect.
 SETTINGS = ("strategy", "precision", "offload", "grad_accum_steps", "max_grad_norm", "launch.nproc_per_node",
-            "launch.nnodes")  # fmt: skip
+            "launch.nnodes", "tp_size", "dp_shard_size", "dp_replicate_size")  # fmt: skip
 # What Accelerate's DummyOptim / DummyScheduler and the HF Trainer fill a block's "auto" values with.
 AUTO = {"lr": 1e-3, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8, "warmup_num_steps": 10,
         "total_num_steps": 100, "warmup_min_lr": 0.0, "warmup_max_lr": 1e-3}  # fmt: skip

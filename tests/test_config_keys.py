@@ -90,8 +90,17 @@ def _row(title_part: str, key: str, value):
 
 def test_the_rows_say_what_the_issue_asked_for():
     # A feature phalanx lacks is named as DeepSpeed names it, never as a typo.
+    row = _row("DeepSpeed JSON: top", "expert_parallel", {"enabled": True, "autoep_size": 2})
+    assert row.kind == "refuses" and "expert parallelism (expert_parallel)" in row.outcome
+    # AutoTP's size is the mesh's tp_size, and hpZ's group is hybrid zero3's shard group, each with what differs.
     row = _row("DeepSpeed JSON: top", "tensor_parallel", {"autotp_size": 2})
-    assert row.kind == "refuses" and "AutoTP tensor parallelism (tensor_parallel.autotp_size)" in row.outcome
+    assert row.kind == "maps" and "`tp_size` = `2`" in row.outcome and "the model's own plan" in row.outcome
+    row = _row("zero_optimization", "zero_hpz_partition_size", 8)
+    assert row.kind == "maps" and "`dp_shard_size` = `8`" in row.outcome and "the memory is not" in row.outcome
+    # Accelerate's ParallelismConfig sizes are the mesh's; context parallelism is refused by name.
+    assert "`dp_replicate_size` = `2`" in _row("parallelism_config", "parallelism_config_dp_replicate_size", 2).outcome
+    row = _row("parallelism_config", "parallelism_config_cp_size", 8)
+    assert row.kind == "refuses" and "context parallelism" in row.outcome
     # "auto" is filled as Accelerate fills it.
     assert "`strategy` = `'zero2'`" in _row("zero_optimization", "stage", "auto").outcome
     assert "`max_grad_norm` = `1.0` unless" in _row("DeepSpeed JSON: top", "gradient_clipping", "auto").outcome

@@ -105,7 +105,25 @@ _BASE = "compute_environment: LOCAL_MACHINE\nnum_machines: 1\nnum_processes: 2\n
     [
         ("distributed_type: MEGATRON_LM\n", "MEGATRON_LM.*use strategy pipeline"),
         ("distributed_type: MULTI_GPU\nmixed_precision: fp8\n", "fp8.*use mixed_precision: bf16"),
-        ("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD\n", "HYBRID_SHARD.*no hybrid"),
+        ("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: HALF_SHARD\n", "HALF_SHARD.*HYBRID_SHARD"),
+        # Context and Ulysses sequence parallelism are named, with what to use instead.
+        (
+            "distributed_type: FSDP\nparallelism_config:\n  parallelism_config_cp_size: 2\n",
+            r"parallelism_config_cp_size=2 .*does not have context parallelism.*Set it to 1",
+        ),
+        (
+            "distributed_type: FSDP\nparallelism_config:\n  parallelism_config_sp_size: 2\n",
+            "Ulysses sequence parallelism.*set tp_size and sequence_parallel",
+        ),
+        # Accelerate's own spelling has the prefix; the bare name would be dropped by Accelerate without a word.
+        ("distributed_type: FSDP\nparallelism_config:\n  tp_size: 2\n", "did you mean 'parallelism_config_tp_size'"),
+        ("distributed_type: FSDP\nparallelism_config:\n  parallelism_config_tp_size: 0\n", "at least 1; got 0"),
+        # Two ways of saying the replicas: FSDP1's hybrid and FSDP2's ParallelismConfig (Accelerate refuses it too).
+        (
+            "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD\n"
+            "parallelism_config:\n  parallelism_config_dp_replicate_size: 2\n  parallelism_config_dp_shard_size: 1\n",
+            "HYBRID_SHARD' and parallelism_config's dp sizes both say.*dp_replicate_size=2",
+        ),
         ("distributed_type: MULTI_GPU\ndynamo_config:\n  dynamo_backend: INDUCTOR\n", "torch.compile"),
         ("distributed_type: MULTI_GPU\ngpu_ids: 0,1\n", "CUDA_VISIBLE_DEVICES=0,1"),
         ("distributed_type: MULTI_GPU\nnum_procesess: 2\n", "did you mean 'num_processes'"),
@@ -315,7 +333,15 @@ def test_a_key_outside_deepspeed_s_schema_is_ignored_as_deepspeed_ignores_it_but
         ({"sparse_attention": {"enabled": True}}, "sparse_attention is enabled"),
         ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "does not quantise"),
         # Features DeepSpeed has and phalanx lacks are named as DeepSpeed names them, not called typos.
-        ({"tensor_parallel": {"autotp_size": 2}}, r"AutoTP tensor parallelism \(tensor_parallel.autotp_size\)"),
+        ({"expert_parallel": {"enabled": True, "autoep_size": 2}}, r"expert parallelism \(expert_parallel\)"),
+        # AutoTP's options that choose another split than the model's plan are refused, with the way to say it.
+        ({"tensor_parallel": {"autotp_size": 2, "preset_model": "llama"}}, "preset_model='llama'.*model's own plan"),
+        ({"tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": []}}}, "as tp_plan"),
+        ({"tensor_parallel": {"autotp_size": 2, "kernel_inject": True}}, "fused inference kernels"),
+        ({"tensor_parallel": {"autotp_size": 2, "tp": {"tp_size": 4}}}, "tp.tp_size=4 differs from.*autotp_size=2"),
+        ({"tensor_parallel": {"autotp_size": 2, "tp_overlap": True}}, "did you mean 'tp_overlap_comm'"),
+        ({"tensor_parallel": {"autotp_size": -1}}, "autotp_size must be a whole number"),
+        ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": "8"}}, "invalid .*zero_hpz_partition_size"),
         ({"quantize_training": {"enabled": True}}, "quantization-aware training"),
         ({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}}}, "ZenFlow"),
         ({"torch_autocast": {"enabled": True, "dtype": "torch.float16"}}, "without a loss scaler"),
@@ -351,3 +377,100 @@ def test_a_key_that_contradicts_the_deepspeed_file_in_the_same_place_is_an_error
 def test_zero_stage_in_a_phalanx_yaml_points_to_strategy(tmp_path):
     with pytest.raises(ConfigError, match="unknown key 'zero_stage'; write strategy: zero1, zero2 or zero3"):
         resolve_config(file=_write(tmp_path, "p.yaml", "zero_stage: 3\n"), env={})
+
+
+# --------------------------------------------------------------------------- the device mesh in the peers' names
+def test_accelerate_parallelism_config_is_the_device_mesh(tmp_path):
+    from phalanx.config.mesh import mesh_sizes
+
+    text = (
+        "distributed_type: FSDP\nnum_machines: 1\nnum_processes: 8\nmixed_precision: bf16\nfsdp_config:\n"
+        "  fsdp_version: 2\n  fsdp_reshard_after_forward: true\nparallelism_config:\n"
+        "  parallelism_config_cp_size: 1\n  parallelism_config_dp_replicate_size: 2\n"
+        "  parallelism_config_dp_shard_size: 2\n  parallelism_config_tp_size: 2\n"
+    )  # Accelerate's examples/torch_native_parallelism/configs/tp_hsdp.yaml
+    cfg = resolve_config(file=_write(tmp_path, "tp_hsdp.yaml", text), env={})
+    e = cfg.engine
+    assert (e.strategy, e.tp_size, e.dp_shard_size, e.dp_replicate_size) == ("zero3", 2, 2, 2)
+    assert "parallelism_config.parallelism_config_tp_size" in _origin(cfg, "tp_size")
+    assert "parallelism_config.parallelism_config_dp_replicate_size" in _origin(cfg, "dp_replicate_size")
+    assert "parallelism_config.parallelism_config_cp_size" in _ignored(cfg)
+    assert tuple(mesh_sizes(e, 8, cfg.origins)) == (1, 2, 2, 2)
+    # Every size 1 asks for nothing: the strategy's own layout.
+    ones = text.replace(": 2\n", ": 1\n")
+    cfg = resolve_config(file=_write(tmp_path, "ones.yaml", ones), env={})
+    assert "tp_size" not in cfg.origins and "parallelism_config" in _ignored(cfg)
+
+
+def test_accelerate_parallelism_sizes_that_do_not_fit_are_one_error_naming_the_file_keys(tmp_path):
+    from phalanx.config.mesh import mesh_sizes
+
+    text = _BASE + "distributed_type: MULTI_GPU\nparallelism_config:\n  parallelism_config_dp_shard_size: 2\n"
+    cfg = resolve_config(file=_write(tmp_path, "a.yaml", text), env={})
+    with pytest.raises(ConfigError, match=r"strategy 'ddp' does not do.*parallelism_config_dp_shard_size"):
+        mesh_sizes(cfg.engine, 2, cfg.origins)
+
+
+@pytest.mark.parametrize(
+    "value, strategy", [("HYBRID_SHARD", "zero3"), ("HYBRID_SHARD_ZERO2", "zero2"), (4, "zero3"), (5, "zero2")]
+)
+def test_accelerate_fsdp_hybrid_shard_shards_within_a_machine_and_replicates_across_machines(tmp_path, value, strategy):
+    from phalanx.config.mesh import mesh_sizes
+
+    text = (
+        "compute_environment: LOCAL_MACHINE\nnum_machines: 2\nnum_processes: 16\ndistributed_type: FSDP\n"
+        "main_process_ip: 10.0.0.1\nmain_process_port: 29500\n"
+        f"fsdp_config:\n  fsdp_sharding_strategy: {value}\n"
+    )
+    cfg = resolve_config(file=_write(tmp_path, "hsdp.yaml", text), env={})
+    assert (cfg.engine.strategy, cfg.engine.dp_replicate_size, cfg.engine.dp_shard_size) == (strategy, 2, None)
+    assert "num_machines=2" in _origin(cfg, "dp_replicate_size")
+    assert any("replicates over the 2 machines" in note for note in cfg.notes)
+    # dp_shard takes what is left: the 8 processes of one machine, as FSDP's intra-node shard groups.
+    assert tuple(mesh_sizes(cfg.engine, 16, cfg.origins)) == (1, 2, 8, 1)
+
+
+def test_accelerate_fsdp_hybrid_shard_on_one_machine_is_plain_sharding_with_a_note(tmp_path):
+    text = _BASE + "distributed_type: FSDP\nfsdp_config:\n  fsdp_reshard_after_forward: HYBRID_SHARD\n"
+    cfg = resolve_config(file=_write(tmp_path, "a.yaml", text), env={})
+    assert (cfg.engine.strategy, cfg.engine.dp_replicate_size) == ("zero3", 1)
+    assert any("on one machine is zero3 over all its processes" in note for note in cfg.notes)
+
+
+def test_deepspeed_autotp_size_is_tp_size_and_its_other_keys_each_say_what_they_do(tmp_path):
+    ds = {
+        "zero_optimization": {"stage": 2},
+        "tensor_parallel": {
+            "autotp_size": 4,
+            "tp_overlap_comm": True,
+            "dtype": "bf16",
+            "keep_module_on_host": False,
+            "preset_model": None,
+            "tp": {"tp_size": 4, "tp_grain_size": 64},
+        },
+    }
+    cfg = resolve_config(file=_write(tmp_path, "ds.json", json.dumps(ds)), env={})
+    assert (cfg.engine.strategy, cfg.engine.tp_size) == ("zero2", 4)
+    assert "tensor_parallel.autotp_size" in _origin(cfg, "tp_size")
+    assert any("the model's own plan" in note and "infers one" in note for note in cfg.notes)
+    ignored = _ignored(cfg)
+    for key in ("tp_overlap_comm", "dtype", "keep_module_on_host", "preset_model", "tp.tp_size", "tp.tp_grain_size"):
+        assert f"tensor_parallel.{key}" in ignored, key
+
+
+def test_deepspeed_hpz_is_hybrid_zero3_over_the_hpz_group_with_the_memory_that_differs(tmp_path):
+    from phalanx.config.mesh import mesh_sizes
+
+    ds = {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 4}}
+    cfg = resolve_config(file=_write(tmp_path, "ds.json", json.dumps(ds)), env={})
+    assert (cfg.engine.strategy, cfg.engine.dp_shard_size) == ("zero3", 4)
+    assert "zero_hpz_partition_size" in _origin(cfg, "dp_shard_size")
+    assert any("The update is the same" in n and "the memory is not" in n for n in cfg.notes)
+    assert tuple(mesh_sizes(cfg.engine, 16, cfg.origins)) == (1, 4, 4, 1)
+    with pytest.raises(ConfigError, match=r"dp_shard_size=4 \(.*zero_hpz_partition_size.*world size 6"):
+        mesh_sizes(cfg.engine, 6, cfg.origins)
+    # DeepSpeed reads it at stage 3 only; below, it is ignored as there, and 1 is off.
+    for stage, size in ((2, 4), (3, 1)):
+        ds = {"zero_optimization": {"stage": stage, "zero_hpz_partition_size": size}}
+        cfg = resolve_config(file=_write(tmp_path, "ds.json", json.dumps(ds)), env={})
+        assert "dp_shard_size" not in cfg.origins and "zero_optimization.zero_hpz_partition_size" in _ignored(cfg)

@@ -115,15 +115,7 @@ def from_accelerate(data: dict[str, Any], where: str, read_json: Callable[[str],
                 )
             out.ignore(key, "dynamo_backend NO: no compilation asked for")
         elif key == "parallelism_config":
-            sizes = {k: v for k, v in (value or {}).items() if str(k).endswith("_size") and v not in (1, None)}
-            if sizes:
-                raise _error(
-                    key,
-                    value,
-                    "phalanx does not do tensor or context parallelism; use strategy zero3 to shard "
-                    "a model that does not fit, or strategy pipeline with pp_size for pipeline stages",
-                )
-            out.ignore(key, "every size is 1")
+            _map_parallelism(value, out)
     _map_world(data, dtype, out)
     if "mixed_precision" in data:
         out.set("precision", precision_from_accelerate(data["mixed_precision"]), "mixed_precision")
@@ -144,7 +136,7 @@ def from_accelerate(data: dict[str, Any], where: str, read_json: Callable[[str],
             "run phalanx launch --nnodes N --node-rank R --master-addr ADDR train.py on each machine"
         )
     if dtype == "FSDP":
-        _map_fsdp(data.get("fsdp_config") or {}, out)
+        _map_fsdp(data.get("fsdp_config") or {}, out, int(data.get("num_machines", 1) or 1))
     elif data.get("fsdp_config"):
         out.ignore("fsdp_config", f"read only with distributed_type FSDP; got {dtype}")
     return out
@@ -251,13 +243,82 @@ _FSDP_MAPPED = {
     "fsdp_transformer_layer_cls_to_wrap", "fsdp_auto_wrap_policy", "fsdp_backward_prefetch",
     "fsdp_backward_prefetch_policy", "fsdp_forward_prefetch", "fsdp_activation_checkpointing", "fsdp_ignored_modules",
 }  # fmt: skip
+# Accelerate's ParallelismConfig, as `accelerate config` writes it (each key prefixed, as the launcher's flags are).
+_PC = "parallelism_config_"
+_PC_SIZES = {_PC + "tp_size": "tp_size", _PC + "dp_shard_size": "dp_shard_size",
+             _PC + "dp_replicate_size": "dp_replicate_size"}  # fmt: skip
+# Axes phalanx does not have: refused above 1, with what each is.
+_PC_ABSENT = {
+    _PC + "cp_size": "context parallelism (cp_size: each rank holds a slice of the sequence through attention, "
+    "ring attention over the cp ranks)",
+    _PC + "sp_size": "DeepSpeed's Ulysses sequence parallelism (sp_size: the sequence split over ranks with "
+    "all-to-all attention). phalanx's sequence_parallel is the other kind, inside tensor parallelism: set tp_size "
+    "and sequence_parallel",
+}
+# Options of those axes: read only when their size is above 1.
+_PC_OF_ABSENT = {
+    _PC + "cp_backend": _PC + "cp_size", _PC + "cp_comm_strategy": _PC + "cp_size",
+    _PC + "sp_backend": _PC + "sp_size", _PC + "sp_seq_length": _PC + "sp_size",
+    _PC + "sp_seq_length_is_variable": _PC + "sp_size", _PC + "sp_attn_implementation": _PC + "sp_size",
+}  # fmt: skip
 # Every key each section of an Accelerate config may hold, as this module reads them; a key outside its section's
 # set is an error. keys.py builds the table of what phalanx does with each (docs/config-keys.md) from these sets.
 KNOWN_KEYS: dict[str, frozenset[str]] = {
     "": frozenset(_KNOWN_TOP | set(_IGNORED_TOP) | _SAGEMAKER),
     "deepspeed_config": frozenset(_DS_MAPPED | set(_DS_IGNORED) | set(_DS_HOSTFILE)),
     "fsdp_config": frozenset(_FSDP_MAPPED | set(_FSDP_NOTED)),
+    "parallelism_config": frozenset(set(_PC_SIZES) | set(_PC_ABSENT) | set(_PC_OF_ABSENT)),
 }
+
+
+def _map_parallelism(section: Any, out: Mapped) -> None:
+    """Accelerate's ``parallelism_config``: the tp, dp_shard and dp_replicate sizes are phalanx's mesh sizes, taken
+    as they are written (Accelerate, too, needs their product to be the number of processes); cp and sp refused."""
+    if section in (None, {}):
+        out.ignore("parallelism_config", "empty: no device mesh asked for")
+        return
+    if not isinstance(section, dict):
+        raise ConfigError(
+            f"accelerate config: parallelism_config must be a mapping of sizes such as "
+            f"{{{_PC}tp_size: 2}}; got {section!r}"
+        )
+    for key in section:
+        if _PC + str(key) in KNOWN_KEYS["parallelism_config"]:
+            raise ConfigError(
+                f"accelerate config: parallelism_config.{key} is not read by Accelerate, which reads the prefixed "
+                f"name; did you mean '{_PC}{key}'? (as `accelerate config` writes it)"
+            )
+        if key not in KNOWN_KEYS["parallelism_config"]:
+            raise _unknown("parallelism_config", key)
+    sizes: dict[str, int] = {}
+    for key in (*_PC_SIZES, *_PC_ABSENT):
+        if key not in section or section[key] is None:
+            continue
+        value = section[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(
+                f"accelerate config: parallelism_config.{key} must be a whole number of at least 1; got {value!r}"
+            )
+        sizes[key] = value
+    for key, feature in _PC_ABSENT.items():
+        if sizes.get(key, 1) > 1:
+            raise _error(
+                f"parallelism_config.{key}",
+                sizes[key],
+                f"phalanx does not have {feature}. Set it to 1; for a model or activations that do not fit, shard "
+                "with tp_size (tensor parallelism), strategy zero3, or strategy pipeline",
+            )
+    if all(size == 1 for size in sizes.values()):
+        out.ignore("parallelism_config", "every size is 1: no device mesh asked for")
+        return
+    for key, value in section.items():
+        name = f"parallelism_config.{key}"
+        if key in _PC_SIZES and value is not None:
+            out.set(_PC_SIZES[key], value, name)
+        elif key in _PC_ABSENT:
+            out.ignore(name, f"{value!r}: off")
+        elif key in _PC_OF_ABSENT:
+            out.ignore(name, f"read only with {_PC_OF_ABSENT[key]} above 1")
 
 
 def _unknown(section: str, key: str) -> ConfigError:
@@ -342,13 +403,17 @@ def _map_deepspeed(ds: dict[str, Any], out: Mapped, where: str, read_json: Calla
         offload_for(out, opt, par, stage, "deepspeed_config.offload_optimizer_device / offload_param_device")
 
 
+# FSDP1's sharding strategies by name and by number (Accelerate numbers them from 1 in this order).
 _SHARDING = {
     "FULL_SHARD": "zero3", "1": "zero3", "SHARD_GRAD_OP": "zero2", "2": "zero2", "NO_SHARD": "ddp", "3": "ddp",
+    "HYBRID_SHARD": "zero3", "4": "zero3", "HYBRID_SHARD_ZERO2": "zero2", "5": "zero2",
 }  # fmt: skip
+_HYBRID = ("HYBRID_SHARD", "4", "HYBRID_SHARD_ZERO2", "5")
 
 
-def _map_fsdp(fsdp: dict[str, Any], out: Mapped) -> None:
-    """Accelerate's ``fsdp_config``: FSDP1 sharding strategies and FSDP2's reshard_after_forward onto zero3 / zero2."""
+def _map_fsdp(fsdp: dict[str, Any], out: Mapped, machines: int) -> None:
+    """Accelerate's ``fsdp_config``: FSDP1 sharding strategies and FSDP2's reshard_after_forward onto zero3 / zero2;
+    HYBRID_SHARD (and _ZERO2) onto hybrid sharding: shards within each machine, replicas across machines."""
     strategy = "zero3"
     source = "distributed_type"
     if "fsdp_reshard_after_forward" in fsdp:
@@ -364,10 +429,12 @@ def _map_fsdp(fsdp: dict[str, Any], out: Mapped) -> None:
         raise _error(
             source,
             value,
-            "phalanx shards over all ranks (FULL_SHARD -> zero3, SHARD_GRAD_OP -> zero2) and "
-            "has no hybrid sharding; use FULL_SHARD or SHARD_GRAD_OP",
+            "use FULL_SHARD (zero3), SHARD_GRAD_OP (zero2), NO_SHARD (ddp), HYBRID_SHARD or HYBRID_SHARD_ZERO2 "
+            "(zero3 or zero2 sharded within each machine, replicated across machines), or 1-5 for the same",
         )
     out.set("strategy", strategy, source)
+    if source != "distributed_type" and str(value).upper() in _HYBRID:
+        _hybrid(value, source, strategy, machines, out)
     for key, value in fsdp.items():
         name = f"fsdp_config.{key}"
         if key not in KNOWN_KEYS["fsdp_config"]:
@@ -425,3 +492,29 @@ def _map_fsdp(fsdp: dict[str, Any], out: Mapped) -> None:
             out.ignore(name, f"{value!r}: no module is left out")
         else:
             out.ignore(name, _FSDP_NOTED[key])
+
+
+def _hybrid(value: Any, source: str, strategy: str, machines: int, out: Mapped) -> None:
+    """FSDP's HYBRID_SHARD: torch builds its shard groups from the devices of one machine and replicates across
+    machines. Here that is dp_replicate_size = num_machines, with dp_shard_size taking the rest (the processes of
+    one machine), so that a process count given on the command line keeps the same layout."""
+    said = out.get("dp_replicate_size"), out.get("dp_shard_size")
+    if said != (None, None):
+        raise ConfigError(
+            f"accelerate config: {source}={value!r} and parallelism_config's dp sizes both say how the ranks shard "
+            f"and replicate (dp_replicate_size={said[0]}, dp_shard_size={said[1]}); Accelerate takes "
+            "parallelism_config with FSDP2 only. Keep one: HYBRID_SHARD (shards within each machine), or "
+            "fsdp_reshard_after_forward with parallelism_config's dp_shard_size and dp_replicate_size"
+        )
+    out.set("dp_replicate_size", machines, f"{source} (num_machines={machines}: one replica per machine)")
+    if machines == 1:
+        out.notes.append(
+            f"{source}={value!r} on one machine is {strategy} over all its processes: FSDP's hybrid sharding "
+            "shards within a machine and replicates across machines, and with one machine there is nothing to "
+            "replicate across (as in torch's FSDP)"
+        )
+    else:
+        out.notes.append(
+            f"{source}={value!r}: {strategy} shards within each machine (dp_shard_size = the processes of one "
+            f"machine) and replicates over the {machines} machines (dp_replicate_size={machines}), as FSDP does"
+        )

@@ -69,7 +69,6 @@ _IGNORED = {
 # known one is taken for a typo instead, and refused.
 # DeepSpeed features phalanx lacks, by the block that asks for them: refused when on, noted when off.
 _FEATURES = {
-    "tensor_parallel": ("AutoTP tensor parallelism (tensor_parallel.autotp_size)", "autotp_size"),
     "quantize_training": ("quantization-aware training (quantize_training)", "enabled"),
     "hybrid_engine": ("the Hybrid Engine for RLHF generation (hybrid_engine)", "enabled"),
     "compile": ("DeepCompile (compile.deepcompile)", "deepcompile"),
@@ -79,7 +78,7 @@ _MAPPED = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping", "fp16",
     "bf16", "bfloat16", "zero_optimization", "optimizer", "scheduler", "zero_allow_untested_optimizer",
     "communication_data_type", "amp", "fp8", "torch_autocast", "gradient_allreduce_op",
-    "managed_gradient_accumulation", *_FEATURES,
+    "managed_gradient_accumulation", "tensor_parallel", *_FEATURES,
 }  # fmt: skip
 _ZERO_IGNORED = {
     "allgather_bucket_size": "phalanx gathers per bucket (zero1/2) or per unit (zero3)",
@@ -118,7 +117,6 @@ _ZERO_IGNORED.update(
 )
 # Off by default in DeepSpeed; a value that asks for them is an error, since phalanx cannot do it.
 _ZERO_REFUSED = {
-    "zero_hpz_partition_size": (1, "phalanx shards over all data-parallel ranks (no hierarchical partitioning)"),
     "zero_quantized_weights": (False, "phalanx does not quantise communication; use comm_dtype bf16"),
     "zero_quantized_gradients": (False, "phalanx does not quantise communication; use comm_dtype bf16"),
     "mics_shard_size": (-1, "phalanx shards over all data-parallel ranks (no MiCS groups)"),
@@ -129,7 +127,33 @@ _ZERO_REFUSED = {
 _COMM_DTYPES = {"fp16": "fp16", "float16": "fp16", "half": "fp16", "bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32",
                 "float32": "fp32", "float": "fp32"}  # fmt: skip
 _ZERO_MAPPED = {"stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "reduce_scatter",
-                "ignore_unused_parameters", "cpu_offload", "cpu_offload_param", "zenflow"}  # fmt: skip
+                "ignore_unused_parameters", "cpu_offload", "cpu_offload_param", "zenflow",
+                "zero_hpz_partition_size"}  # fmt: skip
+# DeepSpeed's AutoTP block (deepspeed/runtime/tensor_parallel/config.py, TPTrainingConfig), with its aliases.
+_TP_NOTED = {
+    "tp_overlap_comm": "overlaps DeepSpeed's row-parallel all-reduce with backward: a speed choice, the values are "
+    "the same",
+    "dtype": "the dtype deepspeed.tp_model_init converts the model to; phalanx's precision comes from bf16 / fp16",
+    "keep_module_on_host": "where DeepSpeed keeps checkpoint weights while AutoTP loads them; phalanx splits the "
+    "model's own weights at engine.prepare",
+}
+# Read by DeepSpeed only when set (None or false is its default); set, each is refused with why.
+_TP_REFUSED = {
+    "partition_config": "DeepSpeed's own layer specs (regular expressions to row or column); phalanx takes the "
+    "split as tp_plan: a JSON object of module-name patterns to styles such as colwise and rowwise (--tp-plan)",
+    "preset_model": "DeepSpeed's built-in plan for an architecture; phalanx takes the model's own plan (a "
+    "transformers model's base_model_tp_plan) or tp_plan. Remove preset_model to use the model's plan, or write "
+    "the split as tp_plan",
+    "injection_policy_tuple": "an injection policy for DeepSpeed's AutoTP parser; give phalanx the split as tp_plan",
+    "replace_with_kernel_inject": "DeepSpeed's fused inference kernels, which phalanx does not have",
+    "kernel_inject": "DeepSpeed's fused inference kernels, which phalanx does not have",
+}
+_TP_GROUP = {
+    "tp_grain_size": "AutoTP's granularity for uneven splits; phalanx splits each planned layer into tp_size equal "
+    "parts",
+    "mpu": "a Python object; phalanx builds the tensor-parallel groups from its own mesh",
+    "tp_group": "a Python object; phalanx builds the tensor-parallel groups from its own mesh",
+}
 # DeepSpeed's loss scaler defaults, used when the fp16 block is enabled and leaves a key out.
 _FP16_DEFAULTS = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
                   "min_loss_scale": 1}  # fmt: skip
@@ -160,6 +184,8 @@ KNOWN_KEYS: dict[str, frozenset[str]] = {
         {*_FP16_DEFAULTS, "enabled", "auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads"}
     ),  # fmt: skip
     "bf16": frozenset({"enabled", *_BF16_REFUSED, *_BF16_NOTED}),
+    "tensor_parallel": frozenset({"autotp_size", "tensor_parallel", "tp", *_TP_NOTED, *_TP_REFUSED}),
+    "tensor_parallel.tp": frozenset({"tp_size", *_TP_GROUP}),
 }
 
 
@@ -212,6 +238,8 @@ def from_deepspeed(data: dict[str, Any], where: str) -> Mapped:
             raise ConfigError(f"DeepSpeed config {where}: {key} asks for {feature}, which phalanx does not have")
         out.ignore(key, f"off: {feature} is not used")
     _map_torch_autocast(data.get("torch_autocast"), out, where)
+    if "tensor_parallel" in data:
+        _map_tensor_parallel(data["tensor_parallel"], out, where)
     for key, why in _IGNORED.items():
         if key in data:
             block = data[key]
@@ -408,6 +436,8 @@ def _map_zero(zero: dict[str, Any], strategy: str | None, out: Mapped) -> None:
             continue
         if key in _ZERO_IGNORED:
             out.ignore(name, _ZERO_IGNORED[key])
+        elif key == "zero_hpz_partition_size":
+            _map_hpz(value, strategy, out)
         elif key in _ZERO_REFUSED:
             default, why = _ZERO_REFUSED[key]
             if value not in (default, None, 0) or (value is True):
@@ -520,3 +550,91 @@ def _offload_block(block: Any, name: str, out: Mapped) -> tuple[str, str | None]
         elif key == "nvme_path" and mapping[device] != "disk":
             out.ignore(f"{name}.nvme_path", f"read only with device nvme; got {device}")
     return mapping[device], (str(path) if path else None)
+
+
+def _map_tensor_parallel(block: Any, out: Mapped, where: str) -> None:
+    """DeepSpeed's AutoTP: ``autotp_size`` is phalanx's tp_size. The split is the model's own plan (or tp_plan),
+    where DeepSpeed's AutoTP also prefers a transformers model's tp_plan and else infers one from the layers."""
+    if not isinstance(block, dict):
+        raise ConfigError(f'DeepSpeed config {where}: tensor_parallel must be an object such as {{"autotp_size": 2}}')
+    known = KNOWN_KEYS["tensor_parallel"]
+    for key in block:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(
+                f"DeepSpeed config {where}: unknown key 'tensor_parallel.{key}'; {hint}known: "
+                + ", ".join(sorted(known))
+            )
+    size = block.get("autotp_size", 0)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ConfigError(
+            f"DeepSpeed config {where}: tensor_parallel.autotp_size must be a whole number (0 or 1 for none); got "
+            f"{size!r}"
+        )
+    if size > 1:
+        out.set("tp_size", size, "tensor_parallel.autotp_size")
+        out.notes.append(
+            f"tensor_parallel.autotp_size={size}: phalanx splits the layers that the model's own plan names (a "
+            "transformers model's base_model_tp_plan), or tp_plan when given; DeepSpeed's AutoTP takes that plan "
+            "too when the model has one, and otherwise infers one from the model's layers, which phalanx does "
+            "not (give tp_plan for a model without a plan)"
+        )
+    else:
+        out.ignore("tensor_parallel", f"autotp_size {size}: no tensor parallelism")
+    for key, value in block.items():
+        name = f"tensor_parallel.{key}"
+        if key in _TP_NOTED:
+            out.ignore(name, _TP_NOTED[key])
+        elif key in _TP_REFUSED:
+            if value not in (None, False, {}, []):
+                raise ConfigError(f"DeepSpeed config {where}: {name}={value!r} cannot be honoured: {_TP_REFUSED[key]}")
+            out.ignore(name, f"{value!r}: not used")
+        elif key in ("tensor_parallel", "tp"):
+            _map_tp_group(value, max(size, 1), name, out, where)
+
+
+def _map_tp_group(block: Any, size: int, name: str, out: Mapped, where: str) -> None:
+    if not isinstance(block, dict):
+        raise ConfigError(f'DeepSpeed config {where}: {name} must be an object such as {{"tp_size": {size}}}')
+    known = KNOWN_KEYS["tensor_parallel.tp"]
+    for key, value in block.items():
+        if key not in known:
+            raise ConfigError(
+                f"DeepSpeed config {where}: unknown key '{name}.{key}'; known: {', '.join(sorted(known))}"
+            )
+        if key == "tp_size":
+            if value not in (1, size):
+                raise ConfigError(
+                    f"DeepSpeed config {where}: {name}.tp_size={value!r} differs from tensor_parallel.autotp_size="
+                    f"{size} (DeepSpeed refuses this too); leave tp_size out or make them equal"
+                )
+            same = "DeepSpeed's default; autotp_size decides" if value == 1 else "the same as autotp_size"
+            out.ignore(f"{name}.tp_size", f"{value!r}: {same}")
+        elif key in ("mpu", "tp_group") and value is not None:
+            raise ConfigError(f"DeepSpeed config {where}: {name}.{key}={value!r} cannot be honoured: {_TP_GROUP[key]}")
+        else:
+            out.ignore(f"{name}.{key}", _TP_GROUP[key])
+
+
+def _map_hpz(value: Any, strategy: str | None, out: Mapped) -> None:
+    """ZeRO++'s hpZ: a secondary copy of the parameters sharded within groups of ``value`` ranks (a machine), for
+    the all-gathers; optimizer state and gradients stay sharded over every rank. phalanx's nearest is hybrid zero3
+    over groups of that size, whose update is the same and whose memory is not."""
+    name = "zero_optimization.zero_hpz_partition_size"
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"invalid {name}: got {value!r} (a whole number of ranks; 1 for no hpZ)")
+    if value <= 1:
+        out.ignore(name, f"{value!r}: off")
+    elif strategy != "zero3":
+        out.ignore(name, f"read at ZeRO stage 3 only, as DeepSpeed reads it; got strategy {strategy!r}")
+    else:
+        out.set("dp_shard_size", value, name)
+        out.notes.append(
+            f"{name}={value}: phalanx's zero3 shards over groups of {value} ranks and replicates across the groups "
+            "(hybrid sharding), so the parameters are gathered within a group as hpZ gathers them. The update is the "
+            "same (gradients are averaged over every data-parallel rank; only the order of the sums differs), the "
+            "memory is not: optimizer state, fp32 master weights and gradient shards are split over the group, not "
+            "over every rank as under DeepSpeed (world size / hpZ size times DeepSpeed's share per rank), and there "
+            "is no second copy of the parameters"
+        )

@@ -91,6 +91,25 @@ def _cpu(text: str, spelling: str) -> str:
     return "cpu"
 
 
+def _absent_axis(feature: str) -> Callable[[str, str], int]:
+    """A size of an axis phalanx does not have: 1 is accepted, more is refused naming the feature."""
+
+    def convert(text: str, spelling: str) -> int:
+        size = _whole(text, spelling)
+        if size != 1:
+            raise ConfigError(
+                f"{spelling} {text} asks for {feature}, which phalanx does not have; use 1 (for a model or "
+                "activations that do not fit: --tp-size, --strategy zero3 or --strategy pipeline)"
+            )
+        return size
+
+    return convert
+
+
+def _mesh_flag(axis: str, help: str) -> DialectFlag:
+    return DialectFlag(f"--parallelism_config_{axis}", "Accelerate", axis, help, _whole)
+
+
 def _torchrun(
     name: str, help: str, convert: Callable[[str, str], Any] | None = _whole, metavar: str = "N"
 ) -> DialectFlag:
@@ -156,4 +175,31 @@ DIALECT_FLAGS: tuple[DialectFlag, ...] = (
     ),
     DialectFlag("--multi_gpu", "Accelerate", NO_SETTING, "accepted: phalanx uses every process -n starts", switch=True),
     DialectFlag("--cpu", "Accelerate", "device", "= --device cpu", _cpu, switch=True),
+    _mesh_flag("tp_size", "= --tp-size"),
+    _mesh_flag("dp_shard_size", "= --dp-shard-size"),
+    _mesh_flag("dp_replicate_size", "= --dp-replicate-size"),
+    DialectFlag(
+        "--parallelism_config_cp_size",
+        "Accelerate",
+        NO_SETTING,
+        "1 only: phalanx has no context parallelism",
+        _absent_axis("context parallelism (the sequence split over ranks through attention)"),
+    ),
+    DialectFlag(
+        "--parallelism_config_sp_size",
+        "Accelerate",
+        NO_SETTING,
+        "1 only: phalanx has no Ulysses sequence parallelism (its --sequence-parallel works inside --tp-size)",
+        _absent_axis(
+            "DeepSpeed's Ulysses sequence parallelism (phalanx's --sequence-parallel is the kind inside "
+            "tensor parallelism)"
+        ),
+    ),
+    DialectFlag(
+        "--use_parallelism_config",
+        "Accelerate",
+        NO_SETTING,
+        "accepted: phalanx reads the --parallelism_config_* sizes with or without it",
+        switch=True,
+    ),
 )
