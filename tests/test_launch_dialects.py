@@ -130,6 +130,28 @@ def _error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
             ["--strategy", "zero3", "--zero3_prefetch", "false", "--bucket_mb", "5"],
             {"zero3_prefetch": "False", "bucket_mb": "5.0"},
         ),
+        # Accelerate's ParallelismConfig flags are the mesh's sizes; cp and sp of 1 ask for nothing.
+        (
+            [
+                "-n",
+                "8",
+                "--strategy",
+                "zero3",
+                "--use_parallelism_config",
+                "--parallelism_config_tp_size",
+                "2",
+                "--parallelism_config_dp_shard_size",
+                "2",
+                "--parallelism_config_dp_replicate_size",
+                "2",
+                "--parallelism_config_cp_size",
+                "1",
+                "--parallelism_config_sp_size",
+                "1",
+            ],
+            {"tp_size": "2", "dp_shard_size": "2", "dp_replicate_size": "2"},
+        ),
+        (["--tp_size", "2", "--parallelism_config_tp_size", "2", "-n", "2"], {"tp_size": "2"}),
     ],
 )
 def test_dialect_flags_set_the_phalanx_setting(capsys, flags, expected):
@@ -217,6 +239,13 @@ def test_deepspeed_config_file_is_deepspeed(capsys, tmp_path):
         (["--mixed_precision", "int4"], ["'int4'", "no, fp16, bf16"]),
         (["--nproc_per_node", "many"], ["--nproc_per_node", "'many'"]),
         (["--standalone", "--nnodes", "2", "--master-port", "29400"], ["--standalone", "nnodes=2"]),
+        (["--tp-size", "4", "--parallelism_config_tp_size", "2"], ["--tp-size 4", "--parallelism_config_tp_size 2"]),
+        (
+            ["--parallelism_config_cp_size", "4"],
+            ["--parallelism_config_cp_size 4", "context parallelism", "phalanx does not have", "use 1"],
+        ),
+        (["--parallelism_config_sp_size", "2"], ["Ulysses sequence parallelism", "--sequence-parallel"]),
+        (["--parallelism_config_tp_size", "two"], ["--parallelism_config_tp_size takes a whole number", "'two'"]),
     ],
 )
 def test_disagreeing_or_bad_flags_are_one_line_naming_both(capsys, flags, said):
@@ -267,6 +296,15 @@ def test_launch_help_lists_the_choices_and_the_dialects(capsys):
         "--deepspeed_config_file",
         "--cpu",
         "--multi_gpu",
+        "--parallelism_config_tp_size",
+        "--parallelism_config_dp_shard_size",
+        "--parallelism_config_dp_replicate_size",
+        "--parallelism_config_cp_size",
+        "--tp-size",
+        "--dp-shard-size",
+        "--dp-replicate-size",
+        "--tp-plan",
+        "--sequence-parallel",
     ):
         assert flag in out, flag
     assert "no=fp32, fp16=fp16-mixed, bf16=bf16-mixed" in out and "0=ddp, 1=zero1, 2=zero2, 3=zero3" in out
