@@ -51,14 +51,16 @@ class _Block(nn.Module):
             nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd)
         )
         self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        # Shapes come from qkv's output, not from x: under tensor parallelism qkv holds this rank's heads only, and
+        # under sequence parallelism x holds a chunk of the sequence while qkv's output holds all of it.
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=2)
+        q, k, v = (z.unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        x = x + self.proj(y.transpose(1, 2).flatten(2))
         return x + self.mlp(self.ln2(x))
 
 
@@ -89,6 +91,22 @@ class TinyGPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+    def tp_plan(self) -> dict[str, str]:
+        """The tensor-parallel plan (phalanx.strategies.tensor_parallel): the tied embedding and head split once on
+        the vocabulary (the head's logits gathered, so the loss and generate() see them whole), each block's fused
+        qkv as 3 packed blocks of heads, its projection and MLP Megatron-style; the positions split along the
+        sequence under sequence parallelism."""
+        h = self.cfg.n_head
+        return {
+            "tok": "embedding_rowwise",
+            "pos": "sequence_parallel",
+            "blocks.*.qkv": f"packed_colwise(packed=3, heads={h})",
+            "blocks.*.proj": f"rowwise(heads={h})",
+            "blocks.*.mlp.0": "colwise",
+            "blocks.*.mlp.2": "rowwise",
+            "head": "colwise_gather_output",
+        }
 
     def pipeline_blocks(self) -> nn.Sequential:
         """The same network as ``nn.Sequential(embedding, block, ..., head)`` for ``strategy: pipeline``.
