@@ -25,7 +25,11 @@ from phalanx.checkpoint.shards import ShardEntry
 __all__ = ["CheckpointError", "save_model_file", "FORMAT", "VERSION", "MANIFEST"]
 
 FORMAT = "phalanx-checkpoint"
-VERSION = 1
+VERSION = 2
+"""The newest format version. 2 added runs that hold a chunk of a tensor (tensor parallelism: ``"chunk": [dim, parts,
+packed, index]`` on a run, whose ``start``/``stop`` count in the flattened chunk); a checkpoint without such runs is
+written as version 1, which every phalanx reads."""
+READABLE = (1, 2)
 MANIFEST = "manifest.json"
 SHARD_NAME = re.compile(r"shard-\d{5}-of-\d{5}\.safetensors")
 DTYPES = {
@@ -69,6 +73,8 @@ def write_shard(directory: Path, rank: int, world: int, entries: list[ShardEntry
         if str(e.data.dtype).removeprefix("torch.") not in DTYPES:
             raise CheckpointError(f"cannot save {e.key}: dtype {e.data.dtype} is not supported in checkpoints")
         tname = e.key if e.key not in tensors else f"{e.key}@{e.start}"
+        while tname in tensors:  # two runs of one tensor from one rank, in different chunks
+            tname += "+"
         data = e.data.detach().reshape(-1)
         if data.device.type != "cpu":  # into pinned host memory, all copies in flight at once, one wait below
             host = torch.empty(data.shape, dtype=data.dtype, pin_memory=data.device.type == "cuda")
@@ -87,6 +93,7 @@ def write_shard(directory: Path, rank: int, world: int, entries: list[ShardEntry
                 "dtype": str(e.data.dtype).removeprefix("torch."),
                 "start": e.start,
                 "stop": e.stop,
+                **({"chunk": list(e.chunk)} if e.chunk is not None else {}),
             }
         )
     if on_device and torch.cuda.is_available():

@@ -23,16 +23,20 @@ from phalanx.checkpoint.format import (
     DTYPES,
     FORMAT,
     MANIFEST,
+    READABLE,
     SAFETENSORS_DTYPE,
     SHARD_NAME,
-    VERSION,
     CheckpointError,
     from_json,
     model_key,
     saved_at,
 )
+from phalanx.checkpoint.shards import ChunkSpec, chunk_segments
 
 __all__ = ["Checkpoint", "latest_checkpoint"]
+
+_WINDOW = 16 << 20  # bytes read at once for the pieces of one run that a chunk of another layout needs
+_GAP = 64 << 10  # the most bytes between two such pieces read (and dropped) to save a system call
 
 
 class Checkpoint:
@@ -61,10 +65,11 @@ class Checkpoint:
                 f"{manifest} is not a phalanx checkpoint manifest "
                 f"(format {m.get('format') if isinstance(m, dict) else None!r})"
             )
-        if m.get("version") != VERSION:
+        if m.get("version") not in READABLE:
             raise CheckpointError(
                 f"{manifest} has format version {m.get('version')!r}; this phalanx ({_phalanx_version()}) reads "
-                f"version {VERSION} (load it with the phalanx version that wrote it, {m.get('phalanx_version')!r})"
+                f"versions {', '.join(map(str, READABLE))} (load it with the phalanx version that wrote it, "
+                f"{m.get('phalanx_version')!r})"
             )
         self.manifest = m
         self._headers: list[tuple[dict[str, Any], int]] = []
@@ -99,7 +104,16 @@ class Checkpoint:
         self.tensors: dict[str, dict[str, Any]] = m["tensors"]
         for key, info in self.tensors.items():
             itemsize = torch.empty((), dtype=DTYPES[info["dtype"]]).element_size()
+            shape = tuple(info["shape"])
             for run in info["slices"]:
+                chunk = run.get("chunk")
+                if chunk is not None:
+                    spec = run["chunk"] = ChunkSpec(*chunk)  # a tuple from here on: compared with the reader's
+                    if not spec.fits(shape) or not 0 <= run["start"] <= run["stop"] <= math.prod(spec.shape(shape)):
+                        raise CheckpointError(
+                            f"{self.path / MANIFEST}: a run of {key} holds chunk {chunk} elements [{run['start']}, "
+                            f"{run['stop']}), which is no chunk of shape {list(shape)}; the checkpoint is damaged"
+                        )
                 header, base = self._headers[run["file"]]
                 entry = header.get(run["name"])
                 expect = (SAFETENSORS_DTYPE[info["dtype"]], (run["stop"] - run["start"]) * itemsize)
@@ -158,31 +172,76 @@ class Checkpoint:
         """The bytes of the whole tensor ``key``."""
         return math.prod(self.tensors[key]["shape"]) * self.dtype(key).itemsize
 
-    def read(self, key: str, start: int, stop: int) -> torch.Tensor:
-        """Elements ``[start, stop)`` of the flattened tensor ``key``, in new memory."""
+    def read(self, key: str, start: int, stop: int, chunk: ChunkSpec | None = None) -> torch.Tensor:
+        """Elements ``[start, stop)`` of the flattened tensor ``key`` (of its chunk ``chunk``), in new memory."""
         out = torch.empty(stop - start, dtype=self.dtype(key))
-        self.read_into(key, start, stop, out)
+        self.read_chunk_into(key, chunk, start, stop, out)
         return out
 
     def read_into(self, key: str, start: int, stop: int, out: torch.Tensor) -> None:
         """Elements ``[start, stop)`` of ``key`` into the 1-D ``out``. The file's bytes go straight into ``out``'s
         memory when it is a contiguous CPU tensor of the saved dtype; otherwise through a buffer (another dtype
         is converted, a GPU tensor is copied to)."""
+        self.read_chunk_into(key, None, start, stop, out)
+
+    def read_chunk_into(self, key: str, chunk: ChunkSpec | None, start: int, stop: int, out: torch.Tensor) -> None:
+        """Elements ``[start, stop)`` of chunk ``chunk`` of ``key`` (None: of the whole tensor) into the 1-D ``out``,
+        however the checkpoint holds it: whole or in chunks (tensor parallelism), in the same chunks or others. A
+        run saved in the chunk asked for is one read; otherwise each contiguous piece that the run and the range
+        share is read straight into its place (a weight split along its last dim: one read per row)."""
         if out.device.type != "cpu" or out.dtype != self.dtype(key) or not out.is_contiguous():
-            out.copy_(self.read(key, start, stop))
+            out.copy_(self.read(key, start, stop, chunk))
             return
         if out.numel() != stop - start:
             raise ValueError(
                 f"read_into({key!r}, {start}, {stop}) needs {stop - start} elements; out has {out.numel()}"
             )
+        info = self.tensors[key]
         size = out.element_size()
         dst = memoryview(out.view(torch.uint8).numpy()) if out.numel() else memoryview(b"")  # type: ignore[arg-type]
-        for run in self.tensors[key]["slices"]:
-            a, b = max(start, run["start"]), min(stop, run["stop"])
-            if a < b:
-                header, base = self._headers[run["file"]]
-                offset = base + header[run["name"]]["data_offsets"][0] + (a - run["start"]) * size
-                _pread_exactly(self._fd(run["file"]), dst[(a - start) * size : (b - start) * size], offset)
+        wanted: list[tuple[int, int, int]] | None = None  # the range's pieces of the whole tensor, when needed
+        for run in info["slices"]:
+            saved = run.get("chunk")
+            header, base = self._headers[run["file"]]
+            data = base + header[run["name"]]["data_offsets"][0]
+            if saved == chunk:  # the same layout: one overlap
+                a, b = max(start, run["start"]), min(stop, run["stop"])
+                if a < b:
+                    dst_piece = dst[(a - start) * size : (b - start) * size]
+                    _pread_exactly(self._fd(run["file"]), dst_piece, data + (a - run["start"]) * size)
+                continue
+            if saved is not None and chunk is not None and saved[:3] == chunk[:3]:
+                continue  # another chunk of the same cut: nothing in common
+            if wanted is None:
+                wanted = chunk_segments(tuple(info["shape"]), chunk, start, stop)
+            held = chunk_segments(tuple(info["shape"]), saved, run["start"], run["stop"])
+            self._read_pieces(run["file"], data, size, _overlaps(held, wanted), dst)
+
+    def _read_pieces(
+        self, file: int, data: int, size: int, pieces: list[tuple[int, int, int, int]], dst: memoryview
+    ) -> None:
+        """Copy ``(_, src, dst_at, n)`` pieces (``src`` ascending, in elements of ``size`` bytes from the file offset
+        ``data``) into ``dst``. Nearby pieces (a row-split weight's rows) are read together, one read per window of
+        at most 16 MiB with gaps of at most 64 KiB, and copied from there: one system call per row would be slower
+        than the disk."""
+        fd, i = self._fd(file), 0
+        while i < len(pieces):
+            lo, j = pieces[i][1], i + 1
+            while (
+                j < len(pieces)
+                and (pieces[j][1] - pieces[j - 1][1] - pieces[j - 1][3]) * size <= _GAP
+                and (pieces[j][1] + pieces[j][3] - lo) * size <= _WINDOW
+            ):
+                j += 1
+            if j == i + 1:
+                _, src, at, n = pieces[i]
+                _pread_exactly(fd, dst[at * size : (at + n) * size], data + src * size)
+            else:
+                window = memoryview(bytearray((pieces[j - 1][1] + pieces[j - 1][3] - lo) * size))
+                _pread_exactly(fd, window, data + lo * size)
+                for _, src, at, n in pieces[i:j]:
+                    dst[at * size : (at + n) * size] = window[(src - lo) * size : (src - lo + n) * size]
+            i = j
 
     def read_whole(self, key: str) -> torch.Tensor:
         shape = tuple(self.tensors[key]["shape"])
@@ -224,7 +283,7 @@ class Checkpoint:
             f"saved {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(m['saved_at']))} "
             f"by phalanx {m['phalanx_version']} (torch {m['torch_version']})",
             f"  saved under strategy {m['strategy']} on world size {m['world_size']} "
-            f"(pp {m['pp_size']} x dp {m['dp_size']})",
+            f"(pp {m['pp_size']} x dp {m['dp_size']} x tp {m.get('tp_size', 1)})",
             f"  counters: {', '.join(f'{k}={v}' for k, v in m['counters'].items()) or 'none'}",
             f"  files: {len(m['files'])} shard(s), {total / 2**20:.1f} MiB",
         ]
@@ -252,7 +311,9 @@ class Checkpoint:
         if tensors:
             lines.append("  tensors:")
             for key, info in self.tensors.items():
-                lines.append(f"    {key} {info['dtype']}{info['shape']} in {len(info['slices'])} run(s)")
+                cut = next((run["chunk"] for run in info["slices"] if run.get("chunk")), None)
+                how = f", in {cut.parts} chunks along dim {cut.dim}" if cut is not None else ""
+                lines.append(f"    {key} {info['dtype']}{info['shape']} in {len(info['slices'])} run(s){how}")
         return "\n".join(lines)
 
 
@@ -280,8 +341,29 @@ class _Reader:
     def read_into(self, key: str, start: int, stop: int, out: torch.Tensor) -> None:
         self.ck.read_into(self._keys[key], start, stop, out)
 
+    def read_chunk_into(self, key: str, chunk: ChunkSpec | None, start: int, stop: int, out: torch.Tensor) -> None:
+        self.ck.read_chunk_into(self._keys[key], chunk, start, stop, out)
+
     def dtype(self, key: str) -> torch.dtype:
         return self.ck.dtype(self._keys[key])
+
+
+def _overlaps(held: list[tuple[int, int, int]], wanted: list[tuple[int, int, int]]) -> list[tuple[int, int, int, int]]:
+    """The elements two ascending lists of ``(whole_start, offset, length)`` pieces share: ``(whole_start, offset in
+    the first, offset in the second, length)`` for each contiguous stretch, in one merge pass."""
+    out = []
+    i = j = 0
+    while i < len(held) and j < len(wanted):
+        h0, hoff, hn = held[i]
+        w0, woff, wn = wanted[j]
+        a, b = max(h0, w0), min(h0 + hn, w0 + wn)
+        if a < b:
+            out.append((a, hoff + a - h0, woff + a - w0, b - a))
+        if h0 + hn <= w0 + wn:
+            i += 1
+        else:
+            j += 1
+    return out
 
 
 def _pread_exactly(fd: int, dst: memoryview, offset: int) -> None:

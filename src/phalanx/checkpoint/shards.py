@@ -16,9 +16,35 @@ import torch
 from torch import nn
 
 __all__ = [
-    "ShardEntry", "StateReader", "read_into", "read_new", "read_optimizer_state", "balanced_slices", "whole_entry",
-    "named_tensors", "keys_by_param", "load_whole_tensors",
+    "ChunkSpec", "ShardEntry", "StateReader", "chunk_segments", "read_chunk_into", "read_into", "read_new",
+    "read_optimizer_state", "balanced_slices", "whole_entry", "named_tensors", "keys_by_param", "load_whole_tensors",
 ]  # fmt: skip
+
+
+class ChunkSpec(NamedTuple):
+    """Chunk ``part`` of a whole tensor cut along ``dim`` (a tensor-parallel rank's piece of it): along ``dim`` the
+    tensor is read as ``packed`` equal blocks (3 for a fused ``[q; k; v]``), each cut into ``parts`` equal chunks
+    (``torch.chunk`` order), and the chunk is the ``part``-th chunk of every block, concatenated in block order. Its
+    shape is the whole shape with ``dim`` divided by ``parts``; its elements are flattened in that shape."""
+
+    dim: int
+    parts: int
+    packed: int
+    part: int
+
+    def shape(self, whole: tuple[int, ...]) -> tuple[int, ...]:
+        out = list(whole)
+        out[self.dim] //= self.parts
+        return tuple(out)
+
+    def fits(self, whole: tuple[int, ...]) -> bool:
+        """Whether this is a chunk of a tensor of shape ``whole`` (the dim exists and divides evenly)."""
+        return (
+            0 <= self.dim < len(whole)
+            and min(self.parts, self.packed) >= 1
+            and 0 <= self.part < self.parts
+            and whole[self.dim] % (self.parts * self.packed) == 0
+        )
 
 
 class ShardEntry(NamedTuple):
@@ -30,6 +56,10 @@ class ShardEntry(NamedTuple):
 
     ``data`` may be a view of live training state, on the training device: copy it before the next step
     changes it (a checkpoint writes it out at once, without a copy on the CPU).
+
+    With ``chunk`` (tensor parallelism), ``shape`` is still the whole tensor's, and ``[start, stop)`` are elements of
+    the flattened chunk ``chunk`` of it (:class:`ChunkSpec`): the entries then cover each chunk exactly once. One
+    entry stays one run however the chunk lies in the whole tensor (a weight split along its last dim included).
     """
 
     key: str
@@ -37,6 +67,7 @@ class ShardEntry(NamedTuple):
     start: int
     stop: int
     data: torch.Tensor
+    chunk: ChunkSpec | None = None
 
 
 class StateReader(Protocol):
@@ -60,6 +91,50 @@ def read_into(reader: StateReader, key: str, start: int, stop: int, out: torch.T
         direct(key, start, stop, out)
     else:
         out.copy_(reader.read(key, start, stop))
+
+
+def chunk_segments(
+    shape: tuple[int, ...], chunk: ChunkSpec | None, start: int, stop: int
+) -> list[tuple[int, int, int]]:
+    """Where elements ``[start, stop)`` of ``chunk`` of a tensor of ``shape`` (None: of the whole tensor) lie in the
+    whole flattened tensor: ``(whole_start, offset from start, length)`` runs, contiguous in both, in increasing
+    order of both. A chunk along dim 0 is one run; along a later dim, one run per row of the dims before it."""
+    if stop <= start:
+        return []
+    if chunk is None or chunk.parts == 1:  # one chunk of one is the whole tensor, blocks and all
+        return [(start, 0, stop - start)]
+    inner = math.prod(shape[chunk.dim + 1 :])
+    length = shape[chunk.dim]
+    block = length // chunk.packed
+    seg = block // chunk.parts * inner  # one contiguous piece of the chunk in the whole tensor
+    per_outer = chunk.packed * seg
+    out: list[tuple[int, int, int]] = []
+    q = start
+    while q < stop:
+        o, r = divmod(q, per_outer)
+        k, m = divmod(r, seg)
+        n = min(seg - m, stop - q)
+        whole = (o * length + k * block) * inner + chunk.part * seg + m
+        if out and out[-1][0] + out[-1][2] == whole:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
+        else:
+            out.append((whole, q - start, n))
+        q += n
+    return out
+
+
+def read_chunk_into(
+    reader: StateReader, key: str, chunk: ChunkSpec | None, start: int, stop: int, out: torch.Tensor
+) -> None:
+    """Elements ``[start, stop)`` of chunk ``chunk`` of ``key`` (None: of the whole tensor) into the 1-D ``out``,
+    whatever layout the reader holds it in: a checkpoint reads its runs straight into ``out`` (one read per run when
+    it was saved in the same chunks), any other reader is read run by run of the whole tensor."""
+    direct = getattr(reader, "read_chunk_into", None)
+    if direct is not None:
+        direct(key, chunk, start, stop, out)
+        return
+    for whole, offset, n in chunk_segments(tuple(reader.shape(key)), chunk, start, stop):
+        read_into(reader, key, whole, whole + n, out[offset : offset + n])
 
 
 def read_new(reader: StateReader, key: str, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:

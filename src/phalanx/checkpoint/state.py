@@ -97,6 +97,9 @@ class TrainingParts:
     precision: Any = None
     counters: dict[str, int] = field(default_factory=dict)
     seed: int = 0
+    rng_trackers: list[Any] = field(default_factory=list)
+    """Each rank's own RNG streams besides torch's (tensor parallelism's ``TPRngTracker``, one per model), with
+    ``state_dict()`` (ints and uint8 tensors) and ``load_state_dict()``: saved with the rank's RNG."""
 
 
 # ------------------------------------------------------------------------------------------------ save
@@ -149,7 +152,7 @@ def save_checkpoint(
     rng: dict[str, Any] | None = None
     try:
         written = write_shard(staging, rank, world, entries) if entries else None
-        rng = _rng_state(device)
+        rng = _rng_state(device, parts.rng_trackers)
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others would wait forever
         error = f"{type(e).__name__}: {e}"
     reports = [
@@ -245,31 +248,47 @@ def _manifest(
         for t in f["tensors"]:
             info = tensors.setdefault(t["key"], {"shape": t["shape"], "dtype": t["dtype"], "slices": []})
             assert info["shape"] == t["shape"] and info["dtype"] == t["dtype"], (t, info)
-            info["slices"].append(
-                {"file": index, "name": t["name"], "start": t["start"], "stop": t["stop"], "crc32": t["crc32"]}
-            )
+            run = {"file": index, "name": t["name"], "start": t["start"], "stop": t["stop"], "crc32": t["crc32"]}
+            if "chunk" in t:
+                run["chunk"] = t["chunk"]
+            info["slices"].append(run)
     for key, info in tensors.items():
-        info["slices"].sort(key=lambda s: s["start"])
-        covered = 0
-        for s in info["slices"]:  # our own invariant: the ranks' runs tile every tensor exactly
-            assert s["start"] == covered, f"{key}: runs do not tile the tensor ({info['slices']})"
-            covered = s["stop"]
-        assert covered == math.prod(info["shape"]), f"{key}: runs cover {covered} of {info['shape']}"
+        _check_tiling(key, info)
+    chunked = any("chunk" in run for info in tensors.values() for run in info["slices"])
     return {
         "format": FORMAT,
-        "version": VERSION,
+        "version": VERSION if chunked else 1,  # version 1 readers read every checkpoint without chunks
         "saved_at": time.time(),
         "phalanx_version": __version__,
         "torch_version": torch.__version__,
         "world_size": topology.world_size,
         "pp_size": topology.pp_size,
         "dp_size": topology.dp_size,
+        "tp_size": topology.tp_size,
         "strategy": strategy.name,
         **state,
         "rng": [rep["rng"] for rep in reports],
         "files": files,
         "tensors": dict(sorted(tensors.items())),
     }
+
+
+def _check_tiling(key: str, info: dict[str, Any]) -> None:
+    """Our own invariant: the ranks' runs tile every tensor exactly, or (tensor parallelism) every chunk of one cut
+    of it."""
+    cuts = {tuple(run["chunk"][:3]) if "chunk" in run else None for run in info["slices"]}
+    assert len(cuts) == 1, f"{key}: runs of different layouts ({sorted(map(str, cuts))})"
+    cut = cuts.pop()
+    parts = 1 if cut is None else cut[1]
+    info["slices"].sort(key=lambda s: (s["chunk"][3] if "chunk" in s else 0, s["start"]))
+    for index in range(parts):
+        covered = 0
+        for s in info["slices"]:
+            if "chunk" in s and s["chunk"][3] != index:
+                continue
+            assert s["start"] == covered, f"{key}: runs do not tile chunk {index} ({info['slices']})"
+            covered = s["stop"]
+        assert covered == math.prod(info["shape"]) // parts, f"{key}: runs cover {covered} of {info['shape']}/{parts}"
 
 
 def agree(error: str | None, device: torch.device, what: str) -> None:
@@ -285,8 +304,9 @@ def agree(error: str | None, device: torch.device, what: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------- RNG state
-def _rng_state(device: torch.device) -> dict[str, Any]:
+def _rng_state(device: torch.device, trackers: list[Any] | None = None) -> dict[str, Any]:
     state: dict[str, Any] = {
+        "trackers": [_tracker_json(t.state_dict()) for t in trackers or []],
         "torch": _b64(torch.get_rng_state()),
         "python": to_json(random.getstate(), "rng", None),
         "cuda": _b64(torch.cuda.get_rng_state(device)) if device.type == "cuda" else None,
@@ -300,6 +320,32 @@ def _rng_state(device: torch.device) -> dict[str, Any]:
     except ImportError:
         pass
     return state
+
+
+def _tracker_json(state: dict[str, Any]) -> dict[str, Any]:
+    """A ``TPRngTracker.state_dict()`` (ints, and a uint8 generator state per device) as JSON."""
+    return {
+        "seed": int(state["seed"]),
+        "tp_rank": int(state["tp_rank"]),
+        "states": {device: _b64(t) for device, t in state["states"].items()},
+    }
+
+
+def _set_trackers(saved: list[dict[str, Any]] | None, trackers: list[Any]) -> bool:
+    """Give each tracker its saved state; False (nothing changed) when the checkpoint holds a different number."""
+    if saved is None or len(saved) != len(trackers):
+        return False
+    for tracker, state in zip(trackers, saved):
+        tracker.load_state_dict({**state, "states": {d: _unb64(s) for d, s in state["states"].items()}})
+    return True
+
+
+def _reseed_trackers(trackers: list[Any], seed: int, step: int, rank: int) -> None:
+    """Trackers on another mesh: fresh streams from (seed, step, the rank's place outside its tp group)."""
+    value = ((seed * 1_000_003 + step) * 65_537 + rank) % 2**62
+    for tracker in trackers:
+        state = tracker.state_dict()
+        tracker.load_state_dict({**state, "seed": value, "states": {}})
 
 
 def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
@@ -352,8 +398,11 @@ def load_checkpoint(
     """Load ``path`` into ``parts``: all checks first, on every rank, then the tensors. Returns the counters."""
     error, ck = None, None
     try:
+        # First, before anything that can fail on one rank only: under tensor and pipeline parallelism together the
+        # shapes of the other stages' tensors are a collective (strategies/tensor_parallel/checkpoint.py).
+        shapes = [strategy.state_shapes(model) for model in parts.models]
         ck = Checkpoint(path)
-        problems = _compatibility(ck, parts, strategy)
+        problems = _compatibility(ck, parts, strategy, shapes)
         if verify and not problems:
             mine = range(topology.rank, len(ck.files), topology.world_size)  # the ranks verify the files between them
             problems = ck.verify(mine)
@@ -374,11 +423,18 @@ def load_checkpoint(
     finally:
         ck.close()
     counters = {k: int(v) for k, v in m["counters"].items()}
-    same_mesh = (m["world_size"], m["pp_size"]) == (topology.world_size, topology.pp_size)
-    if same_mesh:
+    saved_mesh = (m["world_size"], m["pp_size"], m.get("tp_size", 1))
+    step = counters.get("global_step", 0)
+    # The ranks of a tp group draw alike from torch's generator (replicated activations): reseeded by their place
+    # outside it (tp is the mesh's innermost axis).
+    outer_rank = topology.rank // topology.tp_size
+    if saved_mesh == (topology.world_size, topology.pp_size, topology.tp_size):
         _set_rng_state(m["rng"][topology.rank], device)
+        if not _set_trackers(m["rng"][topology.rank].get("trackers"), parts.rng_trackers):
+            _reseed_trackers(parts.rng_trackers, m["seed"], step, outer_rank)
     else:
-        _reseed(m["seed"], counters.get("global_step", 0), topology.rank, device)
+        _reseed(m["seed"], step, outer_rank, device)
+        _reseed_trackers(parts.rng_trackers, m["seed"], step, outer_rank)
     if dist.is_initialized():
         watched(dist.barrier)
     return counters
@@ -399,7 +455,9 @@ def _load_json_state(ck: Checkpoint, parts: TrainingParts) -> None:
         parts.precision.load_state_dict(from_json(m["precision"], read_tensor))
 
 
-def _compatibility(ck: Checkpoint, parts: TrainingParts, strategy: Strategy) -> list[str]:
+def _compatibility(
+    ck: Checkpoint, parts: TrainingParts, strategy: Strategy, shapes: list[dict[str, tuple[int, ...]]]
+) -> list[str]:
     """Every difference between the checkpoint and what is being loaded into, before anything is loaded."""
     m, where, problems = ck.manifest, ck.path / MANIFEST, []
     for kind, n_saved, n_now in (
@@ -416,8 +474,8 @@ def _compatibility(ck: Checkpoint, parts: TrainingParts, strategy: Strategy) -> 
             )
     if problems:
         return problems
-    for i, model in enumerate(parts.models):
-        saved, now = ck.model_shapes(i), strategy.state_shapes(model)
+    for i, (model, now) in enumerate(zip(parts.models, shapes)):
+        saved = ck.model_shapes(i)
         diffs = [f"{k}: missing from the checkpoint" for k in now if k not in saved]
         diffs += [f"{k}: in the checkpoint, not in the model" for k in saved if k not in now]
         diffs += [
