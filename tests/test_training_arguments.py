@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pickle
 import warnings
 
@@ -14,7 +15,8 @@ from phalanx.trainer import arguments as arguments_module
 from phalanx.trainer.arguments import TrainingArguments, UnknownArgumentError
 
 # Fields of ours that transformers 5 does not have: deprecated spellings it removed, and phalanx's own.
-PHALANX_ONLY = {"warmup_ratio", "evaluation_strategy", "strategy", "precision", "strategy_options"}
+PHALANX_ONLY = {"warmup_ratio", "evaluation_strategy", "strategy", "precision", "strategy_options", "tp_size",
+                "dp_shard_size", "dp_replicate_size"}  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -50,6 +52,7 @@ def test_important_defaults_are_transformers_defaults():
         "log_level_replica": "warning", "skip_memory_metrics": True, "torch_compile": False,
         "torch_compile_backend": None, "torch_compile_mode": None, "restore_callback_states_from_checkpoint": False,
         "auto_find_batch_size": False, "enable_jit_checkpoint": False, "eval_delay": 0, "eval_accumulation_steps": None,
+        "fsdp": None, "parallelism_config": None,
     }  # fmt: skip
     ours = {f.name: _default(f) for f in dataclasses.fields(TrainingArguments)}
     assert set(ours) == set(expected) | PHALANX_ONLY
@@ -79,9 +82,9 @@ def test_unknown_keyword_is_an_error_with_a_suggestion():
     with pytest.raises(TypeError, match="'bucket_mb' is an Engine knob; pass it as strategy_options="):
         TrainingArguments(bucket_mb=25)
     with pytest.raises(
-        TypeError, match="'fsdp' is a transformers argument that phalanx does not take; use strategy='zero3'"
+        TypeError, match="'fsdp_config' is a transformers argument that phalanx does not take; use fsdp"
     ):
-        TrainingArguments(fsdp=True)
+        TrainingArguments(fsdp_config={"version": 2})
 
 
 def test_load_best_model_needs_matching_strategies():
@@ -328,3 +331,108 @@ def test_no_clipping_in_the_arguments_contradicts_a_deepspeed_gradient_clipping(
     # max_grad_norm=0 means "do not clip"; the file's gradient_clipping must not win without a word.
     with pytest.raises(ConfigError, match=r"gradient_clipping -> max_grad_norm=1.0.*max_grad_norm=0.0"):
         TrainingArguments(output_dir=str(tmp_path), max_grad_norm=0, deepspeed={"gradient_clipping": 1.0})
+
+
+# ------------------------------------------------------------------------ the device mesh: tp, hybrid sharding
+@pytest.mark.parametrize(
+    "fsdp, strategy",
+    [
+        (True, "zero3"),
+        ("full_shard", "zero3"),
+        ("shard_grad_op auto_wrap", "zero2"),
+        ("no_shard", "ddp"),
+        ("hybrid_shard", "zero3"),
+        (["hybrid_shard_zero2", "offload"], "zero2"),
+    ],
+)
+def test_fsdp_words_are_the_strategy(fsdp, strategy):
+    args = TrainingArguments(fsdp=fsdp)
+    assert args.strategy == strategy and args.engine_options()["strategy"] == strategy
+    assert ("offload" in str(fsdp)) == (args.strategy_options.get("offload") == "cpu")
+
+
+def test_fsdp_hybrid_shard_shards_over_the_processes_of_one_machine(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    options = TrainingArguments(fsdp="hybrid_shard").engine_options()
+    assert (options["strategy"], options["dp_shard_size"]) == ("zero3", 4)  # dp_replicate: the machines, the rest
+    assert "dp_replicate_size" not in options
+    assert TrainingArguments(fsdp="hybrid_shard", tp_size=2).engine_options()["dp_shard_size"] == 2
+    with pytest.raises(ConfigError, match="its 4 processes .* do not divide by tp_size=3"):
+        TrainingArguments(fsdp="hybrid_shard", tp_size=3).engine_options()
+    assert "dp_shard_size" not in TrainingArguments(fsdp="full_shard").engine_options()
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert "dp_shard_size" not in TrainingArguments(fsdp="hybrid_shard").engine_options()  # one process
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"fsdp": "hybrid_shard", "strategy": "ddp"}, r"fsdp='hybrid_shard' is strategy 'zero3', and strategy='ddp'"),
+        ({"fsdp": "full_shard shard_grad_op"}, "names full_shard and shard_grad_op; give one"),
+        ({"fsdp": "hybrid_shrd"}, "invalid fsdp: got 'hybrid_shrd'; did you mean 'hybrid_shard'"),
+        ({"fsdp": "no_shard offload"}, "offload needs sharding"),
+        ({"fsdp": "full_shard offload", "strategy_options": {"offload": "disk"}}, "offload='disk'"),
+        ({"fsdp": "hybrid_shard", "dp_replicate_size": 2}, "shards within each machine.*dp_replicate_size=2"),
+        ({"parallelism_config": {"cp_size": 2}}, "cp_size=2 asks for context parallelism"),
+        ({"parallelism_config": {"sp_size": 4}}, "Ulysses sequence parallelism"),
+        ({"parallelism_config": {"tp_sise": 2}}, "unknown size 'tp_sise'"),
+        ({"parallelism_config": {"tp_size": 0}}, "tp_size must be a whole number of at least 1; got 0"),
+        ({"parallelism_config": {"tp_size": 2}, "tp_size": 4}, "parallelism_config says tp_size=2 and the field"),
+        ({"strategy_options": {"tp_size": 2}}, r"strategy_options\['tp_size'\] is set by the TrainingArguments field"),
+        ({"strategy": "zero3", "strategy_options": {"sequence_parallel": True}}, "applies under tensor parallelism"),
+    ],
+)
+def test_mesh_arguments_that_cannot_be_honoured_say_why(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        TrainingArguments(**kwargs)
+
+
+def test_parallelism_config_sizes_are_the_mesh_fields(tmp_path):
+    args = TrainingArguments(
+        str(tmp_path),
+        fsdp=True,
+        parallelism_config={"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2, "cp_size": 1},
+        strategy_options={"sequence_parallel": True},
+    )
+    assert (args.tp_size, args.dp_shard_size, args.dp_replicate_size) == (2, 2, 2)
+    options = args.engine_options()
+    assert {k: options[k] for k in ("strategy", "tp_size", "dp_shard_size", "dp_replicate_size")} == {
+        "strategy": "zero3",
+        "tp_size": 2,
+        "dp_shard_size": 2,
+        "dp_replicate_size": 2,
+    }
+    assert options["sequence_parallel"] is True
+    from phalanx.config.mesh import mesh_sizes
+    from phalanx.config.settings import resolve_config
+
+    resolved = resolve_config(env={}, cli=options, cli_origin="argument")
+    assert tuple(mesh_sizes(resolved.engine, 8, resolved.origins)) == (1, 2, 2, 2)
+    again = TrainingArguments(**json.loads(args.to_json_string()))  # kept as plain values
+    assert again == args
+    # All ones (Accelerate's ParallelismConfig() with nothing set) asks for nothing.
+    plain = TrainingArguments(parallelism_config={"tp_size": 1, "dp_shard_size": 1, "dp_replicate_size": 1})
+    assert plain.tp_size is None and "tp_size" not in plain.engine_options()
+
+
+def test_accelerate_s_parallelism_config_object_is_read(monkeypatch):
+    accelerate = pytest.importorskip("accelerate.parallelism_config", reason="accelerate is not installed")
+    for var in list(os.environ):
+        if var.startswith("PARALLELISM_CONFIG_"):
+            monkeypatch.delenv(var)
+    args = TrainingArguments(
+        strategy="zero3", parallelism_config=accelerate.ParallelismConfig(tp_size=2, dp_shard_size=4)
+    )
+    assert (args.tp_size, args.dp_shard_size, args.dp_replicate_size) == (2, 4, 1)
+    assert args.parallelism_config == {
+        "tp_size": 2, "dp_shard_size": 4, "dp_replicate_size": 1, "cp_size": 1, "sp_size": 1
+    }  # fmt: skip
+    with pytest.raises(ConfigError, match="context parallelism"):
+        TrainingArguments(parallelism_config=accelerate.ParallelismConfig(cp_size=2))
+
+
+def test_tp_size_contradicting_deepspeed_autotp_is_an_error(tmp_path):
+    ds = {"tensor_parallel": {"autotp_size": 4}, "zero_optimization": {"stage": 2}}
+    with pytest.raises(ConfigError, match=r"tensor_parallel.autotp_size -> tp_size=4.*tp_size=2"):
+        TrainingArguments(str(tmp_path), deepspeed=ds, tp_size=2)
+    assert TrainingArguments(str(tmp_path), deepspeed=ds, tp_size=4).engine_options()["tp_size"] == 4

@@ -48,10 +48,19 @@ _OWNED = {
     "grad_accum_steps": "gradient_accumulation_steps",
     "seed": "seed", "max_grad_norm": "max_grad_norm", "deepspeed": "deepspeed",
     "micro_batch_size": "per_device_train_batch_size", "global_batch_size": "per_device_train_batch_size",
+    "tp_size": "tp_size (or parallelism_config)", "dp_shard_size": "dp_shard_size (or parallelism_config)",
+    "dp_replicate_size": "dp_replicate_size (or parallelism_config)",
 }  # fmt: skip
+# transformers' fsdp words: the strategy each sharding word is, and whether it is FSDP's hybrid (shards within a
+# machine, replicas across machines); "offload" and "auto_wrap" go with one of them.
+_FSDP_WORDS = {"full_shard": ("zero3", False), "shard_grad_op": ("zero2", False), "no_shard": ("ddp", False),
+               "hybrid_shard": ("zero3", True), "hybrid_shard_zero2": ("zero2", True)}  # fmt: skip
+_MESH = ("tp_size", "dp_shard_size", "dp_replicate_size")
+# Accelerate's ParallelismConfig sizes, and the axes phalanx does not have.
+_PC_ABSENT = {"cp_size": "context parallelism", "sp_size": "DeepSpeed's Ulysses sequence parallelism"}
 # transformers fields that phalanx does not take, with what to do instead.
 _HF_ELSEWHERE = {
-    "fsdp": "use strategy='zero3'", "fsdp_config": "use strategy='zero3' and strategy_options",
+    "fsdp_config": "use fsdp (or strategy='zero3') and strategy_options",
     "ddp_bucket_cap_mb": "use strategy_options={'bucket_mb': ...}",
     "ddp_timeout": "use strategy_options={'timeout_s': ...}",
     "use_cpu": "use strategy_options={'device': 'cpu'}", "no_cuda": "use strategy_options={'device': 'cpu'}",
@@ -258,6 +267,21 @@ class TrainingArguments:
     """On SIGTERM (a preemption), save a checkpoint at the end of the current optimizer step on every rank, and stop."""
     average_tokens_across_devices: bool = True
     """Normalise the loss by the item count of the whole window over all ranks (phalanx always does)."""
+    fsdp: str | list[str] | bool | None = None
+    """transformers' FSDP words: full_shard (zero3), shard_grad_op (zero2), no_shard (ddp), hybrid_shard and
+    hybrid_shard_zero2 (zero3 / zero2 sharded within each machine and replicated across machines, as FSDP's
+    HYBRID_SHARD), with offload (offload='cpu') and auto_wrap (zero3's units, always); True is full_shard."""
+    parallelism_config: Any = None
+    """Accelerate's ParallelismConfig, or a dict of its sizes: tp_size, dp_shard_size and dp_replicate_size are read
+    into the fields of those names; cp_size and sp_size above 1 are refused."""
+    tp_size: int | None = None
+    """Tensor-parallel degree (transformers 4.5x's tp_size; the Engine's tp_size): the model's own plan is split over
+    this many ranks. The plan and sequence_parallel go in strategy_options."""
+    dp_shard_size: int | None = None
+    """Data-parallel ranks that shard the model under zero (the Engine's dp_shard_size)."""
+    dp_replicate_size: int | None = None
+    """Data-parallel replicas (the Engine's dp_replicate_size); with dp_shard_size under zero2/zero3, hybrid
+    sharding."""
     strategy: str | None = None
     """phalanx's strategy (ddp, zero1, zero2, zero3, pipeline); None leaves it to the launcher, a config or ddp."""
     precision: str | None = None
@@ -316,6 +340,8 @@ class TrainingArguments:
         self._check_best_model()
         self.report_to = _report_to(self.report_to)
         self._resolve_precision()
+        self._read_parallelism_config()
+        self._read_fsdp()
         self._check_strategy()
         if self.deepspeed is not None:
             self._check_deepspeed()
@@ -481,7 +507,104 @@ class TrainingArguments:
             precision = self.precision or (
                 "fp16-mixed" if any(k.startswith("loss_scale") for k in self.strategy_options) else "fp32"
             )
-            EngineConfig(strategy=self.strategy, precision=precision, **self.strategy_options)
+            sizes = {k: getattr(self, k) for k in _MESH if getattr(self, k) is not None}
+            EngineConfig(strategy=self.strategy, precision=precision, **sizes, **self.strategy_options)
+
+    def _read_parallelism_config(self) -> None:
+        """Accelerate's ParallelismConfig (or a dict of its sizes) into tp_size, dp_shard_size, dp_replicate_size;
+        kept as a plain dict of the sizes, so that the arguments stay JSON."""
+        pc = self.parallelism_config
+        if pc is None:
+            return
+        if isinstance(pc, dict):
+            unknown = sorted(set(pc) - {*_MESH, *_PC_ABSENT})
+            if unknown:
+                raise ConfigError(
+                    f"parallelism_config: unknown size {unknown[0]!r}; ParallelismConfig's sizes are "
+                    f"{', '.join((*_MESH, *_PC_ABSENT))}"
+                )
+            sizes = {k: pc.get(k) for k in (*_MESH, *_PC_ABSENT)}
+        else:
+            sizes = {k: getattr(pc, k, None) for k in (*_MESH, *_PC_ABSENT)}
+        for key, value in sizes.items():
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"parallelism_config: {key} must be a whole number of at least 1; got {value!r}")
+            if key in _PC_ABSENT and (value or 1) > 1:
+                raise ConfigError(
+                    f"parallelism_config: {key}={value} asks for {_PC_ABSENT[key]}, which phalanx does not have; use "
+                    "1 (for a model or activations that do not fit: tp_size, strategy='zero3' or 'pipeline')"
+                )
+        self.parallelism_config = {k: v for k, v in sizes.items() if v is not None}
+        if all(v in (None, 1) for v in sizes.values()):
+            return  # Accelerate's all-ones config asks for nothing beyond the strategy's own layout
+        for key in _MESH:
+            value, ours = sizes[key], getattr(self, key)
+            if value is None:
+                continue
+            if ours is not None and ours != value:
+                raise ConfigError(
+                    f"TrainingArguments: parallelism_config says {key}={value} and the field {key}={ours}; they are "
+                    "one setting (give one of them)"
+                )
+            setattr(self, key, value)
+
+    def _read_fsdp(self) -> None:
+        """transformers' fsdp words as the strategy (and offload); kept as one space-separated string."""
+        value = self.fsdp
+        if value is None or value is False or value in ("", []):
+            self.fsdp = None
+            return
+        words = ["full_shard"] if value is True else value.split() if isinstance(value, str) else list(value)
+        words = [str(getattr(w, "value", w)).lower() for w in words]  # transformers' FSDPOption members too
+        for word in words:
+            if word not in (*_FSDP_WORDS, "offload", "auto_wrap"):
+                close = difflib.get_close_matches(word, [*_FSDP_WORDS, "offload", "auto_wrap"], n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise ConfigError(
+                    f"invalid fsdp: got {word!r}; {hint}use {', '.join(_FSDP_WORDS)}, with offload or auto_wrap"
+                )
+        sharding = [w for w in words if w in _FSDP_WORDS] or ["full_shard"]
+        if len(sharding) > 1:
+            raise ConfigError(f"fsdp={value!r} names {' and '.join(sharding)}; give one sharding strategy")
+        strategy, hybrid = _FSDP_WORDS[sharding[0]]
+        if self.strategy is not None and self.strategy != strategy:
+            raise ConfigError(
+                f"fsdp={value!r} is strategy {strategy!r}, and strategy={self.strategy!r}; give one of them"
+                + (" (FSDP's hybrid sharding is zero3, or zero2 with hybrid_shard_zero2)" if hybrid else "")
+            )
+        self.strategy = strategy
+        if hybrid and (self.dp_shard_size is not None or self.dp_replicate_size is not None):
+            raise ConfigError(
+                f"fsdp={value!r} shards within each machine and replicates across machines, and dp_shard_size="
+                f"{self.dp_shard_size}, dp_replicate_size={self.dp_replicate_size} say another layout; give one of "
+                f"them (fsdp='{sharding[0].replace('hybrid_shard', 'full_shard').replace('_zero2', '')}' with the "
+                "sizes is the same strategy)"
+            )
+        if "offload" in words:
+            if strategy == "ddp":
+                raise ConfigError(f"fsdp={value!r}: offload needs sharding; use full_shard or shard_grad_op with it")
+            if self.strategy_options.get("offload", "cpu") != "cpu":
+                raise ConfigError(
+                    f"fsdp={value!r} offloads to the CPU, and strategy_options says offload="
+                    f"{self.strategy_options['offload']!r}; give one of them"
+                )
+            self.strategy_options = {**self.strategy_options, "offload": "cpu"}
+        self.fsdp = " ".join(dict.fromkeys(words))
+
+    def _hybrid_shard_size(self) -> int | None:
+        """Under fsdp='hybrid_shard': the processes of this machine (over tp_size), as FSDP's intra-node groups."""
+        if not isinstance(self.fsdp, str) or "hybrid_shard" not in self.fsdp:
+            return None
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        if not local:
+            return None  # no launcher: one process, one machine
+        tp = self.tp_size or 1
+        if int(local) % tp:
+            raise ConfigError(
+                f"fsdp={self.fsdp!r} shards within each machine, and its {local} processes (LOCAL_WORLD_SIZE) do not "
+                f"divide by tp_size={tp}; launch a multiple of {tp} processes per machine"
+            )
+        return int(local) // tp
 
     def _check_deepspeed(self) -> None:
         """Read the DeepSpeed config now, and refuse a value that contradicts these arguments (as transformers does);
@@ -524,6 +647,10 @@ class TrainingArguments:
             "seed": self.seed,
             "max_grad_norm": float(self.max_grad_norm) if self.max_grad_norm else None,
         }
+        for key in _MESH:
+            out[key] = getattr(self, key)
+        if out["dp_shard_size"] is None:
+            out["dp_shard_size"] = self._hybrid_shard_size()
         return out
 
     def engine_options(self) -> dict[str, Any]:
