@@ -535,3 +535,87 @@ def _demo_tp(cfg, sp: bool) -> dict:
         "qkv": tp_param_info(model.blocks[0].qkv.weight),
         "tied": model.head.weight is model.tok.weight,
     }
+
+
+class _Styles(nn.Module):
+    """One layer of each remaining style: column-split embedding, gathered output into split input (GLM's MLP),
+    a packed pair, 4.5x's gather around local layers (the row bias added once), and all_reduce over local rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.gate_up = nn.Linear(8, 12)
+        self.down = nn.Linear(6, 8)
+        self.packed_in = nn.Linear(8, 12)
+        self.packed_out = nn.Linear(12, 8)
+        self.region = nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 8))
+        self.shared = nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 8, bias=False))
+        self.out = nn.Linear(8, 16)
+
+    def tp_plan(self) -> dict[str, str]:
+        return {
+            "emb": "embedding_colwise",
+            "gate_up": "colwise_gather_output",
+            "down": "rowwise_split_input",
+            "packed_in": "packed_colwise",
+            "packed_out": "packed_rowwise",
+            "region": "gather",
+            "region.0": "local_colwise",
+            "region.2": "local_rowwise",
+            "shared.0": "colwise",
+            "shared.2": "local_rowwise",
+            "shared": "all_reduce",
+        }
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # whole on every rank: the chunk sees all features
+        x = x + self.down(F.silu(gate) * up)
+        x = x + self.packed_out(F.relu(self.packed_in(x)))
+        x = x + self.region(x)
+        x = x + self.shared(x)
+        return self.out(x)
+
+
+def _styles_losses(model: nn.Module, group=None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
+    losses = []
+    for x, y in batches(3, BATCH, SEQ, 16):
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        if group is not None and not losses:
+            check_replicated_grads(model, group)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if group is not None:
+        params = _full_params(model, group)
+    return losses, params
+
+
+def _styles_tp(_: int) -> tuple:
+    rank, world = init_gloo()
+    group = dist.new_group(list(range(world)))
+    torch.manual_seed(0)
+    model = _Styles()
+    report = apply_tp_plan(model, None, group)
+    try:
+        torch.manual_seed(0)
+        apply_tp_plan(_Styles(), None, group, sequence_parallel=True)
+    except TPPlanError as e:
+        sp_error = str(e)
+    return (*_styles_losses(model, group), report.params["region.2.bias"], report.forked, sp_error)
+
+
+def test_other_styles_match_single_process(run_ranks):
+    torch.manual_seed(0)
+    ref_losses, ref_params = _styles_losses(_Styles())
+    for res in run_ranks(_styles_tp, 2, 0):
+        losses, params, bias_info, forked, sp_error = res
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
+        for k, v in ref_params.items():
+            torch.testing.assert_close(params[k], v, **TOL, msg=k)
+        assert bias_info.dim is None and bias_info.grad_sync  # added on rank 0 only, its gradient summed
+        assert forked == []  # no layer split by heads: nothing computes on sharded attention
+        assert "down: style 'rowwise_split_input' takes a replicated input" in sp_error

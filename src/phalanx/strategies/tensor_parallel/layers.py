@@ -114,8 +114,6 @@ class _RowwiseLinear(_TPLayer, nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         x = input
         if self._tp_split_input:
-            if self._tp_sp:
-                x = gather_seq(x, self._tp_group)
             x = split_last(x, self._tp_group)
         y = F.linear(x, self.weight)
         if self.bias is None:

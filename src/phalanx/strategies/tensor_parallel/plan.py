@@ -35,6 +35,7 @@ _KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head")
 _HEAD_NAMES = {"lm_head", "head", "output", "embed_out"}
 _COLWISE = {"colwise", "colwise_gather_output", "colwise_rep", "packed_colwise", "local_colwise"}
 _ROWWISE = {"rowwise", "rowwise_split_input", "rowwise_rep", "packed_rowwise", "local_rowwise", "local_packed_rowwise"}
+_WHOLE = {"colwise_gather_output", "colwise_rep", "rowwise_split_input", "rowwise_rep"}
 _PARAM_STYLES = _COLWISE | _ROWWISE | {"embedding_rowwise", "embedding_colwise", "replicate"}
 _PARAM_STYLES |= {"replicated_with_grad_allreduce"}
 
@@ -211,7 +212,9 @@ def _linear_split(name: str, module: nn.Module, style: Style, tp: int, heads: _H
     packed = style.args.get("packed", 2 if style.name.startswith(("packed", "local_packed")) else 1)
     leaf = name.rsplit(".", 1)[-1]
     role, n_heads = "", style.args.get("heads")
-    if col and leaf in _KV:
+    if style.name in _WHOLE:
+        pass  # the output (or input) is whole on every rank: the heads are not split, attention runs replicated
+    elif col and leaf in _KV:
         role = "kv"
     elif col and leaf in _Q:
         role = "q"
@@ -223,8 +226,8 @@ def _linear_split(name: str, module: nn.Module, style: Style, tp: int, heads: _H
         count = heads.kv if role == "kv" else heads.q
         if count and size == packed * count * heads.head_dim:
             n_heads = count
-    if n_heads is None:
-        role = ""  # not recognisably an attention projection: split by features
+    if n_heads is None or style.name in _WHOLE:
+        role, n_heads = "", None  # not an attention projection split by heads: split by features
     elif not role:
         role = "q" if col else "out"  # heads=N given on a name we do not know
     if n_heads is not None:
@@ -306,6 +309,12 @@ def apply_tp_plan(
     for name, style in module_styles.items():
         module = modules[name]
         s = style.name
+        _check(
+            not (sequence_parallel and s in ("rowwise_split_input", "rowwise_rep")),
+            f"{name}: style {s!r} takes a replicated input (after a 'colwise_gather_output' layer), whose region's "
+            "parameters see the whole sequence; sequence parallelism needs every activation outside the split "
+            "layers to be a sequence shard: plan the pair 'colwise'/'rowwise', or set sequence_parallel=False",
+        )
         if s in _COLWISE or s in _ROWWISE:
             splits.append(_linear_split(name, module, style, tp, heads))
         elif s in ("embedding_rowwise", "embedding_colwise"):
