@@ -14,6 +14,7 @@ from phalanx.engine.engine import Engine
 from phalanx.engine.nonfinite import NonFiniteError
 from phalanx.inference import dispatch, init_empty_weights, load_and_dispatch
 from phalanx.launch.spawn import spawn
+from phalanx.strategies.tensor_parallel import loss_parallel, vocab_parallel_cross_entropy
 from phalanx.trainer.arguments import TrainingArguments
 from phalanx.trainer.callbacks import EarlyStoppingCallback, TrainerCallback
 from phalanx.trainer.state import TrainerControl, TrainerState
@@ -36,5 +37,7 @@ __all__ = [
     "dispatch",
     "load_and_dispatch",
     "init_empty_weights",
+    "loss_parallel",
+    "vocab_parallel_cross_entropy",
     "__version__",
 ]
