@@ -163,19 +163,8 @@ def _gpt_run(strategy: str, options: dict, opt: str = "sgd", max_norm: float | N
 
 
 def _full_state(engine, model) -> dict:
-    """The whole state dict, tp pieces put together (a check independent of the checkpoint code's own gather)."""
-    from phalanx.strategies.tensor_parallel import tp_gather_full, tp_param_info
-
-    state = engine.get_state_dict(model)
-    infos = dict(engine._tp.reports[0].params)  # every parameter's layout, taken when the plan split the model
-    for n, p in engine.unwrap_model(model).named_parameters(remove_duplicate=False):  # tied names too
-        if tp_param_info(p) is not None:
-            infos.setdefault(n, tp_param_info(p))
-    for k, v in state.items():
-        info = infos.get(k)
-        if info is not None and info.dim is not None and tuple(v.shape) != info.full_shape:
-            state[k] = tp_gather_full(v.to(engine.device), info, engine.topology.tp_group).cpu()
-    return state
+    """The whole state dict: under tp, get_state_dict gathers each split tensor over the tp group."""
+    return engine.get_state_dict(model)
 
 
 def _check_against(results: list[dict], ref: dict, what: str) -> None:
@@ -393,3 +382,35 @@ def test_dropout_under_tp2_is_reproducible(run_ranks):
         assert all(torch.equal(a["state"][k], b["state"][k]) for k in a["state"])
     assert first[0]["losses"] == first[1]["losses"]  # the tp ranks compute one model's loss
     assert len(set(first[0]["losses"])) == 3  # and it trains
+
+
+def _dropout_resume(directory: str, resume: bool) -> dict:
+    """tp2 with dropout: 4 straight steps saving after step 2, or a resume from that save for steps 3 and 4."""
+    from phalanx.demo import GPTConfig, TinyGPT
+
+    engine = phalanx.Engine(strategy="ddp", seed=0, tp_size=2)
+    torch.manual_seed(100)
+    model = TinyGPT(GPTConfig(vocab_size=32, block_size=SEQ_LEN, n_layer=2, n_head=4, n_embd=16, dropout=0.2))
+    optimizer = _make_opt("sgd", model)
+    model, optimizer = engine.prepare(model, optimizer)
+    if resume:
+        engine.load_state(directory)
+    x, y = _gpt_data(TP_BATCH)
+    losses = []
+    for step in range(2 if resume else 0, 4):
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        engine.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        if step == 1 and not resume:
+            engine.save_state(directory)
+    return {"losses": losses, "state": engine.get_state_dict(model)}
+
+
+def test_resume_under_tp2_with_dropout_continues_bitwise(run_ranks, tmp_path):
+    straight = run_ranks(_dropout_resume, 2, str(tmp_path / "ck"), False)
+    resumed = run_ranks(_dropout_resume, 2, str(tmp_path / "ck"), True)
+    for a, b in zip(straight, resumed):
+        assert a["losses"][2:] == b["losses"]  # the dropout masks of steps 3 and 4 are drawn again, the same
+        assert all(torch.equal(a["state"][k], b["state"][k]) for k in a["state"])

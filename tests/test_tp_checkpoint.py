@@ -8,7 +8,6 @@ on every other layout and read back whole. Everything is compared bitwise.
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import random
@@ -301,32 +300,16 @@ def _phase(strategy: str, options: dict[str, Any], load_from: str | None, save_t
     model = TinyGPT(cfg).pipeline_blocks()  # one model, names and all, under every layout (pipeline included)
     model, opt = engine.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     topo = engine.topology
-    # Until the Engine passes TPCheckpointView itself (tp_size > 1), this is what it does.
-    wired = "TPCheckpointView" in inspect.getsource(type(engine))
-    view = TPCheckpointView(engine.strategy, topo) if topo.tp_size > 1 and not wired else engine.strategy
-
-    def parts() -> TrainingParts:
-        p = engine._parts()
-        p.rng_trackers = engine._tp.trackers()
-        return p
-
     if load_from is not None:
-        if wired:
-            engine.load_state(load_from)
-        else:
-            load_checkpoint(load_from, parts(), view, topo, engine.device)
+        engine.load_state(load_from)
     for step in range(steps):
         ids = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(100 * step + topo.dp_rank))
         loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
         engine.backward(loss)
         opt.step()
         opt.zero_grad()
-    if wired:
-        engine.save_state(save_to)
-        whole = engine.get_state_dict(model)
-    else:
-        save_checkpoint(save_to, parts(), view, topo, engine.device)
-        whole = view.full_state_dict(model)
+    engine.save_state(save_to)
+    whole = engine.get_state_dict(model)
     return whole if topo.rank == 0 else None
 
 

@@ -48,6 +48,8 @@ from phalanx.engine.guards import (
     check_materialised,
     check_not_released,
     check_prepared_models,
+    check_train_step,
+    prepared_index,
     save_model_arguments,
     warn_accumulation_unused,
 )
@@ -459,28 +461,13 @@ class Engine:
         """
         if not self._resumer.done:
             self._check_resumed()
-        if not optimizer_step and not self.strategy.drives_backward:
-            raise ValueError(
-                f"engine.train_step(optimizer_step=False) is for strategy='pipeline', where one call is a whole step; "
-                f"under strategy={self.config.strategy!r} write engine.backward(loss) inside engine.accumulate() "
-                "and step the optimizer yourself"
-            )
-        if len(self._models) != 1 or len(self._optimizers) != 1:
-            raise RuntimeError(
-                f"engine.train_step needs exactly one prepared model and one optimizer; got {len(self._models)} "
-                f"model(s) and {len(self._optimizers)} optimizer(s) (write the loop with engine.backward instead)"
-            )
+        check_train_step(optimizer_step, self.strategy.drives_backward, self.config.strategy, self._models,
+                         self._optimizers)  # fmt: skip
         model, optimizer = self._models[0], self._optimizers[0]
         if self.strategy.drives_backward:
             loss = self.strategy.train_step(model, batch, loss_fn)
-            if not optimizer_step:
-                return loss
-            if self.config.max_grad_norm is not None:
-                self.clip_grad_norm_(self.config.max_grad_norm)
-            optimizer.step()
-            for sched in optimizer.schedulers:
-                sched.step()
-            optimizer.zero_grad()
+            if optimizer_step:
+                self._clip_step_zero(optimizer)
             return loss
         with self.accumulate():
             out = loss_fn(model, batch)
@@ -491,13 +478,16 @@ class Engine:
             else:
                 self.backward(out)
                 loss = out.detach()
-            if self.config.max_grad_norm is not None:
-                self.clip_grad_norm_(self.config.max_grad_norm)
-            optimizer.step()
-            for sched in optimizer.schedulers:
-                sched.step()
-            optimizer.zero_grad()
+            self._clip_step_zero(optimizer)
         return loss
+
+    def _clip_step_zero(self, optimizer: PreparedOptimizer) -> None:
+        if self.config.max_grad_norm is not None:
+            self.clip_grad_norm_(self.config.max_grad_norm)
+        optimizer.step()
+        for sched in optimizer.schedulers:
+            sched.step()
+        optimizer.zero_grad()
 
     # ------------------------------------------------------------------ world
     @property
@@ -610,7 +600,7 @@ class Engine:
         calls it (e.g. ``unwrapped.save_pretrained(d, state_dict=engine.get_state_dict(model))`` on every rank).
         Tied keys share one tensor, as in ``model.state_dict()``, so that transformers saves a tied weight once."""
         model = as_prepared(model, self._models)
-        state = self.strategy.full_state_dict(model)
+        state = self._tp.state_view(self.strategy).full_state_dict(model)
         for key, held_as in self.strategy.state_dict_keys(model).items():
             if key != held_as and key in state and held_as in state:
                 state[key] = state[held_as]
@@ -663,7 +653,13 @@ class Engine:
             )
         also_write = model_files_writer(self._models, self.unwrap_model) if model_files else None
         return save_checkpoint(
-            output_dir, self._parts(), self.strategy, self.topology, self.device, keep_last, also_write
+            output_dir,
+            self._parts(),
+            self._tp.state_view(self.strategy),
+            self.topology,
+            self.device,
+            keep_last,
+            also_write,
         )
 
     def load_state(self, input_dir: str | os.PathLike[str] | None, verify: bool = True) -> None:
@@ -679,7 +675,8 @@ class Engine:
                 "engine.load_state got None instead of a checkpoint directory (latest_checkpoint(parent) returns None "
                 "when the parent holds no complete checkpoint: start from scratch then)"
             )
-        counters = load_checkpoint(input_dir, self._parts(), self.strategy, self.topology, self.device, verify)
+        view = self._tp.state_view(self.strategy)
+        counters = load_checkpoint(input_dir, self._parts(), view, self.topology, self.device, verify)
         for m in self._models:
             mark_loaded(self.unwrap_model(m))
         self.global_step = counters.get("global_step", 0)
@@ -733,18 +730,10 @@ class Engine:
         or shards with ``model.safetensors.index.json``). Names and shapes are checked on every rank before anything
         is read; a tied weight may be stored under any of its names; pickles (``pytorch_model.bin``) are refused.
         """
-        if model is None:
-            if len(self._models) != 1:
-                raise TypeError(
-                    f"engine.load_model(path) needs one prepared model; {len(self._models)} are prepared: pass model="
-                )
-            model = self._models[0]
-        model = as_prepared(model, self._models)
-        index = next((i for i, m in enumerate(self._models) if model is m or model is self.unwrap_model(m)), None)
-        if index is None:
-            raise ValueError("engine.load_model(model=...) got a model that engine.prepare did not return")
+        index = prepared_index(model, self._models, self.unwrap_model)
         optimizers = [o.optimizer for o in self._optimizers] if optimizer_state is not None else None
-        load_weights(self.strategy, self._models[index], path, index, self.device, optimizers, optimizer_state)
+        view = self._tp.state_view(self.strategy)
+        load_weights(view, self._models[index], path, index, self.device, optimizers, optimizer_state)
         mark_loaded(self.unwrap_model(self._models[index]))
 
     def save_model(self, *args: Any, metadata: dict[str, str] | None = None) -> Path:
@@ -774,6 +763,7 @@ class Engine:
             precision=self.precision,
             counters={"global_step": self.global_step},
             seed=self.config.seed,
+            rng_trackers=self._tp.trackers(),
         )
 
     # --------------------------------------------------------------- reports

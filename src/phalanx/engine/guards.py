@@ -120,3 +120,34 @@ def save_model_arguments(args: tuple[Any, ...], models: Sequence[nn.Module]) -> 
         f"use engine.save_model(save_directory) with one prepared model, or engine.save_model(model, "
         f"save_directory); got {len(args)} argument(s) with {len(models)} prepared model(s)"
     )
+
+
+def check_train_step(
+    optimizer_step: bool, drives_backward: bool, strategy: str, models: Sequence[Any], optimizers: Sequence[Any]
+) -> None:
+    if not optimizer_step and not drives_backward:
+        raise ValueError(
+            f"engine.train_step(optimizer_step=False) is for strategy='pipeline', where one call is a whole step; "
+            f"under strategy={strategy!r} write engine.backward(loss) inside engine.accumulate() "
+            "and step the optimizer yourself"
+        )
+    if len(models) != 1 or len(optimizers) != 1:
+        raise RuntimeError(
+            f"engine.train_step needs exactly one prepared model and one optimizer; got {len(models)} "
+            f"model(s) and {len(optimizers)} optimizer(s) (write the loop with engine.backward instead)"
+        )
+
+
+def prepared_index(model: nn.Module | None, models: Sequence[nn.Module], unwrap: Any) -> int:
+    """Which prepared model ``engine.load_model(path, model=...)`` means (the only one when ``model`` is None)."""
+    if model is None:
+        if len(models) != 1:
+            raise TypeError(
+                f"engine.load_model(path) needs one prepared model; {len(models)} are prepared: pass model="
+            )
+        model = models[0]
+    model = as_prepared(model, models)
+    index = next((i for i, m in enumerate(models) if model is m or model is unwrap(m)), None)
+    if index is None:
+        raise ValueError("engine.load_model(model=...) got a model that engine.prepare did not return")
+    return index

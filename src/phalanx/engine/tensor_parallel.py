@@ -58,6 +58,7 @@ class TensorParallelState:
         self.config, self.topology, self.device = config, topology, device
         self.reports: list[TPReport] = []
         self.checked = False
+        self._view: Any = None
         self.replaced: dict[int, nn.Parameter] = {}  # id of a parameter before the split -> its local piece
 
     @property
@@ -100,6 +101,17 @@ class TensorParallelState:
 
         for model in models:
             check_replicated_grads(model, self.topology.tp_group)
+
+    def state_view(self, strategy: Any) -> Any:
+        """What the checkpoint code is handed for ``strategy``: under tp, a view that shows its local pieces as
+        whole tensors (``TPCheckpointView``), so that a checkpoint loads on any layout; the strategy otherwise."""
+        if not self.active:
+            return strategy
+        if self._view is None or self._view.strategy is not strategy:
+            from phalanx.strategies.tensor_parallel.checkpoint import TPCheckpointView
+
+            self._view = TPCheckpointView(strategy, self.topology)
+        return self._view
 
     def trackers(self) -> list[Any]:
         return [r.tracker for r in self.reports]
