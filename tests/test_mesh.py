@@ -414,3 +414,75 @@ def test_resume_under_tp2_with_dropout_continues_bitwise(run_ranks, tmp_path):
     for a, b in zip(straight, resumed):
         assert a["losses"][2:] == b["losses"]  # the dropout masks of steps 3 and 4 are drawn again, the same
         assert all(torch.equal(a["state"][k], b["state"][k]) for k in a["state"])
+
+
+# ---------------------------------------------------------------- the front door: Accelerate's ParallelismConfig
+def _llama():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(100)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _llama_batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(0, 64, (4, 12), generator=g) for _ in range(3)]
+
+
+def _llama_accelerate(use_peer_class: bool) -> dict:
+    """A transformers Llama with no plan written by the user, trained through phalanx.accelerate at tp2."""
+    if use_peer_class:
+        from accelerate.parallelism_config import ParallelismConfig
+    else:
+        from phalanx.accelerate import ParallelismConfig
+    from phalanx.accelerate import Accelerator
+
+    accelerator = Accelerator(parallelism_config=ParallelismConfig(tp_size=2))
+    model = _llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    losses = []
+    for ids in _llama_batches():
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {
+        "losses": losses,
+        "norms": [],
+        "state": accelerator.get_state_dict(model),
+        "rank": accelerator.process_index,
+    }
+
+
+def test_a_transformers_model_gets_tp_from_its_own_plan_through_accelerate(run_ranks):
+    use_peer = pytest.importorskip("accelerate", reason="the peer's ParallelismConfig") is not None
+    results = run_ranks(_llama_accelerate, 2, use_peer)
+    model = _llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for ids in _llama_batches():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    ref = {"losses": losses, "norms": [], "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    _check_against(results, ref, "Llama tp2 through phalanx.accelerate")
+
+
+def test_parallelism_config_refuses_what_phalanx_lacks():
+    from phalanx.accelerate import ParallelismConfig
+    from phalanx.compat.accelerate.utils import parallelism_options
+
+    assert parallelism_options(ParallelismConfig(dp_replicate_size=2, tp_size=2)) == {
+        "dp_replicate_size": 2, "tp_size": 2,
+    }  # fmt: skip
+    with pytest.raises(ValueError, match=r"cp_size=2\) asks for context parallelism, which phalanx does not have"):
+        parallelism_options(ParallelismConfig(cp_size=2))
+    with pytest.raises(ValueError, match=r"tp_size=0\): a size is a whole number of at least 1"):
+        parallelism_options(ParallelismConfig(tp_size=0))

@@ -121,6 +121,13 @@ def split_model(model: nn.Module, config: EngineConfig, topology: Topology, devi
     """Split ``model`` in place over the tp group by its plan; None when it was split already."""
     if any(getattr(p, "_phalanx_tp", None) is not None for p in model.parameters()):
         return None
+    dtensors = [n for n, p in model.named_parameters() if type(p.data).__name__ == "DTensor"]
+    if dtensors:
+        raise ValueError(
+            f"tp_size={topology.tp_size}: the model's parameters are already split by torch's DTensor (e.g. "
+            f"{dtensors[0]}), as transformers' from_pretrained(tp_plan='auto') leaves them; load the model whole "
+            "(without tp_plan or device_mesh) and let engine.prepare split it by its plan"
+        )
     if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
         raise ValueError(
             f"tp_size={topology.tp_size}: the model is on the meta device, and tensor parallelism splits its "

@@ -15,6 +15,7 @@ from phalanx.compat.accelerate.utils import (
     GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
+    ParallelismConfig,
     ProjectConfiguration,
     set_seed,
     skip_first_batches,
@@ -25,6 +26,7 @@ __all__ = [
     "Accelerator", "AcceleratedScheduler", "GradientState", "DistributedType", "DataLoaderConfiguration",
     "GradientAccumulationPlugin",
     "DeepSpeedPlugin", "FullyShardedDataParallelPlugin", "DistributedDataParallelKwargs", "GradScalerKwargs",
-    "InitProcessGroupKwargs", "ProjectConfiguration", "set_seed", "skip_first_batches", "DummyOptim", "DummyScheduler",
+    "InitProcessGroupKwargs", "ParallelismConfig",
+    "ProjectConfiguration", "set_seed", "skip_first_batches", "DummyOptim", "DummyScheduler",
     "get_logger", "find_executable_batch_size",
 ]  # fmt: skip

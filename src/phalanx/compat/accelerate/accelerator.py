@@ -44,6 +44,7 @@ from phalanx.compat.accelerate.utils import (
     GradScalerKwargs,
     InitProcessGroupKwargs,
     ProjectConfiguration,
+    parallelism_options,
 )
 from phalanx.config.dialects.dummies import DummyScheduler
 from phalanx.config.dialects.names import precision_from_accelerate, strategy_from_zero_stage
@@ -110,13 +111,14 @@ class Accelerator(Engine):
         gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
         step_scheduler_with_optimizer: bool = True,
         kwargs_handlers: list[Any] | None = None,
+        parallelism_config: Any = None,
         **unsupported: Any,
     ) -> None:
         if unsupported:
             raise TypeError(
                 f"Accelerator({', '.join(sorted(unsupported))}=...): phalanx.accelerate does not take "
                 f"{'this argument' if len(unsupported) == 1 else 'these arguments'} (Megatron-LM, dynamo, "
-                "parallelism_config and several DeepSpeed plugins are not supported); remove it"
+                "and several DeepSpeed plugins are not supported); remove it"
             )
         loader_config = dataloader_config or DataLoaderConfiguration(split_batches=split_batches)
         if loader_config.split_batches or split_batches:
@@ -139,6 +141,7 @@ class Accelerator(Engine):
         if cpu:
             options["device"] = "cpu"
         options.update(_plugin_options(deepspeed_plugin, fsdp_plugin))
+        options.update(parallelism_options(parallelism_config))  # tp_size, dp_shard_size, dp_replicate_size
         for handler in kwargs_handlers or []:
             options.update(_handler_options(handler))
         if not device_placement:

@@ -19,8 +19,45 @@ import torch.distributed as dist
 __all__ = [
     "DistributedType", "DataLoaderConfiguration", "GradientAccumulationPlugin", "DeepSpeedPlugin",
     "FullyShardedDataParallelPlugin", "DistributedDataParallelKwargs", "GradScalerKwargs", "InitProcessGroupKwargs",
-    "ProjectConfiguration", "set_seed", "seed_set", "skip_first_batches",
+    "ProjectConfiguration", "ParallelismConfig", "set_seed", "seed_set", "skip_first_batches",
 ]  # fmt: skip
+
+
+@dataclasses.dataclass
+class ParallelismConfig:
+    """Accelerate's ``ParallelismConfig`` sizes (``from accelerate.parallelism_config import ParallelismConfig``):
+    the device mesh's data-parallel replicas and shards and its tensor-parallel degree. Context and (Ulysses)
+    sequence parallelism are not available in phalanx: sizes above 1 are refused when the Accelerator reads it."""
+
+    dp_replicate_size: int | None = None
+    dp_shard_size: int | None = None
+    tp_size: int | None = None
+    cp_size: int | None = None
+    sp_size: int | None = None
+
+
+_ABSENT_AXES = {"cp_size": "context parallelism", "sp_size": "Ulysses sequence parallelism"}
+
+
+def parallelism_options(config: Any) -> dict[str, int]:
+    """The Engine settings of an Accelerate (or phalanx) ``ParallelismConfig``; refuses the axes phalanx lacks."""
+    if config is None:
+        return {}
+    out = {}
+    for key in ("dp_replicate_size", "dp_shard_size", "tp_size", *_ABSENT_AXES):
+        value = getattr(config, key, None)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"ParallelismConfig({key}={value!r}): a size is a whole number of at least 1")
+        if key in _ABSENT_AXES and value > 1:
+            raise ValueError(
+                f"ParallelismConfig({key}={value}) asks for {_ABSENT_AXES[key]}, which phalanx does not have; use 1 "
+                "(for activations that do not fit: tp_size with sequence_parallel=True, or strategy='pipeline')"
+            )
+        if key not in _ABSENT_AXES:
+            out[key] = value
+    return out  # Accelerate's tp_handler (filled in by default) has nothing to say here: the plan is the model's
 
 
 class DistributedType(str, enum.Enum):
