@@ -446,7 +446,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "",
         "phalanx demo summary",
         f"  strategy            {cfg.strategy}",
-        f"  world size          {engine.world_size} ({engine.device.type}, {dp} data-parallel)",
+        f"  world size          {engine.world_size} ({engine.device.type}, {dp} data-parallel"
+        + "".join(
+            f", {n} {engine.topology.sizes[i]}" for i, n in ((0, "pp"), (3, "tp")) if engine.topology.sizes[i] > 1
+        )
+        + ")",
         f"  precision           {cfg.precision}",
         f"  steps               {steps_done}"
         + (f" of {accum} micro-batches" if accum > 1 else "")
