@@ -159,6 +159,8 @@ def _gpt_run(strategy: str, options: dict, opt: str = "sgd", max_norm: float | N
             optimizer.step()
             optimizer.zero_grad()
         losses.append(engine.reduce(loss, "mean").item())
+    if options.get("sequence_parallel"):  # the replicated gradients were summed once per step, not per use
+        assert engine._tp.deferred and engine._tp.summed is False  # reset by the last step
     return {"losses": losses, "norms": norms, "state": _full_state(engine, model), "rank": engine.rank}
 
 
@@ -192,8 +194,10 @@ def test_tp2_with_ddp_matches_single_process(run_ranks):
         ("zero2", {"tp_size": 2}, 4),
         ("zero3", {"tp_size": 2}, 4),
         ("zero3", {"tp_size": 2, "sequence_parallel": True}, 4),
+        ("ddp", {"tp_size": 2, "sequence_parallel": True}, 2),
+        ("zero1", {"tp_size": 2, "sequence_parallel": True}, 4),
     ],
-    ids=["tp4", "tp2xddp2", "tp2xzero1", "tp2xzero2", "tp2xzero3", "tp2xzero3-sp"],
+    ids=["tp4", "tp2xddp2", "tp2xzero1", "tp2xzero2", "tp2xzero3", "tp2xzero3-sp", "tp2-sp", "tp2xzero1-sp"],
 )
 def test_tensor_parallel_composes_with_data_parallel(run_ranks, strategy, options, world):
     results = run_ranks(_gpt_run, world, strategy, options, "sgd", 0.05)
@@ -242,7 +246,8 @@ def _pipe_reference(steps: int) -> dict:
 
 
 def _pipe_run(options: dict, steps: int) -> dict:
-    engine = phalanx.Engine(strategy="pipeline", seed=0, pp_microbatches=2, tp_plan=PIPE_PLAN, **options)
+    plan = {**PIPE_PLAN, "0.pos": "sequence_parallel"} if options.get("sequence_parallel") else PIPE_PLAN
+    engine = phalanx.Engine(strategy="pipeline", seed=0, pp_microbatches=2, tp_plan=plan, **options)
     model = _pipe_blocks()
     optimizer = _make_opt("sgd", model)
     x, y = _gpt_data(steps * TP_BATCH)
@@ -258,6 +263,11 @@ def _pipe_run(options: dict, steps: int) -> dict:
 def test_pipeline_with_tensor_parallelism_pp2_tp2(run_ranks):
     results = run_ranks(_pipe_run, 4, {"pp_size": 2, "tp_size": 2}, TP_STEPS)
     _check_against(results, _pipe_reference(TP_STEPS), "pp2 x tp2")
+
+
+def test_pipeline_with_sequence_parallelism_pp2_tp2(run_ranks):
+    results = run_ranks(_pipe_run, 4, {"pp_size": 2, "tp_size": 2, "sequence_parallel": True}, TP_STEPS)
+    _check_against(results, _pipe_reference(TP_STEPS), "pp2 x tp2, sp")
 
 
 def test_pipeline_data_and_tensor_parallelism_pp2_dp2_tp2_on_8_ranks(run_ranks):

@@ -219,7 +219,7 @@ class Engine:
             else:
                 init.materialise_through(None, torch.device("cpu"))
         check_materialised(model, self.strategy.name, self.strategy.materialises_meta or self.strategy.defers_init)
-        model = self.strategy.place_model(self._tp.split(model))
+        model = self.strategy.place_model(self._tp.split(model, self.strategy))
         wrapped = self.strategy.wrap_model(model)
         if uninitialised(model):
             model.register_forward_pre_hook(lambda m, args: check_initialised(m, "forward"), prepend=True)
@@ -357,11 +357,18 @@ class Engine:
         if boundary:
             self._window_items, self._window_mode = None, None
         self._nonfinite.note_loss(loss)
+        self._tp.new_step()  # new gradients: the step's tp sums are due again
         self.precision.scale_loss(loss).backward(**kwargs)
         if boundary:
-            self.strategy.finish_gradient_sync()
+            self.finish_gradient_sync()
             if not self.strategy.shards_gradients:  # zero2/3 keep no whole gradients to compare
                 self._tp.check_once([self.unwrap_model(m) for m in self._models])
+
+    def finish_gradient_sync(self) -> None:
+        """Wait for every gradient reduction of this step, then sum the tp-replicated gradients over the tp ranks
+        (once per step). Idempotent."""
+        self.strategy.finish_gradient_sync()
+        self._tp.sum_deferred(self.strategy, self._models)
 
     def _short_window(self, accum: int, window_len: int) -> float:
         """A short last window (the DataLoader ran out) still averages over the micro-batches it had."""
@@ -391,7 +398,7 @@ class Engine:
             raise TypeError("use engine.clip_grad_norm_(max_norm) or engine.clip_grad_norm_(parameters, max_norm)")
         if not self.sync_gradients:
             return None
-        self.strategy.finish_gradient_sync()
+        self.finish_gradient_sync()
         for opt in self._optimizers:
             self.precision.unscale_(opt.optimizer)  # clip the true gradients, not the loss-scaled ones
         every = len(args) == 1
@@ -423,7 +430,7 @@ class Engine:
         if self.config.max_grad_norm is not None and not self._clipped:
             # max_grad_norm (DeepSpeed's gradient_clipping) is honoured in a hand-written loop too.
             self.clip_grad_norm_(self.config.max_grad_norm)
-        self.strategy.finish_gradient_sync()
+        self.finish_gradient_sync()
         skip = self._check_nonfinite()
         if optimizer is self._optimizers[0].optimizer:
             self.global_step += 1
@@ -431,6 +438,7 @@ class Engine:
         round_done = self._round >= {id(o.optimizer) for o in self._optimizers}
         if round_done:
             self._clipped, self._round = False, set()  # every optimizer stepped: the next step clips afresh
+            self._tp.new_step()
             self._nonfinite.end_round()
         self.step_was_skipped = True if skip else self.precision.step(optimizer)
         if not self.step_was_skipped:

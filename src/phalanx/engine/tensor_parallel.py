@@ -7,19 +7,23 @@ its tp group in ``runtime/topology.py``.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from phalanx.config.options import ConfigError
 from phalanx.config.settings import EngineConfig
 from phalanx.config.strategy_options import ParallelOptions
+from phalanx.runtime.collective_log import watched
 from phalanx.runtime.comm import broadcast_coalesced
 from phalanx.runtime.topology import Topology
 from phalanx.strategies._replicas import check_same_model, group_rank0
+from phalanx.strategies.base import Strategy
 
 if TYPE_CHECKING:
     from phalanx.strategies.tensor_parallel import TPReport
@@ -59,15 +63,18 @@ class TensorParallelState:
         self.reports: list[TPReport] = []
         self.checked = False
         self._view: Any = None
+        self.deferred: set[int] | None = None  # ids of parameters whose tp gradient sum waits for the step
+        self.summed = False  # this step's deferred sums are done
         self.replaced: dict[int, nn.Parameter] = {}  # id of a parameter before the split -> its local piece
 
     @property
     def active(self) -> bool:
         return self.topology.tp_size > 1
 
-    def split(self, model: nn.Module) -> nn.Module:
+    def split(self, model: nn.Module, strategy: Any) -> nn.Module:
         if not self.active:
             return model
+        self.defer_sums(strategy)
         before = dict(model.named_parameters(remove_duplicate=False))
         report = split_model(model, self.config, self.topology, self.device)
         if report is not None:
@@ -75,6 +82,51 @@ class TensorParallelState:
             after = dict(model.named_parameters(remove_duplicate=False))
             self.replaced.update({id(p): after[n] for n, p in before.items() if after.get(n) is not p})
         return model
+
+    def defer_sums(self, strategy: Any) -> None:
+        """Sum the replicated parameters' tp gradients once per step, in one all-reduce after the data-parallel
+        reduction, instead of once per parameter and use in the backward, when the strategy can say where it keeps
+        the reduced gradients."""
+        if (
+            self.active
+            and self.deferred is None
+            and type(strategy).reduced_grad_views is not Strategy.reduced_grad_views
+        ):
+            from phalanx.strategies.tensor_parallel import defer_grad_sums
+
+            self.deferred = defer_grad_sums(self.topology.tp_group)
+
+    def new_step(self) -> None:
+        self.summed = False
+
+    def sum_deferred(self, strategy: Any, models: list[nn.Module]) -> None:
+        """The deferred tp sums of this step's gradients, once: one coalesced all-reduce over the tp group."""
+        if not self.deferred or self.summed:
+            return
+        self.summed = True
+        seen: set[int] = set()
+        params = []
+        for model in models:
+            for p in model.parameters():
+                if id(p) in self.deferred and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        views = strategy.reduced_grad_views(params)
+        if views is None:
+            raise RuntimeError(
+                f"strategy {strategy.name!r} could not give the reduced gradients of {len(params)} tp-replicated "
+                "parameters whose sums over the tp ranks were deferred; this is a bug in phalanx, please report it"
+            )
+        views = [v for v in views if v.numel()]
+        if not views:
+            return
+        dtype = functools.reduce(torch.promote_types, [v.dtype for v in views], torch.float32)
+        flat = torch.cat([v.reshape(-1).to(self.device, dtype) for v in views])
+        watched(dist.all_reduce, flat, group=self.topology.tp_group, label="tp: replicated parameter gradients")
+        offset = 0
+        for v in views:
+            v.copy_(flat[offset : offset + v.numel()].view_as(v))
+            offset += v.numel()
 
     def adopt(self, optimizer: torch.optim.Optimizer) -> None:
         """An optimizer built on the model before ``prepare`` split it holds the whole parameters: point it at the

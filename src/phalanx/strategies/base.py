@@ -146,6 +146,13 @@ class Strategy(ABC):
                     break
         return out
 
+    def reduced_grad_views(self, params: list[nn.Parameter]) -> list[torch.Tensor] | None:
+        """Where this rank keeps the reduced gradients of ``params`` (those it holds), as tensors to change in place,
+        in an order that is the same on every rank with the same local parameters; None when the strategy cannot
+        say (tensor parallelism then sums replicated gradients in the backward instead). Call after
+        ``finish_gradient_sync``."""
+        return None
+
     def grad_shard_group(self) -> Any:
         """The process group over which reduced gradients are spread when ``shards_gradients`` (None: the world)."""
         return self.topology.dp_group

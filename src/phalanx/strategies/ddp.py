@@ -316,6 +316,14 @@ class DDPStrategy(Strategy):
         clip_to_norm_(grads, max_norm, total)
         return total
 
+    def reduced_grad_views(self, params: list[nn.Parameter]) -> list[torch.Tensor] | None:
+        out = []
+        for p in params:
+            if p.grad is None:  # unused in this step (find_unused_parameters): its reduced gradient is zero
+                p.grad = torch.zeros_like(p)
+            out.append(p.grad)
+        return out
+
     def sharded_state(self, model: nn.Module, optimizers: Any = None) -> list[ShardEntry]:
         # Every replica holds everything. So that a save writes in parallel, the replicas split the bytes evenly:
         # rank r of the data-parallel group gives the r-th of dp_size equal runs of the tensors laid end to end.

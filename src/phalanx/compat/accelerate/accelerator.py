@@ -446,7 +446,7 @@ class Accelerator(Engine):
 
     def unscale_gradients(self, optimizer: Any = None) -> None:
         """Divide fp16 gradients by the loss scale now (once per step), e.g. before clipping them yourself."""
-        self.strategy.finish_gradient_sync()
+        self.finish_gradient_sync()
         for opt in self._optimizers if optimizer is None else [optimizer]:
             self.precision.unscale_(getattr(opt, "optimizer", opt))
 

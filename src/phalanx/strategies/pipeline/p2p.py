@@ -121,7 +121,7 @@ class StageLink:
         none); None on the last stage."""
         if self.next_rank is None:
             return None
-        bufs = [torch.empty_like(o) for o in outputs if o.requires_grad]
+        bufs = [torch.empty_like(o, memory_format=torch.contiguous_format) for o in outputs if o.requires_grad]
         self._post([], [(b, self.next_rank) for b in bufs])
         return _full_grads(outputs, bufs)
 
@@ -136,7 +136,7 @@ class StageLink:
         """Send one micro-batch's ``outputs`` and receive the gradients of an earlier one's ``grads_for``."""
         if self.next_rank is None:
             return None
-        bufs = [torch.empty_like(o) for o in grads_for if o.requires_grad]
+        bufs = [torch.empty_like(o, memory_format=torch.contiguous_format) for o in grads_for if o.requires_grad]
         self._post(self._forward_sends(outputs, is_tuple, key), [(b, self.next_rank) for b in bufs])
         return _full_grads(grads_for, bufs)
 

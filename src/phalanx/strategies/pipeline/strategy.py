@@ -429,6 +429,12 @@ class PipelineStrategy(Strategy):
     def grad_shard_group(self) -> Any:
         return None  # the whole world: stages hold different gradients, replicas reduce theirs
 
+    def reduced_grad_views(self, params: list[nn.Parameter]) -> list[torch.Tensor] | None:
+        if self.stage_module is None:
+            return None
+        held = set(self.stage_module.parameters())
+        return self.sync.strategy.reduced_grad_views([p for p in params if p in held])
+
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Every stage's tensors, broadcast along the pipeline, so that each rank returns the whole state dict."""
         self._require_split("engine.get_state_dict")

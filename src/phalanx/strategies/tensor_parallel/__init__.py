@@ -10,7 +10,7 @@ See docs/tensor-parallel.md for the styles, sequence parallelism, the RNG tracke
 
 from __future__ import annotations
 
-from ._ops import SequenceLengthError
+from ._ops import SequenceLengthError, defer_grad_sums
 from .loss import loss_parallel, vocab_parallel_cross_entropy
 from .params import (
     ReplicatedGradError,
@@ -36,6 +36,7 @@ __all__ = [
     "TPRngTracker",
     "apply_tp_plan",
     "check_replicated_grads",
+    "defer_grad_sums",
     "last_planned",
     "loss_parallel",
     "resolve_plan",

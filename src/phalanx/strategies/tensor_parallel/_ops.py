@@ -27,6 +27,7 @@ from phalanx.runtime.collective_log import watched
 
 __all__ = [
     "SequenceLengthError",
+    "defer_grad_sums",
     "copy_to_tp",
     "gather_last",
     "gather_seq",
@@ -248,10 +249,26 @@ class _SumGrad(torch.autograd.Function):
         return _all_reduce(grad, ctx.group, "tp: replicated parameter gradient"), None
 
 
+_DEFERRED: dict[int, set[int]] = {}  # id of a tp group -> ids of the parameters whose gradient sums wait
+
+
+def defer_grad_sums(group: Any) -> set[int]:
+    """From now on :func:`sum_grad` over ``group`` communicates nothing in the backward: it records the parameter's
+    id in the returned set, and the caller sums those parameters' gradients over ``group`` itself once they are
+    complete (the Engine does it in one coalesced all-reduce per step, after the data-parallel reduction; both are
+    sums, so the order does not matter)."""
+    return _DEFERRED.setdefault(id(group), set())
+
+
 def sum_grad(p: torch.Tensor, group: Any) -> torch.Tensor:
     """Identity forward, all-reduce backward, on a parameter: the gradient of a replicated parameter whose uses on
-    this rank see part of the data (a sequence shard, a subset of heads) is summed over the ranks that share it."""
+    this rank see part of the data (a sequence shard, a subset of heads) is summed over the ranks that share it.
+    Over a group given to :func:`defer_grad_sums`, the sum is left to whoever deferred it."""
     if group is None or _trivial(group) or not (torch.is_grad_enabled() and p.requires_grad):
+        return p
+    deferred = _DEFERRED.get(id(group))
+    if deferred is not None:
+        deferred.add(id(p))
         return p
     out: torch.Tensor = _SumGrad.apply(p, group)
     return out

@@ -459,6 +459,14 @@ class ZeroStrategy(Strategy):
     def nonfinite_grad_names(self, model: nn.Module, limit: int) -> list[str]:
         return state.nonfinite_grad_names(self, model, limit)
 
+    def reduced_grad_views(self, params: list[nn.Parameter]) -> list[torch.Tensor] | None:
+        # This rank's reduced slices of them, segment by segment: the layout is the same on every rank whose local
+        # parameters have the same shapes (the tp ranks of one data-parallel rank).
+        wanted = set(params)
+        return [
+            s.master_grad[a:b] for s in self.segments if s.master_grad is not None for _, a, b in s.local_runs(wanted)
+        ]
+
     def _all_reduce_norm(self, total: torch.Tensor, op: Any) -> None:  # the ranks' parts: a max, or a sum of powers
         if self.world > 1:
             watched(dist.all_reduce, total, op=op, group=self.group)
