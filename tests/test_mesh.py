@@ -133,7 +133,9 @@ def _make_opt(opt: str, model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-def _gpt_run(strategy: str, options: dict, opt: str = "sgd", max_norm: float | None = None) -> dict:
+def _gpt_run(
+    strategy: str, options: dict, opt: str = "sgd", max_norm: float | None = None, extra_forward: bool = False
+) -> dict:
     from phalanx.demo import TinyGPT
 
     engine = phalanx.Engine(strategy=strategy, seed=0, **options)
@@ -156,11 +158,13 @@ def _gpt_run(strategy: str, options: dict, opt: str = "sgd", max_norm: float | N
             engine.backward(loss)
             if max_norm is not None:
                 norms.append(float(engine.clip_grad_norm_(max_norm)))
+            if extra_forward:  # a forward with no backward before the step (a metric in train mode) changes nothing
+                model(xb).sum()
             optimizer.step()
             optimizer.zero_grad()
         losses.append(engine.reduce(loss, "mean").item())
     if options.get("sequence_parallel"):  # the replicated gradients were summed once per step, not per use
-        assert engine._tp.deferred and engine._tp.summed is False  # reset by the last step
+        assert engine._tp.deferred is not None and not engine._tp.deferred  # every one summed by the last step
     return {"losses": losses, "norms": norms, "state": _full_state(engine, model), "rank": engine.rank}
 
 
@@ -204,6 +208,11 @@ def test_tensor_parallel_composes_with_data_parallel(run_ranks, strategy, option
     ref = _gpt_reference("sgd", 0.05)
     assert min(ref["norms"]) > 0.05  # clipping is active at every step: clip_grad_norm_ returns the 1-process norm
     _check_against(results, ref, f"{strategy} {options}")
+
+
+def test_a_forward_without_backward_before_the_step_does_not_sum_twice(run_ranks):
+    results = run_ranks(_gpt_run, 2, "ddp", {"tp_size": 2, "sequence_parallel": True}, "sgd", 0.05, True)
+    _check_against(results, _gpt_reference("sgd", 0.05), "tp2 sp, an extra forward before each step")
 
 
 def _pipe_cfg():

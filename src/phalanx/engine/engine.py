@@ -357,7 +357,6 @@ class Engine:
         if boundary:
             self._window_items, self._window_mode = None, None
         self._nonfinite.note_loss(loss)
-        self._tp.new_step()  # new gradients: the step's tp sums are due again
         self.precision.scale_loss(loss).backward(**kwargs)
         if boundary:
             self.finish_gradient_sync()
@@ -365,8 +364,8 @@ class Engine:
                 self._tp.check_once([self.unwrap_model(m) for m in self._models])
 
     def finish_gradient_sync(self) -> None:
-        """Wait for every gradient reduction of this step, then sum the tp-replicated gradients over the tp ranks
-        (once per step). Idempotent."""
+        """Wait for every gradient reduction of this step, then sum over the tp ranks the tp-replicated gradients
+        that arrived since the last sum. Idempotent."""
         self.strategy.finish_gradient_sync()
         self._tp.sum_deferred(self.strategy, self._models)
 
@@ -438,7 +437,6 @@ class Engine:
         round_done = self._round >= {id(o.optimizer) for o in self._optimizers}
         if round_done:
             self._clipped, self._round = False, set()  # every optimizer stepped: the next step clips afresh
-            self._tp.new_step()
             self._nonfinite.end_round()
         self.step_was_skipped = True if skip else self.precision.step(optimizer)
         if not self.step_was_skipped:

@@ -60,7 +60,6 @@ class PreparedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._engine.sync_gradients:
             self._engine.strategy.zero_grad(self.optimizer, set_to_none)
-            self._engine._tp.new_step()
 
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()

@@ -63,8 +63,7 @@ class TensorParallelState:
         self.reports: list[TPReport] = []
         self.checked = False
         self._view: Any = None
-        self.deferred: set[int] | None = None  # ids of parameters whose tp gradient sum waits for the step
-        self.summed = False  # this step's deferred sums are done
+        self.deferred: set[int] | None = None  # ids of parameters whose tp gradient sum is due (set by the backward)
         self.replaced: dict[int, nn.Parameter] = {}  # id of a parameter before the split -> its local piece
 
     @property
@@ -96,14 +95,11 @@ class TensorParallelState:
 
             self.deferred = defer_grad_sums(self.topology.tp_group)
 
-    def new_step(self) -> None:
-        self.summed = False
-
     def sum_deferred(self, strategy: Any, models: list[nn.Module]) -> None:
-        """The deferred tp sums of this step's gradients, once: one coalesced all-reduce over the tp group."""
-        if not self.deferred or self.summed:
+        """The tp sums of the gradients that arrived since the last sum: one coalesced all-reduce over the tp group
+        (the backward on every tp rank marks the same parameters)."""
+        if not self.deferred:
             return
-        self.summed = True
         seen: set[int] = set()
         params = []
         for model in models:
@@ -111,6 +107,7 @@ class TensorParallelState:
                 if id(p) in self.deferred and id(p) not in seen:
                     seen.add(id(p))
                     params.append(p)
+        self.deferred.clear()
         views = strategy.reduced_grad_views(params)
         if views is None:
             raise RuntimeError(

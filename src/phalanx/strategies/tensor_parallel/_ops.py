@@ -252,11 +252,26 @@ class _SumGrad(torch.autograd.Function):
 _DEFERRED: dict[int, set[int]] = {}  # id of a tp group -> ids of the parameters whose gradient sums wait
 
 
+class _MarkGrad(torch.autograd.Function):
+    """Identity both ways; the backward notes that the parameter got a gradient whose tp sum is now due."""
+
+    @staticmethod
+    def forward(ctx: Any, p: torch.Tensor, pending: set[int], key: int) -> torch.Tensor:
+        ctx.pending, ctx.key = pending, key
+        return p.view_as(p)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.pending.add(ctx.key)
+        return grad, None, None
+
+
 def defer_grad_sums(group: Any) -> set[int]:
-    """From now on :func:`sum_grad` over ``group`` communicates nothing in the backward: it records the parameter's
-    id in the returned set, and the caller sums those parameters' gradients over ``group`` itself once they are
-    complete (the Engine does it in one coalesced all-reduce per step, after the data-parallel reduction; both are
-    sums, so the order does not matter)."""
+    """From now on :func:`sum_grad` over ``group`` communicates nothing in the backward: the backward adds the
+    parameter's id to the returned set, and the caller sums those parameters' gradients over ``group`` itself once
+    they are complete, then empties the set (the Engine does it in one coalesced all-reduce per step, after the
+    data-parallel reduction; both are sums, so the order does not matter). Only gradients that arrived since the
+    last sum are summed: a forward without a backward, or a second model's backward, never sums one twice."""
     return _DEFERRED.setdefault(id(group), set())
 
 
@@ -268,7 +283,7 @@ def sum_grad(p: torch.Tensor, group: Any) -> torch.Tensor:
         return p
     deferred = _DEFERRED.get(id(group))
     if deferred is not None:
-        deferred.add(id(p))
-        return p
+        marked: torch.Tensor = _MarkGrad.apply(p, deferred, id(p))
+        return marked
     out: torch.Tensor = _SumGrad.apply(p, group)
     return out
