@@ -200,8 +200,19 @@ def test_tp2_with_ddp_matches_single_process(run_ranks):
         ("zero3", {"tp_size": 2, "sequence_parallel": True}, 4),
         ("ddp", {"tp_size": 2, "sequence_parallel": True}, 2),
         ("zero1", {"tp_size": 2, "sequence_parallel": True}, 4),
+        ("zero3", {"tp_size": 2, "dp_replicate_size": 2, "sequence_parallel": True}, 8),
     ],
-    ids=["tp4", "tp2xddp2", "tp2xzero1", "tp2xzero2", "tp2xzero3", "tp2xzero3-sp", "tp2-sp", "tp2xzero1-sp"],
+    ids=[
+        "tp4",
+        "tp2xddp2",
+        "tp2xzero1",
+        "tp2xzero2",
+        "tp2xzero3",
+        "tp2xzero3-sp",
+        "tp2-sp",
+        "tp2xzero1-sp",
+        "tp2xhybrid-zero3-2x2-sp-8-ranks",
+    ],  # fmt: skip
 )
 def test_tensor_parallel_composes_with_data_parallel(run_ranks, strategy, options, world):
     results = run_ranks(_gpt_run, world, strategy, options, "sgd", 0.05)
