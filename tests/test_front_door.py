@@ -377,3 +377,16 @@ def test_max_grad_norm_is_honoured_in_a_hand_written_loop():
     own = _clipped_run(max_grad_norm=None, clip_by_hand=5.0)
     assert all(torch.equal(both[k], own[k]) for k in own)
     assert any(not torch.equal(both[k], by_hand[k]) for k in own)
+
+
+def _leave_quietly_on_rank_1() -> int:
+    import os
+
+    if int(os.environ["RANK"]) == 1:
+        os._exit(0)  # a clean exit code, but no result
+    return 0
+
+
+def test_spawn_names_a_rank_that_exits_cleanly_without_a_result(run_ranks):
+    with pytest.raises(SpawnError, match="rank 1 exited with code 0 before returning a result"):
+        run_ranks(_leave_quietly_on_rank_1, 2)

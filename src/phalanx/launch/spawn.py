@@ -196,6 +196,7 @@ def _collect(procs: list[Any], readers: list[Connection], timeout: float | None,
     results: dict[int, Any] = {}
     raised: dict[int, str] = {}
     died: dict[int, int] = {}
+    quiet_since: dict[int, float] = {}  # ranks that exited with code 0 and had nothing to read yet
     deadline = None if timeout is None else time.monotonic() + timeout
     first_failure: float | None = None
     open_readers = dict(enumerate(readers))
@@ -206,7 +207,8 @@ def _collect(procs: list[Any], readers: list[Connection], timeout: float | None,
         if deadline is not None and now >= deadline:
             running = [r for r in range(len(procs)) if r not in results]
             raise TimeoutError(f"spawned ranks {running} did not finish within {timeout} s")
-        wait([*open_readers.values(), *(p.sentinel for p in procs)], timeout=0.2 if first_failure else 1.0)
+        running_sentinels = [p.sentinel for p in procs if p.exitcode is None]  # an exited one stays ready: leave it out
+        wait([*open_readers.values(), *running_sentinels], timeout=0.2 if first_failure or quiet_since else 1.0)
         for rank, reader in list(open_readers.items()):
             if not reader.poll():
                 continue
@@ -221,9 +223,12 @@ def _collect(procs: list[Any], readers: list[Connection], timeout: float | None,
             else:
                 raised[rank] = payload
         for rank, p in enumerate(procs):
-            # A rank sends its result before it exits, so an exited rank with nothing left to read has failed.
+            # A rank sends its result before it exits, so an exited rank with nothing left to read has failed. A
+            # clean exit (code 0) with nothing to read yet gets a moment more: its result may still be on the way.
             pending = rank in open_readers and open_readers[rank].poll()
             if rank not in results and rank not in raised and p.exitcode is not None and not pending:
+                if p.exitcode == 0 and rank in open_readers and now - quiet_since.setdefault(rank, now) < grace_s:
+                    continue
                 died[rank] = p.exitcode
         if (raised or died) and first_failure is None:
             first_failure = time.monotonic()
