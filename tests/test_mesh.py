@@ -531,3 +531,36 @@ def test_phalanx_config_prints_the_mesh_and_every_rank(capsys):
         "pp x tp x dp_replicate x dp_shard = 4 does not divide the world; tp_size=4 (cli)" in err
         and "world size 6" in err
     )
+
+
+def _checkpoint_side(strategy: str, options: dict, directory: str, save: bool) -> dict:
+    """Train two steps and save_state (save=True), or load_state into a fresh model; the whole state dict."""
+    from phalanx.demo import TinyGPT
+
+    engine = phalanx.Engine(strategy=strategy, seed=0, **options)
+    torch.manual_seed(100)
+    model = TinyGPT(_gpt_cfg())
+    model, optimizer = engine.prepare(model, _make_opt("sgd", model))
+    if save:
+        x, y = _gpt_data(TP_BATCH)
+        for _ in range(2):
+            engine.backward(F.cross_entropy(model(x).flatten(0, 1), y.flatten()))
+            optimizer.step()
+            optimizer.zero_grad()
+        engine.save_state(directory)
+    else:
+        engine.load_state(directory)
+    return engine.get_state_dict(model)
+
+
+@pytest.mark.parametrize(
+    ("saver", "world"),
+    [(("zero3", {"tp_size": 2}), 4), (("zero3", {"tp_size": 2, "dp_replicate_size": 2}), 8)],
+    ids=["tp2xzero3", "tp2xhybrid-zero3"],
+)
+def test_a_zero3_checkpoint_under_tp_loads_whole_on_another_layout(run_ranks, tmp_path, saver, world):
+    saved = run_ranks(_checkpoint_side, world, saver[0], saver[1], str(tmp_path / "ck"), True)
+    loaded = run_ranks(_checkpoint_side, 2, "ddp", {}, str(tmp_path / "ck"), False)
+    for state in (*saved, *loaded):
+        assert set(state) == set(saved[0])
+        assert all(torch.equal(state[k], saved[0][k]) for k in state)
