@@ -18,7 +18,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from typing import Any
 
 __all__ = ["spawn", "SpawnError", "gloo_on_loopback"]
@@ -50,6 +50,14 @@ def gloo_on_loopback(env: Any) -> None:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
+def _put(directory: str, rank: int, kind: str, data: bytes) -> None:
+    """A rank's result (``ok``) or traceback (``err``), written whole or not at all (a temporary name, a rename)."""
+    path = os.path.join(directory, f"rank-{rank}.{kind}")
+    with open(path + ".part", "wb") as f:
+        f.write(data)
+    os.replace(path + ".part", path)
+
+
 def _spawn_entry(
     fn: Callable[..., Any],
     rank: int,
@@ -57,7 +65,7 @@ def _spawn_entry(
     init_method: str,
     args: tuple[Any, ...],
     threads: int,
-    conn: Connection,
+    results_dir: str,
     environ: dict[str, str] | None = None,
 ) -> None:
     if environ is not None:  # forkserver: the server's environment is as old as the server; take the caller's
@@ -78,17 +86,15 @@ def _spawn_entry(
     try:
         result = fn(*args)
     except BaseException:
-        conn.send_bytes(pickle.dumps((False, traceback.format_exc())))
-        conn.close()
+        _put(results_dir, rank, "err", traceback.format_exc().encode())
         # Leave at once: peers may wait in a collective, and a clean teardown would wait with them.
         os._exit(1)
     from phalanx.runtime.world import teardown
 
     teardown()
-    # Plain pickle copies tensors by value; Connection.send would share them by file descriptor, which
-    # dies with this process before the parent reads it.
-    conn.send_bytes(pickle.dumps((True, result)))
-    conn.close()
+    # A file in the call's private directory, not a pipe: it does not depend on a file descriptor that the
+    # function's libraries could close or reuse. Plain pickle copies tensors by value.
+    _put(results_dir, rank, "ok", pickle.dumps(result))
 
 
 def spawn(
@@ -162,20 +168,19 @@ def spawn(
         ctx.set_forkserver_preload(["torch", "torch._dynamo", "phalanx"])
     tmpdir = tempfile.mkdtemp(prefix="phalanx-spawn-")
     init_method = f"file://{tmpdir}/store"
-    procs, readers = [], []
+    results_dir = os.path.join(tmpdir, "results")
+    os.mkdir(results_dir)
+    procs = []
     try:
         for rank in range(nprocs):
-            reader, writer = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_spawn_entry,
-                args=(fn, rank, nprocs, init_method, tuple(args), threads, writer, environ),
+                args=(fn, rank, nprocs, init_method, tuple(args), threads, results_dir, environ),
                 daemon=False,
             )
             p.start()
-            writer.close()
             procs.append(p)
-            readers.append(reader)
-        return _collect(procs, readers, timeout)
+        return _collect(procs, results_dir, timeout)
     finally:
         for p in procs:
             if p.is_alive():
@@ -188,18 +193,16 @@ def spawn(
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-def _collect(procs: list[Any], readers: list[Connection], timeout: float | None, grace_s: float = 3.0) -> list[Any]:
-    """Each rank's result, in rank order. When ranks fail, the one named is the cause: a rank that died without a
-    word (killed, ``os._exit``, a crash) before one that raised, since its peers then fail in their collectives
-    with errors of their own ("Connection reset by peer"). Failures are gathered for ``grace_s`` after the first,
-    so that a dead rank's exit is seen even when a peer's error arrives first."""
+def _collect(procs: list[Any], results_dir: str, timeout: float | None, grace_s: float = 3.0) -> list[Any]:
+    """Each rank's result, in rank order, read from its file once it has exited. When ranks fail, the one named is
+    the cause: a rank that died without a word (killed, ``os._exit``, a crash) before one that raised, since its peers
+    then fail in their collectives with errors of their own ("Connection reset by peer"). Failures are gathered for
+    ``grace_s`` after the first, so that a dead rank's exit is seen even when a peer's error arrives first."""
     results: dict[int, Any] = {}
-    raised: dict[int, str] = {}
+    raised: dict[int, tuple[int, str]] = {}  # rank -> (when its error was written, the traceback)
     died: dict[int, int] = {}
-    quiet_since: dict[int, float] = {}  # ranks that exited with code 0 and had nothing to read yet
     deadline = None if timeout is None else time.monotonic() + timeout
     first_failure: float | None = None
-    open_readers = dict(enumerate(readers))
     while len(results) + len(raised) + len(died) < len(procs):
         now = time.monotonic()
         if first_failure is not None and now - first_failure >= grace_s:
@@ -207,28 +210,19 @@ def _collect(procs: list[Any], readers: list[Connection], timeout: float | None,
         if deadline is not None and now >= deadline:
             running = [r for r in range(len(procs)) if r not in results]
             raise TimeoutError(f"spawned ranks {running} did not finish within {timeout} s")
-        running_sentinels = [p.sentinel for p in procs if p.exitcode is None]  # an exited one stays ready: leave it out
-        wait([*open_readers.values(), *running_sentinels], timeout=0.2 if first_failure or quiet_since else 1.0)
-        for rank, reader in list(open_readers.items()):
-            if not reader.poll():
-                continue
-            del open_readers[rank]
-            try:
-                # Our own child's return value over an anonymous pipe we created: no file, no peer, no checkpoint.
-                ok, payload = pickle.loads(reader.recv_bytes())
-            except EOFError:
-                continue  # closed without a word: the exit code below tells what happened
-            if ok:
-                results[rank] = payload
-            else:
-                raised[rank] = payload
+        wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.2 if first_failure else 1.0)
         for rank, p in enumerate(procs):
-            # A rank sends its result before it exits, so an exited rank with nothing left to read has failed. A
-            # clean exit (code 0) with nothing to read yet gets a moment more: its result may still be on the way.
-            pending = rank in open_readers and open_readers[rank].poll()
-            if rank not in results and rank not in raised and p.exitcode is not None and not pending:
-                if p.exitcode == 0 and rank in open_readers and now - quiet_since.setdefault(rank, now) < grace_s:
-                    continue
+            if rank in results or rank in raised or rank in died or p.exitcode is None:
+                continue
+            path = os.path.join(results_dir, f"rank-{rank}")
+            if p.exitcode == 0 and os.path.exists(path + ".ok"):
+                # Our own child's return value, in the private directory this call made: no peer wrote it.
+                with open(path + ".ok", "rb") as f:
+                    results[rank] = pickle.loads(f.read())
+            elif os.path.exists(path + ".err"):
+                with open(path + ".err", "rb") as f:
+                    raised[rank] = (os.fstat(f.fileno()).st_mtime_ns, f.read().decode(errors="replace"))
+            else:  # a rank writes its result or its error before it exits: with neither, it died
                 died[rank] = p.exitcode
         if (raised or died) and first_failure is None:
             first_failure = time.monotonic()
@@ -238,6 +232,6 @@ def _collect(procs: list[Any], readers: list[Connection], timeout: float | None,
         also = f" (then ranks {others} failed too)" if others else ""
         raise SpawnError(rank, f"rank {rank} exited with code {died[rank]} before returning a result{also}")
     if raised:
-        rank = next(iter(raised))  # the first to report: the others may only echo it
-        raise SpawnError(rank, f"rank {rank} failed:\n{raised[rank]}")
+        rank = min(raised, key=lambda r: raised[r][0])  # the first to fail: the others may only echo it
+        raise SpawnError(rank, f"rank {rank} failed:\n{raised[rank][1]}")
     return [results[r] for r in range(len(procs))]
