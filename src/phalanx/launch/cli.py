@@ -357,7 +357,7 @@ def _main(args: list[str]) -> int:
             print(cfg.describe())
             from phalanx.launch.launcher import mesh_text
 
-            print(mesh_text(cfg).removeprefix("phalanx: "))
+            print(mesh_text(cfg))
             return 0
         if command == "launch":
             warning = _misplaced(args, ns.script_args, spellings)
