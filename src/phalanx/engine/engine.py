@@ -111,7 +111,7 @@ class Engine:
         configure_logging(self.world.rank, self.config.log_all_ranks)
         for line in resolved.overrides + resolved.notes:
             warn_once(line)
-        self.device = pick_device(self.config.device, self.world.local_rank)
+        self.device = pick_device(self.config.device, self.world)
         if self.config.host_mmap_threshold_mb and not set_mmap_threshold(self.config.host_mmap_threshold_mb):
             warn_once(
                 f"host_mmap_threshold_mb={self.config.host_mmap_threshold_mb:g} has no effect here: it sets glibc's "

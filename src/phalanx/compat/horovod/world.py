@@ -102,7 +102,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     config = resolve_config().engine
     world = detect_world()
     configure_logging(world.rank, config.log_all_ranks)
-    device = pick_device(config.device, world.local_rank)
+    device = pick_device(config.device, world)
     existed = dist.is_initialized()
     if _KEPT and not existed and world.init_method is not None:
         _reinit(world, device, config.timeout_s)
