@@ -23,6 +23,8 @@ START_METHOD = os.environ.get("PHALANX_TEST_START_METHOD", "forkserver" if os.na
 def run_ranks(monkeypatch: pytest.MonkeyPatch) -> Callable[..., list[Any]]:
     # Multi-rank tests run on gloo and the CPU everywhere, GPU machines included (tests/test_cuda.py covers CUDA).
     monkeypatch.setenv("PHALANX_DEVICE", "cpu")
+    # ... and under NCCL's rules (phalanx/runtime/nccl_rules.py): what NCCL would refuse fails here too.
+    monkeypatch.setenv("PHALANX_NCCL_RULES", "1")
 
     def run(
         fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180, start_method: str | None = None

@@ -55,7 +55,8 @@ class GeneralOptions(Options):
     )
     device: str = option(
         "auto",
-        "auto (CUDA of the local rank when there is one, else CPU), cpu or cuda.",
+        "auto (a GPU when there is one: the only GPU a process sees, else the one of its local rank; else the CPU), "
+        "cpu or cuda.",
         choices=("auto", "cpu", "cuda"),
     )
     timeout_s: float = option(
@@ -76,6 +77,12 @@ class GeneralOptions(Options):
         False,
         "Before every collective, the ranks compare what they are about to call (op, size, dtype, label, line) "
         "and stop at once when they differ, naming each rank's call: one more small all-gather per collective.",
+    )
+    nccl_rules: bool = option(
+        False,
+        "Check on the CPU that every collective would run on NCCL: a host tensor made by phalanx, a dtype NCCL "
+        "lacks (int16, uint16, uint32, uint64) or a call from outside the group stops the run with the place it came "
+        "from (phalanx/runtime/nccl_rules.py). A Python call per torch op: for tests and debugging.",
     )
     resume_from: str | None = option(
         None,

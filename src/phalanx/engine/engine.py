@@ -58,6 +58,7 @@ from phalanx.engine.precision import Precision, loss_scaling, precision_report
 from phalanx.engine.prepared import PreparedOptimizer, PreparedScheduler, autocast_forward, kind_of
 from phalanx.engine.tensor_parallel import TensorParallelState
 from phalanx.logging import configure_logging, warn_once
+from phalanx.runtime import nccl_rules
 from phalanx.runtime.comm import all_gather_bytes, all_reduce
 from phalanx.runtime.comm import world_size as comm_world_size
 from phalanx.runtime.memory import peak_memory_bytes, set_mmap_threshold
@@ -111,6 +112,8 @@ class Engine:
         configure_logging(self.world.rank, self.config.log_all_ranks)
         for line in resolved.overrides + resolved.notes:
             warn_once(line)
+        if self.config.nccl_rules:
+            nccl_rules.enable()
         self.device = pick_device(self.config.device, self.world)
         if self.config.host_mmap_threshold_mb and not set_mmap_threshold(self.config.host_mmap_threshold_mb):
             warn_once(

@@ -83,6 +83,10 @@ def _spawn_entry(
     import torch
 
     torch.set_num_threads(threads)
+    if os.environ.get("PHALANX_NCCL_RULES") == "1":  # before fn makes any tensor: the marks start here
+        from phalanx.runtime import nccl_rules
+
+        nccl_rules.enable()
     try:
         result = fn(*args)
     except BaseException:

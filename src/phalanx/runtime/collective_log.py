@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.runtime import nccl_rules
+
 __all__ = ["LOG", "CollectiveError", "CollectiveLog", "CollectiveMismatchError", "Entry", "format_site", "watched"]
 
 
@@ -231,10 +233,23 @@ class CollectiveLog:
         entries = list(self.open.items())
         for key, e in entries:
             w = e.work
-            if w is not None and not isinstance(w, int):
+            if isinstance(w, torch.cuda.Event):
+                if w.query():
+                    self.finish(e, key)
+            elif w is not None and not isinstance(w, int):
                 works = w if isinstance(w, list) else [w]
                 if all(x.is_completed() for x in works):
                     self.finish(e, key)
+
+    def settle(self, entry: Entry, key: int, device_work: bool) -> None:
+        """A polled (NCCL) collective was waited for: the stream waits, the device finishes later. Keep an event on the
+        stream, not the work: a work holds its output tensors (activations under tp) until it is swept."""
+        if device_work:
+            event = torch.cuda.Event()
+            event.record()
+            entry.work = event
+        else:
+            self.finish(entry, key)
 
     def oldest_open(self) -> Entry | None:
         entries = list(self.open.values())
@@ -248,12 +263,16 @@ LOG = CollectiveLog()
 
 
 class WatchedWork:
-    """An async collective's work: ``wait()`` closes its entry."""
+    """An async collective's work: ``wait()`` closes its entry (on NCCL, hands it to an event: see ``settle``).
+    ``pending``: the works of one entry still to be waited for (a batch of sends and receives), shared by them."""
 
-    __slots__ = ("_entry", "_key", "_work")
+    __slots__ = ("_device_work", "_entry", "_key", "_pending", "_work")
 
-    def __init__(self, work: Any, entry: Entry, key: int) -> None:
+    def __init__(
+        self, work: Any, entry: Entry, key: int, device_work: bool | None = None, pending: list[int] | None = None
+    ) -> None:
         self._work, self._entry, self._key = work, entry, key
+        self._device_work, self._pending = device_work, pending
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         LOG.blocked = self._entry
@@ -264,11 +283,32 @@ class WatchedWork:
             _raise_explained(self._entry, e)
         finally:
             LOG.blocked = None
-        LOG.finish(self._entry, self._key)
+        self._work = _WAITED
+        if self._pending is not None:
+            self._pending[0] -= 1
+            if self._pending[0] > 0:
+                return out
+        if self._device_work is None:
+            LOG.finish(self._entry, self._key)
+        else:
+            LOG.settle(self._entry, self._key, self._device_work)
         return out
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
+
+
+class _Waited:
+    """What a waited work is replaced by, so that the wrapper keeps no output tensor alive."""
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+_WAITED = _Waited()
 
 
 def _raise_explained(entry: Entry, error: BaseException) -> None:
@@ -297,6 +337,8 @@ _NO_ASYNC = {dist.barrier, dist.all_gather_object, dist.broadcast_object_list, d
 
 def watched(fn: Callable[..., Any], *args: Any, label: str | None = None, **kwargs: Any) -> Any:
     """Call the c10d function ``fn`` with ``args``/``kwargs`` and log it (see the module docstring)."""
+    if nccl_rules.enabled():
+        nccl_rules.check(fn.__name__, args, kwargs)
     if not LOG.on:
         return fn(*args, **kwargs)
     op = _OP_NAMES.get(fn)
@@ -313,13 +355,14 @@ def watched(fn: Callable[..., Any], *args: Any, label: str | None = None, **kwar
     if LOG.precheck is not None and peer is None:
         LOG.precheck(entry, kwargs.get("group"))
     asked_async = kwargs.get("async_op", False)
+    device_work = isinstance(payload, torch.Tensor) and payload.is_cuda
     try:
         if polled and not asked_async and peer is None and fn not in _NO_ASYNC:
             # NCCL: queue it, make the stream wait (what a synchronous call does), and let the watchdog poll it.
             kwargs["async_op"] = True
             work = fn(*args, **kwargs)
             work.wait()
-            entry.work = work
+            LOG.settle(entry, key, device_work)
             return None
         LOG.blocked = entry
         out = fn(*args, **kwargs)
@@ -329,8 +372,12 @@ def watched(fn: Callable[..., Any], *args: Any, label: str | None = None, **kwar
     finally:
         LOG.blocked = None
     if polled and out is not None:
+        # The log holds the work only until the caller waits for it (then an event): it holds the output tensors.
         entry.work = out
-        return out
+        if isinstance(out, list):
+            pending = [len(out)]
+            return [WatchedWork(w, entry, key, device_work, pending) for w in out]
+        return WatchedWork(out, entry, key, device_work)
     if asked_async or op in ("send", "recv") and fn.__name__.startswith("i"):
         return WatchedWork(out, entry, key)
     LOG.finish(entry, key)

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.runtime.collective_log import watched
+from phalanx.runtime.nccl_rules import from_wire, to_wire
 
 __all__ = [
     "CommStats",
@@ -94,13 +95,14 @@ def broadcast_coalesced(
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
     for t in tensors:
         by_dtype[t.dtype].append(t)
-    for group_tensors in by_dtype.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in group_tensors])
+    for dtype, group_tensors in by_dtype.items():
+        flat = to_wire(torch.cat([t.detach().reshape(-1) for t in group_tensors]))  # int16 buffers: NCCL has none
         if device is not None:
             flat = flat.to(device)
         if stats is not None:
             stats.record("broadcast", flat)
         watched(dist.broadcast, flat, src=src, group=group)
+        flat = from_wire(flat, dtype)
         offset = 0
         with torch.no_grad():
             for t in group_tensors:
@@ -116,17 +118,19 @@ def all_gather_varlen(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
         return tensor
     if tensor.dim() == 0:
         tensor = tensor.reshape(1)
+    dtype = tensor.dtype
+    tensor = to_wire(tensor)  # int16 labels: NCCL has no int16
     length = torch.tensor([tensor.shape[0]], dtype=torch.long, device=tensor.device)
     lengths = [torch.zeros_like(length) for _ in range(n)]
     watched(dist.all_gather, lengths, length, group=group)
-    sizes = [int(x.item()) for x in lengths]
+    sizes = torch.cat(lengths).tolist()  # one copy to the host, not one per rank
     longest = max(sizes)
     if tensor.shape[0] < longest:
         pad = tensor.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))
         tensor = torch.cat([tensor, pad])
     out = [torch.empty_like(tensor) for _ in range(n)]
     watched(dist.all_gather, out, tensor.contiguous(), group=group)
-    return torch.cat([t[:s] for t, s in zip(out, sizes)])
+    return from_wire(torch.cat([t[:s] for t, s in zip(out, sizes)]), dtype)
 
 
 def all_gather_bytes(data: bytes, device: torch.device, group: Any = None) -> list[bytes]:
@@ -138,7 +142,7 @@ def all_gather_bytes(data: bytes, device: torch.device, group: Any = None) -> li
     length = torch.tensor([mine.numel()], dtype=torch.long, device=device)
     lengths = [torch.zeros_like(length) for _ in range(n)]
     watched(dist.all_gather, lengths, length, group=group)
-    sizes = [int(x.item()) for x in lengths]
+    sizes = torch.cat(lengths).tolist()
     padded = torch.zeros(max(max(sizes), 1), dtype=torch.uint8, device=device)
     padded[: mine.numel()] = mine.to(device)
     out = [torch.empty_like(padded) for _ in range(n)]

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.logging import get_logger
+from phalanx.runtime import nccl_rules
 from phalanx.runtime.collective_log import (
     LOG,
     CollectiveMismatchError,
@@ -99,9 +100,17 @@ class Watchdog:
     """One rank's watchdog thread and its side of the store protocol (see the module docstring)."""
 
     def __init__(
-        self, store: Any, rank: int, world: int, hang_timeout_s: float, mirrors: dict[tuple[int, ...], Any]
+        self,
+        store: Any,
+        rank: int,
+        world: int,
+        hang_timeout_s: float,
+        mirrors: dict[tuple[int, ...], Any],
+        device: torch.device | None = None,
     ) -> None:
         self.store, self.rank, self.world = store, rank, world
+        self.device = device or torch.device("cpu")
+        """Where a fingerprint goes for a group with no gloo mirror (a kv sub-group, a Horovod process set)."""
         self.hang_timeout_s = hang_timeout_s
         self.poll_s = min(1.0, max(0.1, hang_timeout_s / 10)) if hang_timeout_s > 0 else 1.0
         self.mirrors = mirrors  # ranks -> gloo group for the fingerprint exchange (debug_collectives)
@@ -257,10 +266,15 @@ class Watchdog:
 
     def precheck(self, entry: Entry, group: Any) -> None:
         """``debug_collectives``: all ranks of the group compare this call's fingerprint before it runs."""
-        mirror = self.mirrors.get(entry.group, group)
-        mine = torch.tensor(entry.fingerprint(), dtype=torch.int64)
+        mirror = self.mirrors.get(entry.group)
+        # A group with no gloo mirror exchanges the fingerprint over itself: on NCCL, from the device.
+        mine = torch.tensor(entry.fingerprint(), dtype=torch.int64, device="cpu" if mirror else self.device)
         everyone = [torch.empty_like(mine) for _ in entry.group]
-        dist.all_gather(everyone, mine, group=mirror)
+        if nccl_rules.enabled():  # not through watched(): this is watched's own check
+            nccl_rules.check("all_gather", (everyone, mine), {"group": mirror or group})
+        dist.all_gather(everyone, mine, group=mirror or group)
+        everyone = [t.cpu() for t in everyone]
+        mine = mine.cpu()
         if all(torch.equal(t, mine) for t in everyone):
             return
         key = f"call/{_group_key(entry.group)}/{entry.seq}/"
@@ -371,6 +385,8 @@ def _mirrors(topology: Any) -> dict[tuple[int, ...], Any]:
     out: dict[tuple[int, ...], Any] = {tuple(range(topology.world_size)): dist.new_group(backend="gloo")}
     for ranks in getattr(topology, "groups_by_ranks", {}):  # the mesh's axes, in the order they were made
         out[ranks] = dist.new_group(list(ranks), backend="gloo")
+    for group in out.values():
+        nccl_rules.host_group(group)
     return out
 
 
@@ -405,7 +421,8 @@ def start_watchdog(
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if os.environ.get(ENV_STORE_PER_ATTEMPT) != "0" else "-"
     store = dist.PrefixStore(f"phalanx/watchdog/{restart}/{_INCARNATION}/", base)
     mirrors = _mirrors(topology) if debug and dist.get_backend() != "gloo" else {}
-    dog = Watchdog(store, rank, world, timeout, mirrors)
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    dog = Watchdog(store, rank, world, timeout, mirrors, device)
     LOG.on = True
     LOG.explain = dog.explain_failure if timeout > 0 else None  # with no thread, nobody would answer
     LOG.precheck = dog.precheck if debug else None
