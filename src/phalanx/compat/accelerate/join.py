@@ -43,21 +43,23 @@ class UnevenInputsJoin:
         assert all(r is not None for r in reducers), "every joined model was prepared under ddp"
         self.reducers: list[GradReducer] = reducers  # type: ignore[assignment]
         self.broadcast_buffers = engine.strategy.opts.broadcast_buffers
+        self.device = engine.device  # the flags are all-reduced: on NCCL they must be on the GPU
 
     def _flags(self) -> torch.Tensor:
-        return torch.zeros(1 + 2 * len(self.models), dtype=torch.int64)
+        return torch.zeros(1 + 2 * len(self.models), dtype=torch.int64, device=self.device)
 
     def notify(self, model: nn.Module) -> None:
         """Before a forward of ``model`` on a rank still training (a forward pre-hook, ahead of the buffers')."""
         i = self.index.get(id(model))
         if i is None:
             return
-        flags = self._flags()
-        flags[0] = 1
+        values = [0] * (1 + 2 * len(self.models))
+        values[0] = 1
         if torch.is_grad_enabled():
             buffers = self.broadcast_buffers and model.training and any(True for _ in model.buffers())
-            flags[1 + 2 * i] = int(buffers)
-            flags[2 + 2 * i] = int(self.reducers[i].require_sync)
+            values[1 + 2 * i] = int(buffers)
+            values[2 + 2 * i] = int(self.reducers[i].require_sync)
+        flags = torch.tensor(values, dtype=torch.int64, device=self.device)  # one copy to the device, not one a flag
         watched(dist.all_reduce, flags, group=self.group, label="join: still training")
 
     def finish(self) -> None:
@@ -67,16 +69,17 @@ class UnevenInputsJoin:
         while True:
             flags = self._flags()
             watched(dist.all_reduce, flags, group=self.group, label="join: still training")
-            if int(flags[0]) == 0:
+            values = flags.tolist()
+            if values[0] == 0:
                 break
             last = False
             for i, model in enumerate(self.models):
-                if int(flags[1 + 2 * i]):
+                if values[1 + 2 * i]:
                     broadcast_coalesced(list(model.buffers()), src=group_rank0(self.group), group=self.group)
-                if int(flags[2 + 2 * i]):
+                if values[2 + 2 * i]:
                     self.reducers[i].shadow_reduce()
         # The last to finish trained on every step; ties go to the highest rank, as in torch's Join.
-        candidate = torch.tensor([dist.get_rank() if last else -1], dtype=torch.int64)
+        candidate = torch.tensor([dist.get_rank() if last else -1], dtype=torch.int64, device=self.device)
         watched(dist.all_reduce, candidate, op=dist.ReduceOp.MAX, group=self.group, label="join: last to finish")
         src = int(candidate)
         for model in self.models:

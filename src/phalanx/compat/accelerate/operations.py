@@ -41,7 +41,7 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_firs
         if t.dim() == 0 or not -t.dim() <= dim < t.dim():
             return t  # Accelerate leaves a tensor without that dimension as it is
         d = dim % t.dim()
-        size = torch.tensor([t.shape[d]], dtype=torch.int64)
+        size = torch.tensor([t.shape[d]], dtype=torch.int64, device=t.device)  # NCCL reduces device tensors only
         if dist.is_initialized() and dist.get_world_size() > 1:
             watched(dist.all_reduce, size, op=dist.ReduceOp.MAX, label="pad_across_processes")
         longest = int(size)

@@ -119,6 +119,7 @@ def tp_grad_norm_sq(params: Iterable[torch.Tensor], group: Any) -> torch.Tensor:
     divided by the piece's ``replicas``, and the sums are all-reduced over the tp ``group``. Parameters without a
     :class:`TPParam` count as replicated on every tp rank."""
     n = dist.get_world_size(group)
+    params = list(params)
     total: torch.Tensor | None = None
     for p in params:
         if p.grad is None:
@@ -127,8 +128,8 @@ def tp_grad_norm_sq(params: Iterable[torch.Tensor], group: Any) -> torch.Tensor:
         replicas = info.replicas if info is not None else n
         sq = p.grad.detach().float().pow(2).sum() / replicas
         total = sq if total is None else total + sq
-    if total is None:
-        total = torch.zeros(())
+    if total is None:  # on the device all the same: the all-reduce below goes to NCCL there
+        total = torch.zeros((), device=params[0].device if params else None)
     total = total.reshape(1).clone()
     watched(dist.all_reduce, total, group=group, label="tp: gradient norm")
     return total[0]
@@ -146,6 +147,8 @@ def check_replicated_grads(model: nn.Module, group: Any, rtol: float = 1e-5) -> 
     :class:`ReplicatedGradError` names every parameter whose holders disagree. Call it once after a backward."""
     n = dist.get_world_size(group)
     rank = dist.get_rank(group)
+    # The checksums stay on the parameters' device: the all-gather goes to NCCL there, which takes no host tensor.
+    device = next(model.parameters()).device
     names: list[str] = []
     infos: list[TPParam] = []
     sums: list[torch.Tensor] = []
@@ -158,14 +161,15 @@ def check_replicated_grads(model: nn.Module, group: Any, rtol: float = 1e-5) -> 
         names.append(name)
         infos.append(info)
         if p.grad is None:
-            sums.append(torch.tensor([float("nan"), float("nan"), 1.0], dtype=torch.float64))
+            sums.append(torch.tensor([float("nan"), float("nan"), 1.0], dtype=torch.float64, device=device))
             continue
         g = p.grad.detach().double().flatten()
         weights = torch.linspace(1.0, 2.0, g.numel(), dtype=torch.float64, device=g.device)
-        sums.append(torch.stack([g.sum(), (g * weights).sum(), g.abs().sum()]).cpu())
-    local = torch.stack(sums) if sums else torch.zeros((0, 3), dtype=torch.float64)
+        sums.append(torch.stack([g.sum(), (g * weights).sum(), g.abs().sum()]).to(device))
+    local = torch.stack(sums) if sums else torch.zeros((0, 3), dtype=torch.float64, device=device)
     gathered = [torch.empty_like(local) for _ in range(n)]
     watched(dist.all_gather, gathered, local, group=group, label="tp: replicated gradient check")
+    gathered = [g.cpu() for g in gathered]  # read below value by value: one copy to the host, not one per read
     bad = []
     for k, (name, info) in enumerate(zip(names, infos, strict=True)):
         holders = [r for r in range(n) if r // info.replicas == rank // info.replicas]
