@@ -27,6 +27,7 @@ from phalanx.compat.horovod.world import (
     current,
 )
 from phalanx.runtime.collective_log import watched
+from phalanx.runtime.nccl_rules import to_wire
 
 __all__ = [
     "Compressor", "NoneCompressor", "FP16Compressor", "Compression", "check_compression",
@@ -112,21 +113,16 @@ def scale_(tensor: torch.Tensor, factor: float) -> None:
 
 def to_comm_device(tensor: torch.Tensor, world: HvdWorld) -> torch.Tensor:
     """``tensor`` itself when collectives can take it, else a contiguous copy on the device they need."""
-    device = world.comm_device
-    if tensor.device == device and tensor.is_contiguous():
-        return tensor
-    return tensor.to(device, copy=True).contiguous()
-
-
-_WIDENED = {torch.int16: torch.int32, torch.uint16: torch.int32}  # dtypes gloo does not reduce, and what carries them
+    out = tensor.to(world.comm_device)  # the tensor itself when it is there already
+    return out if out.is_contiguous() else out.contiguous()
 
 
 def wire(tensor: torch.Tensor, world: HvdWorld) -> torch.Tensor:
-    """The tensor a collective can take: on its device, contiguous, and (on gloo) in a dtype gloo knows."""
-    out = to_comm_device(tensor, world)
-    if out.dtype in _WIDENED and dist.get_backend() == "gloo":
-        out = out.to(_WIDENED[out.dtype])  # the sum wraps on the way back, as int16 arithmetic would
-    return out
+    """The tensor a collective can take: on its device, contiguous, and in a dtype both gloo and NCCL carry (int16
+    and uint16 widened to int32, uint32 to int64, on every backend: NCCL has none of them, gloo does not reduce
+    int16). The result wraps on the way back, as arithmetic in the tensor's own dtype would."""
+    out = to_wire(to_comm_device(tensor, world))
+    return out if out.is_contiguous() else out.contiguous()
 
 
 def run(coord: Coordinator, op: Op) -> Any:

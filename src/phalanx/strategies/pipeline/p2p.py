@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_flatten
 
 from phalanx.runtime.collective_log import watched
 from phalanx.runtime.comm import CommStats
+from phalanx.runtime.nccl_rules import from_wire, to_wire, wire_dtype
 
 __all__ = ["StageLink", "Meta", "boundary_tensors", "flat_tensors", "meta_of", "encode_meta", "decode_meta"]
 
@@ -76,8 +77,10 @@ def describe_meta(meta: Meta) -> str:
 
 
 def _from_meta(meta: Meta, bufs: list[torch.Tensor]) -> Any:
-    """Received buffers as the sender's output: a tensor or a tuple, requiring grad where the sender's did."""
+    """Received buffers as the sender's output: a tensor or a tuple, in the sender's dtypes (int16 travels as int32),
+    requiring grad where the sender's did."""
     is_tuple, specs = meta
+    bufs = [from_wire(b, dtype) for b, (dtype, _, _) in zip(bufs, specs)]
     for b, (_, needs_grad, _) in zip(bufs, specs):
         if needs_grad:
             b.requires_grad_(True)
@@ -163,13 +166,13 @@ class StageLink:
             self._post([], [(vec, self.prev_rank)])
             self._recv_meta[key] = decode_meta(vec.cpu())
         meta = self._recv_meta[key]
-        return meta, [torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in meta[1]]
+        return meta, [torch.empty(shape, dtype=wire_dtype(dtype), device=self.device) for dtype, _, shape in meta[1]]
 
     def _forward_sends(self, outputs: list[torch.Tensor], is_tuple: bool, key: Any) -> list[tuple[torch.Tensor, int]]:
         """The messages that carry ``outputs`` to the next stage: the first time for ``key``, their description too."""
         assert self.next_rank is not None
         meta = meta_of(outputs, is_tuple)
-        msgs = [(t.detach().contiguous(), self.next_rank) for t in outputs]
+        msgs = [(to_wire(t.detach()).contiguous(), self.next_rank) for t in outputs]  # NCCL has no int16
         sent = self._sent_meta.get(key)
         if sent is None:
             self._sent_meta[key] = meta
@@ -218,4 +221,4 @@ class StageLink:
 
 def _full_grads(outputs: list[torch.Tensor], bufs: list[torch.Tensor]) -> list[torch.Tensor]:
     it = iter(bufs)
-    return [next(it) if o.requires_grad else torch.empty(0) for o in outputs]
+    return [next(it) if o.requires_grad else torch.empty(0, device=o.device) for o in outputs]
