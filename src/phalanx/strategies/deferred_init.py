@@ -84,7 +84,7 @@ def check_init_fn_applies(models: list[Any], strategy: str, materialises: bool) 
     if materialises:
         raise ValueError(
             f"engine.prepare(..., param_init_fn=...) is not used under strategy={strategy!r}, which initialises a "
-            "meta-built model's blocks itself with their reset_parameters(), seeded by block index; drop param_init_fn"
+            "meta-built model's blocks itself with their reset_parameters(), on the host; drop param_init_fn"
         )
     models = [m for m in models if isinstance(m, nn.Module)] + [
         b for m in models if isinstance(m, (list, tuple)) for b in m

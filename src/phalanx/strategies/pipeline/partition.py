@@ -2,8 +2,10 @@
 
 - ``pp_partition: parameters`` balances parameter counts (the default), ``uniform`` block counts, ``time`` the
   measured forward+backward time of each block, and ``"3,6"`` gives the cut points (the first block of stage 1, 2).
-- A block built on the meta device is materialised on this rank only if its stage is this rank's, and its
-  weights are seeded by block index, so they do not depend on the split.
+- A model built on the meta device is given its values by ``materialise_stage``: every block in order, on the
+  host, from the CPU generator, as ``strategies/deferred_init.py`` initialises one for ddp or zero3, so that the
+  weights are those of the model built on the CPU from the same seed, whatever the split and the device. One block
+  is on the host at a time; this rank keeps its stage's blocks, the others go back to meta.
 """
 
 from __future__ import annotations
@@ -17,9 +19,16 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from phalanx.strategies.deferred_init import DeferredInit, has_meta
 from phalanx.strategies.pipeline.p2p import flat_tensors
 
-__all__ = ["partition_blocks", "block_costs", "time_blocks", "check_no_shared_parameters", "materialise"]
+__all__ = [
+    "partition_blocks",
+    "block_costs",
+    "time_blocks",
+    "check_no_shared_parameters",
+    "materialise_stage",
+]
 
 
 def partition_blocks(costs: list[float], stages: int) -> list[int]:
@@ -117,19 +126,42 @@ def check_no_shared_parameters(blocks: list[tuple[str, nn.Module]], stage_of_blo
                 )
 
 
-def materialise(block: nn.Module, device: torch.device, seed: int, index: int) -> None:
-    """Move a block to the device; a block built on the meta device is allocated and initialised there."""
-    if not any(t.is_meta for t in [*block.parameters(), *block.buffers()]):
-        block.to(device)
-        return
-    block.to_empty(device=device)
-    # Seeded by block index, so that the weights do not depend on which stage (or how many) holds the block.
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed * 1_000_003 + index)
-        for module in block.modules():
-            reset = getattr(module, "reset_parameters", None)
-            if callable(reset):
-                reset()
+def materialise_stage(model: nn.Sequential, lo: int, hi: int, device: torch.device) -> None:
+    """Give blocks ``lo..hi-1`` of ``model`` (this rank's stage) their values on ``device``; the other blocks end on
+    the meta device, their parameter objects kept.
+
+    A meta-built model is initialised by ``DeferredInit``, zero3's and ddp's path: each block in order, on the host
+    from the CPU generator (never the device's: CUDA's draws other numbers from the same seed), including the blocks
+    of other stages, so that this stage's blocks draw where they draw in a normal build and the generator ends where
+    it ends (alike on every stage). Each other block goes back to meta as soon as it has drawn: the host holds one
+    block at a time beyond the stage's own."""
+    cpu = torch.device("cpu")
+    init = DeferredInit(model) if has_meta(model) else None
+    for i, block in enumerate(model.children()):
+        if init is not None and has_meta(block):
+            init.materialise_through(block, cpu)
+        if lo <= i < hi:
+            block.to(device)
+        else:
+            _drop_to_meta(block)
+
+
+def _drop_to_meta(block: nn.Module) -> None:
+    """Every tensor of ``block`` on the meta device. The parameter objects are kept (their contents swapped): an
+    optimizer built before prepare holds them, and with ``block.to("meta")`` it would keep their host values alive
+    until the strategy drops them from it."""
+    for module in block.modules():
+        for name, p in module._parameters.items():
+            if p is None or p.is_meta:
+                continue
+            empty = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            try:
+                torch.utils.swap_tensors(p, empty)
+            except RuntimeError:  # a weak reference to p forbids the swap: a new object, as block.to("meta") gives
+                module._parameters[name] = empty
+        for name, b in module._buffers.items():
+            if b is not None and not b.is_meta:
+                module._buffers[name] = b.to("meta")
 
 
 def _detach_requiring_grad(x: Any) -> Any:

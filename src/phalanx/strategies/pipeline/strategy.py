@@ -15,8 +15,8 @@ and ``loss_fn`` computes the loss as usual.
   first step, before the model is split), or at explicit cut points (``"3,6"``: stage 1 starts at block 3, stage 2
   at 6).
 - Each rank keeps only its stage's blocks; the other blocks' parameters move to the meta device. A model built
-  under ``torch.device("meta")`` is materialised stage by stage (``reset_parameters`` of each submodule,
-  seeded by block index), so no rank ever allocates the whole model.
+  under ``torch.device("meta")`` gets the values of the same model built on the CPU (``partition.materialise_stage``:
+  every block in order on the host, one at a time), so no rank ever allocates the whole model.
 - Communication (``p2p.py``): ``isend``/``irecv`` between neighbouring stages. Shapes and dtypes cross once per distinct
   micro-batch signature and are cached.
 - The schedules (``schedules.py``) order each stage's forwards and backwards; this file runs one micro-batch's
@@ -60,7 +60,7 @@ from phalanx.strategies.pipeline.p2p import StageLink, boundary_tensors, decode_
 from phalanx.strategies.pipeline.partition import (
     block_costs,
     check_no_shared_parameters,
-    materialise,
+    materialise_stage,
     partition_blocks,
     time_blocks,
 )
@@ -197,13 +197,13 @@ class PipelineStrategy(Strategy):
             self._sd_keys.update(
                 {f"{name}.{k}": first.get(id(v), f"{name}.{k}") for k, v in block.state_dict(keep_vars=True).items()}
             )
-        for i, (_name, block) in enumerate(blocks):
-            if lo <= i < hi:
-                materialise(block, self.device, self.config.seed, i)
-            else:
-                for p in block.parameters():
-                    self._remote[id(p)] = weakref.ref(p)
-                block.to("meta")  # this rank never holds another stage's parameters
+        # Every block initialised in order on the host (a meta-built model gets the values of a CPU build), this
+        # stage's on the device; the others end on meta, their parameter objects kept: this rank never holds
+        # another stage's parameters.
+        materialise_stage(model, lo, hi, self.device)
+        for _name, block in blocks[:lo] + blocks[hi:]:
+            for p in block.parameters():
+                self._remote[id(p)] = weakref.ref(p)
         if self.stage_module is not None:  # pp_partition=time: drop the blocks of the other stages from the timed stage
             for name, _ in blocks[:lo] + blocks[hi:]:
                 delattr(self.stage_module, name)
@@ -272,27 +272,23 @@ class PipelineStrategy(Strategy):
         finally:
             self.sync.hold(False)
             self._active = None
-        # The last stage knows the loss and whether loss_fn returned (loss_sum, items): every stage learns both.
-        summary = torch.zeros(3, dtype=torch.float64, device=self.device)
+        # The last stage knows the loss and the item count (1 per replica when loss_fn returned a mean, which was
+        # divided by m already): every stage learns both, without waiting on the device. Summed over the replicas,
+        # the count is the gradients' divisor either way: the items of the whole step, or dp_size.
+        summary = torch.zeros(2, dtype=torch.float64, device=self.device)
         if self.is_last:
             losses = torch.stack([mb.loss for mb in mbs if mb.loss is not None]).double()
-            sum_mode = self._items is not None
-            # mean mode: each micro-batch loss was divided by m, so their sum is the mean and the count is 1
-            summary[0], summary[2] = losses.sum(), float(sum_mode)
-            summary[1] = self._items if self._items is not None else 1.0
+            items = self._items if self._items is not None else torch.ones((), device=self.device)
+            summary = torch.stack([losses.sum(), items.to(device=self.device, dtype=torch.float64).reshape(())])
         if self.pp_size > 1:
             watched(dist.broadcast, summary, src=self.last_rank, group=self.topology.pp_group)
-        loss_total, items, sum_mode = summary.tolist()
-        if sum_mode:
-            total = torch.tensor(items, dtype=torch.float64, device=self.device)
-            if self.topology.dp_size > 1:
-                watched(dist.all_reduce, total, group=self.topology.dp_group)
-            self.set_grad_scale((1.0 / total).to(torch.float32))
-        else:
-            self.set_grad_scale(1.0 / self.topology.dp_size)  # each micro-batch's loss was already divided by m
+        total = summary[1:].clone()
+        if self.topology.dp_size > 1:
+            watched(dist.all_reduce, total, group=self.topology.dp_group)
+        self.set_grad_scale((1.0 / total[0]).to(torch.float32))
         self.sync.reduce()
         self.last_step_timing = {"step_s": time.perf_counter() - t0, "idle_s": self.link.idle_s}
-        return torch.tensor(loss_total / items, dtype=torch.float32, device=self.device)
+        return (summary[0] / summary[1]).to(torch.float32)
 
     def _forward(self, index: int, batch: Any, received: Any, loss_fn: Callable[..., Any], key: Any) -> MicroBatch:
         assert self.stage_module is not None
