@@ -354,3 +354,16 @@ def test_dtype_loads_and_streams_the_weights_in_that_dtype(tmp_path):
     with torch.inference_mode():
         got = model(ids)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+def test_an_automatic_map_leaves_gpu_headroom_for_activations(monkeypatch):
+    """A GPU without a max_memory entry gets 90% of its free memory for weights (faked CUDA: two GPUs)."""
+    from phalanx.inference import plan
+
+    free = {0: 10 * 2**30, 1: 4 * 2**30}
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (free[i], 80 * 2**30))
+    budgets = plan._devices(None, offload=False)
+    assert budgets[0] == int(free[0] * 0.9) and budgets[1] == int(free[1] * 0.9)
+    given = plan._devices({0: "2GiB", "cpu": "1GiB"}, offload=False)
+    assert given[0] == 2 * 2**30 and 1 not in given and given["cpu"] == 2**30  # a budget given is taken as it is

@@ -105,6 +105,10 @@ def _tensors(module: nn.Module, recurse: bool) -> Iterator[tuple[str, torch.Tens
     yield from module.named_buffers(recurse=recurse, remove_duplicate=False)
 
 
+GPU_HEADROOM = 0.1
+"""The share of a GPU's free memory that an automatic device map leaves free (Accelerate keeps room too)."""
+
+
 def _devices(max_memory: Mapping[Any, Any] | None, offload: bool) -> dict[Any, int]:
     """The devices in placement order with their budgets: GPUs, the host, and disk (no budget) when offloading."""
     given = {
@@ -119,7 +123,9 @@ def _devices(max_memory: Mapping[Any, Any] | None, offload: bool) -> dict[Any, i
     out: dict[Any, int] = {}
     for i in range(torch.cuda.device_count()):
         if i in given or max_memory is None:
-            out[i] = given.get(i, torch.cuda.mem_get_info(i)[0])
+            # A GPU not given a budget keeps GPU_HEADROOM of its free memory for the forward's activations and
+            # the allocator's rounding: filled to the last byte with weights, the first forward runs out of memory.
+            out[i] = given[i] if i in given else int(torch.cuda.mem_get_info(i)[0] * (1 - GPU_HEADROOM))
     out["cpu"] = given.get("cpu", _host_available())
     if offload:
         out["disk"] = given.get("disk", 2**62)
