@@ -101,6 +101,19 @@ def test_the_rules_refuse_host_tensors_missing_dtypes_and_non_members(run_ranks)
     assert "rank 1 is not a member" in r1["not a member"]
 
 
+# ------------------------------------------------------------------ the Accelerate front's helpers, on the device
+def _pad_across_processes() -> list[list[int]]:
+    from phalanx.accelerate.utils import pad_across_processes
+
+    engine = phalanx.Engine()
+    padded = pad_across_processes(torch.ones(1, engine.rank + 2, dtype=torch.long), dim=1, pad_index=-1)
+    return padded.tolist()
+
+
+def test_pad_across_processes_reduces_the_sizes_on_the_device(run_ranks):
+    assert run_ranks(_pad_across_processes, 2) == [[[1, 1, -1]], [[1, 1, 1]]]
+
+
 # ------------------------------------------------------------------------------ dtypes NCCL lacks, carried wide
 def _narrow_dtypes() -> dict[str, object]:
     import phalanx.horovod as hvd
