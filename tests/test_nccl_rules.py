@@ -261,3 +261,16 @@ def test_clipping_under_tp_makes_no_float64_copy_of_the_gradients(run_ranks, str
     for largest, n_params, biggest in run_ranks(_largest_float64_made_by_clipping, 2, strategy):
         # Per-tensor norms (one float64 each) are all it may make; a copy of a gradient would be `biggest` long.
         assert largest <= n_params < biggest, (largest, n_params, biggest)
+
+
+# ------------------------------------------------- B7: debug_collectives' fingerprints where the group has no mirror
+def _debug_collectives_on_an_extra_group() -> list[float]:
+    engine = phalanx.Engine(debug_collectives=True, hang_timeout_s=60)
+    extra = dist.new_group([0, 1])  # made by the script, as a kv sub-group or a Horovod process set: no gloo mirror
+    t = torch.full((2,), float(engine.rank + 1), device=engine.device)
+    watched(dist.all_reduce, t, group=extra)  # its fingerprint is exchanged over `extra` itself, from the device
+    return t.tolist()
+
+
+def test_debug_collectives_fingerprints_travel_on_the_device_where_no_gloo_mirror_exists(run_ranks):
+    assert run_ranks(_debug_collectives_on_an_extra_group, 2) == [[3.0, 3.0]] * 2
