@@ -16,6 +16,7 @@ from torch import nn
 
 from phalanx.checkpoint.shards import ShardEntry, StateReader
 from phalanx.runtime.comm import CommStats
+from phalanx.runtime.placement import place_module
 
 if TYPE_CHECKING:
     from phalanx.config.settings import EngineConfig
@@ -67,8 +68,10 @@ class Strategy(ABC):
         self.within_stage = within_stage
 
     def place_model(self, model: nn.Module) -> nn.Module:
-        """Move ``model`` to the strategy's device before ``wrap_model`` (pipeline moves only its stage, later)."""
-        return model.to(self.device)
+        """Move ``model`` to the strategy's device before ``wrap_model`` (pipeline moves only its stage, later; zero3
+        only its buffers, and each unit's shard as it lays the unit out). Through the placement ledger, which counts
+        what prepare puts on the device (``runtime/placement.py``)."""
+        return place_module(model, self.device, what=f"{self.name}:")
 
     @abstractmethod
     def wrap_model(self, model: nn.Module) -> nn.Module:

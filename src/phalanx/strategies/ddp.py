@@ -29,6 +29,7 @@ from phalanx.checkpoint.shards import (
 from phalanx.config.strategy_options import DataParallelOptions
 from phalanx.runtime.collective_log import watched
 from phalanx.runtime.comm import CommStats
+from phalanx.runtime.placement import LEDGER
 from phalanx.strategies._grads import (
     GradScale,
     build_buckets,
@@ -53,7 +54,9 @@ class _Bucket:
         self.index = index
         self.params = params
         first = params[0]
-        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=first.dtype, device=first.device)
+        self.flat = LEDGER.record(
+            torch.zeros(sum(p.numel() for p in params), dtype=first.dtype, device=first.device), "ddp gradient bucket"
+        )
         self.views: list[torch.Tensor] = []
         offset = 0
         for p in params:

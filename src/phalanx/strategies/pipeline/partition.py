@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from phalanx.runtime.placement import place_module
 from phalanx.strategies.deferred_init import DeferredInit, has_meta
 from phalanx.strategies.pipeline.p2p import flat_tensors
 
@@ -141,7 +142,7 @@ def materialise_stage(model: nn.Sequential, lo: int, hi: int, device: torch.devi
         if init is not None and has_meta(block):
             init.materialise_through(block, cpu)
         if lo <= i < hi:
-            block.to(device)
+            place_module(block, device, what=f"pipeline block {i}")
         else:
             _drop_to_meta(block)
 

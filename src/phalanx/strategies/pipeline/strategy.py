@@ -45,6 +45,7 @@ from phalanx.config.strategy_options import PipelineOptions, parse_partition
 from phalanx.logging import get_logger
 from phalanx.runtime.collective_log import watched
 from phalanx.runtime.comm import broadcast_coalesced
+from phalanx.runtime.placement import place_module
 from phalanx.strategies._replicas import group_rank0
 from phalanx.strategies.base import Strategy
 from phalanx.strategies.pipeline.microbatch import (
@@ -152,7 +153,7 @@ class PipelineStrategy(Strategy):
                     "pp_partition='time' runs every block once to time it, so the model cannot be on the meta "
                     "device (build it for real, or use pp_partition='parameters' or explicit cut points)"
                 )
-            model.to(self.device)
+            place_module(model, self.device, what="pipeline: the whole model, to time its blocks")
             self._pending_partition = model
             stage = PipelineStage(blocks, self)  # every block, until the first step has timed them
             self.stage_module = stage

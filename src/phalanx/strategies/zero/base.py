@@ -24,6 +24,7 @@ from torch.autograd import Variable
 from phalanx.checkpoint.shards import ShardEntry, StateReader, named_tensors
 from phalanx.config.strategy_options import DataParallelOptions, ZeroOptions, ZeroShardOptions
 from phalanx.runtime.collective_log import watched
+from phalanx.runtime.placement import LEDGER
 from phalanx.strategies._grads import (
     GradScale,
     clip_to_norm_,
@@ -206,18 +207,25 @@ class ZeroStrategy(Strategy):
         alias = (
             self.params_whole and master_dtype == seg.dtype and self.store.mode == "none" and self.comm_dtype_ is None
         )
+        what = f"{self.name} segment {seg.index}"
         if alias:
             seg.master, seg.master_is_full_slice = seg.full[seg.lo : seg.hi], True
         else:
-            seg.master = self.store.zeros(seg.shard_numel, master_dtype)
+            seg.master = self.store.placed(self.store.zeros(seg.shard_numel, master_dtype), f"{what} master slice")
             seg.master.copy_(seg.full[seg.lo : seg.hi])
         if self.grads_whole and alias and self.comm.mode in ("allreduce", "p2p"):
-            seg.grad_full = torch.zeros(seg.padded, dtype=seg.dtype, device=seg.device)
+            seg.grad_full = LEDGER.record(torch.zeros(seg.padded, dtype=seg.dtype, device=seg.device), f"{what} grads")
             seg.master_grad = seg.grad_full[seg.lo : seg.hi]  # the reduction leaves the slice in place
         else:
-            seg.master_grad = torch.zeros(seg.shard_numel, dtype=master_dtype, device=seg.master.device)
+            if self.store.mode == "none":
+                grad = torch.zeros(seg.shard_numel, dtype=master_dtype, device=seg.master.device)
+                seg.master_grad = LEDGER.record(grad, f"{what} gradient slice")
+            else:  # beside the offloaded master; each reduced gradient slice is copied into it from the device
+                seg.master_grad = self.store.host_zeros(seg.shard_numel, master_dtype)
             if self.grads_whole:
-                seg.grad_full = torch.zeros(seg.padded, dtype=seg.dtype, device=seg.device)
+                seg.grad_full = LEDGER.record(
+                    torch.zeros(seg.padded, dtype=seg.dtype, device=seg.device), f"{what} grads"
+                )
         if seg.grad_full is not None:
             seg.grad_views = [seg.view_of(i, seg.grad_full) for i in range(len(seg.params))]
 
@@ -415,6 +423,7 @@ class ZeroStrategy(Strategy):
 
     def finish_gradient_sync(self) -> None:
         self.comm.wait_inflight()
+        self.comm.fence_host_reads()  # before the optimizer writes offloaded masters (or a load does)
         self._attach_piece_grads()
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:

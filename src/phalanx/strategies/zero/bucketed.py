@@ -62,9 +62,9 @@ class BucketedZero(ZeroStrategy):
     def wrap_model(self, model: nn.Module) -> nn.Module:
         trainable = [p for p in model.parameters() if p.requires_grad]
         params = self._prepare_common(model, set(trainable))
-        segments = []
+        segments: list[Segment] = []
         for bucket in build_buckets(trainable[::-1], int(self.dp_opts.bucket_mb * 2**20)):
-            segments.append(Segment(0, bucket, self.world, self.rank))
+            segments.append(Segment(0, bucket, self.world, self.rank, what=f"{self.name} bucket {len(segments)}"))
             self._add_segments(segments[-1:])
         self._register(model, params, segments)
         for s in segments:

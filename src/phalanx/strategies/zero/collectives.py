@@ -27,7 +27,7 @@ from phalanx.runtime.collective_log import watched
 from phalanx.runtime.comm import CommStats
 from phalanx.strategies.zero.layout import Segment
 
-__all__ = ["SegmentComm", "Done", "resolve_collectives", "DTYPES"]
+__all__ = ["SegmentComm", "Done", "resolve_collectives", "DTYPES", "copy_to_host", "wait_for_device"]
 
 _PIECE_MIN_NUMEL = 1 << 16  # reduce_scatter_pieces: the mean parameter size, in elements, from which it pays
 _TAG = 1 << 20  # p2p tags: segment i gathers on _TAG + 2i and reduces on _TAG + 2i + 1, clear of the pipeline's 0
@@ -46,6 +46,32 @@ def resolve_collectives(mode: str, group: Any) -> str:
             "whose native reduce-scatter and all-gather are faster; use zero_collectives='auto' (or 'native')"
         )
     return mode
+
+
+def wait_for_device(device: torch.device) -> None:
+    """Block the host until the work queued so far on ``device``'s current stream has run: an event recorded there
+    now, waited for. On the CPU every copy has finished when it returns: nothing to wait for."""
+    if device.type == "cuda":
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(device))
+        done.synchronize()
+
+
+def copy_to_host(dst: torch.Tensor, src: torch.Tensor, staging: torch.Tensor | None = None) -> None:
+    """``dst`` (on the host) = ``src`` (on the device); with ``staging`` (a host buffer of at least ``src``'s size, in
+    its dtype), ``dst += src`` instead, ``src`` landing in ``staging`` first. ``dst`` and ``staging`` are pinned on
+    CUDA (``StateStore.host_zeros``), so the copy is a DMA issued ``non_blocking``; a dtype change is made on the
+    device first, so that it stays one."""
+    if staging is not None:
+        landing = staging[: src.numel()].view_as(src)
+    else:
+        landing, src = dst, src.to(dst.dtype)
+    landing.copy_(src, non_blocking=True)
+    # A non_blocking copy to the host returns before the data has landed: the host reading ``landing`` (the add
+    # below, or the optimizer stepping ``dst``) before the device has run it would read the old values, silently.
+    wait_for_device(src.device)
+    if staging is not None:
+        dst.add_(landing)
 
 
 class _AllDone:
@@ -100,6 +126,10 @@ class SegmentComm:
         self.stats, self.accumulates = stats, accumulates
         self.inflight: list[Segment] = []
         self.rank = dist.get_rank(group) if world > 1 else 0
+        self._staging: dict[torch.dtype, torch.Tensor] = {}  # where reduced slices land on the host (offload)
+        # Per CUDA stream, an event after the latest copy that read a host slice (offload): the stream runs its work in
+        # order, so waiting for the latest is waiting for them all, and the dict stays as small as the streams.
+        self._host_reads: dict[int, Any] = {}
         # p2p: (group rank, global rank) of every other rank; sends and receives name global ranks.
         self.peers = [
             (j, dist.get_global_rank(group, j) if group is not None else j) for j in range(world) if j != self.rank
@@ -223,13 +253,31 @@ class SegmentComm:
         if self.rep_world > 1:  # hybrid: this replica's sum, then the sum over replicas of the same shard
             self.stats.record("all_reduce", out, self.rep_world)
             watched(dist.all_reduce, out, group=self.rep_group, label=f"gradients of segment {seg.index} (replicas)")
-        if out.data_ptr() != seg.master_grad.data_ptr():
-            if self.accumulates:  # each backward's share adds up (offloaded slices live on the host)
-                seg.master_grad.add_(out.to(device=seg.master_grad.device, dtype=seg.master_grad.dtype))
+        if out.device != seg.master_grad.device:  # offloaded: the slice goes to the host
+            copy_to_host(seg.master_grad, out, self._staging_for(out) if self.accumulates else None)
+        elif out.data_ptr() != seg.master_grad.data_ptr():
+            if self.accumulates:  # each backward's share adds up
+                seg.master_grad.add_(out.to(dtype=seg.master_grad.dtype))
             else:  # the full buffer already held the whole window
                 seg.master_grad.copy_(out)
         if self.accumulates:
             seg.grad_full = None
+
+    def _staging_for(self, src: torch.Tensor) -> torch.Tensor:
+        """A host buffer (pinned on CUDA) that a reduced slice lands in before it is added to the host's; one per
+        dtype, reused: each landing is waited for and added before the next copy is issued."""
+        buf = self._staging.get(src.dtype)
+        if buf is None or buf.numel() < src.numel():
+            buf = torch.empty(src.numel(), dtype=src.dtype, pin_memory=src.device.type == "cuda")
+            self._staging[src.dtype] = buf
+        return buf
+
+    def fence_host_reads(self) -> None:
+        """Wait until the device has read every host slice a gather copied from: the host may write them again (the
+        optimizer steps the offloaded masters) only then, or a copy still queued would carry the new values."""
+        events, self._host_reads = self._host_reads, {}
+        for done in events.values():
+            done.synchronize()
 
     def wait_inflight(self, keep: int = 0) -> None:
         """Finish reductions, oldest first, until at most ``keep`` are in flight."""
@@ -243,7 +291,17 @@ class SegmentComm:
             src = seg.full[seg.lo : seg.hi]  # frozen: nothing changes, but zero3 still needs the whole unit
         wire = self.comm_dtype or seg.dtype
         full = seg.full if wire == seg.dtype else torch.empty(seg.padded, dtype=wire, device=seg.device)
-        local = src.to(device=seg.device, dtype=wire, non_blocking=True)
+        if src.device != seg.device:
+            # Offloaded: a DMA from the pinned host slice that the host does not wait for (the device's later work is
+            # ordered after it on the stream); the dtype is changed on the device, so that it stays one. The host
+            # must not write the slice until the copy has run: see fence_host_reads.
+            local = src.to(seg.device, non_blocking=True).to(wire)
+            if seg.device.type == "cuda":
+                stream, read = torch.cuda.current_stream(seg.device), torch.cuda.Event()
+                read.record(stream)
+                self._host_reads[stream.cuda_stream] = read
+        else:
+            local = src.to(dtype=wire)
         if self.world == 1:
             if local.data_ptr() != full.data_ptr():
                 full.copy_(local)

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from phalanx.runtime.placement import LEDGER
+
 if TYPE_CHECKING:
     from phalanx.strategies.zero.base import ModelState
 
@@ -24,11 +26,21 @@ __all__ = ["Segment", "by_dtype", "merge_runs", "padded_empty"]
 class Segment:
     """A flat run of same-dtype parameters, padded to a multiple of N; this rank owns ``[lo, hi)`` of it."""
 
-    def __init__(self, index: int, params: list[nn.Parameter], world: int, rank: int) -> None:
+    def __init__(
+        self,
+        index: int,
+        params: list[nn.Parameter],
+        world: int,
+        rank: int,
+        device: torch.device | None = None,
+        what: str = "segment",
+    ) -> None:
+        """``device``: where the segment lives, when not where ``params`` are (zero3 lays out a unit built on the
+        host: its flat buffer is made there and placed on ``device`` whole, the only copy of the unit there)."""
         self.index = index
         self.params = params
         self.dtype = params[0].dtype
-        self.device = params[0].device
+        self.device = params[0].device if device is None else device
         self.offsets: list[int] = []
         self.shapes = [p.shape for p in params]  # zero3 swaps in empty tensors while a unit is freed
         offset = 0
@@ -40,11 +52,13 @@ class Segment:
         self.shard_numel = self.padded // world
         self.lo, self.hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
         self.trainable = [p.requires_grad for p in params]
-        self.full = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        full = torch.zeros(self.padded, dtype=self.dtype, device=params[0].device)
         with torch.no_grad():
             for i, p in enumerate(params):
-                self.view_of(i, self.full).copy_(p.detach())
-                p.data = self.view_of(i, self.full)  # the original storage is released as we go
+                self.view_of(i, full).copy_(p.detach())
+                p.data = self.view_of(i, full)  # the original storage is released as we go
+        self.full = LEDGER.to_device(full, self.device, what=what)
+        del full  # once the views below point at the device, the host copy goes
         self.attach_views()
         # Set by the strategy:
         self.master: torch.Tensor | None = None  # fp32 slice the optimizer steps (None: nothing trainable)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from phalanx.runtime.placement import LEDGER
+
 __all__ = ["OFFLOAD_MODES", "StateStore", "check_offload_dir"]
 
 OFFLOAD_MODES = ("none", "cpu", "disk")
@@ -83,6 +85,17 @@ class StateStore:
         t = torch.frombuffer(mapped, dtype=dtype)
         self._pointers.add(t.untyped_storage().data_ptr())
         return t
+
+    def host_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zero-filled flat tensor in host memory (not on disk) that copies to or from the compute device read or
+        write: pinned when that device is CUDA, so that those copies are DMA transfers that can run asynchronously
+        (from pageable memory the driver stages them through a bounce buffer, synchronously)."""
+        return torch.zeros(numel, dtype=dtype, pin_memory=self.compute_device.type == "cuda")
+
+    def placed(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        """``tensor``, which prepare allocated in this store's tier, counted in the placement ledger when that tier is
+        the compute device (no offload); an offloaded one is on the host, and not the ledger's."""
+        return LEDGER.record(tensor, what) if self.mode == "none" else tensor
 
     def copy_of(self, tensor: torch.Tensor) -> torch.Tensor:
         """A copy of ``tensor`` (same shape and dtype) in this store's tier."""

@@ -35,9 +35,10 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from phalanx.config.strategy_options import Zero3Options
+from phalanx.runtime.placement import LEDGER, place_buffers
 from phalanx.strategies._replicas import replicate_from_first
 from phalanx.strategies.base import uncompiled
-from phalanx.strategies.deferred_init import move_real, pending_init
+from phalanx.strategies.deferred_init import pending_init
 from phalanx.strategies.zero.base import ModelState, ZeroStrategy
 from phalanx.strategies.zero.collectives import Done, SegmentComm
 from phalanx.strategies.zero.layout import Segment, by_dtype, padded_empty
@@ -87,6 +88,7 @@ class Unit:
         if self.state == UnitState.FREE:
             for s in self.segments:
                 s.full.untyped_storage().resize_(s.padded * s.full.element_size())
+                LEDGER.resized(s.full)
                 s.attach_views()
             self.works = [self.comm.gather(s, async_op=True) for s in self.segments]
             self.state = UnitState.GATHERING
@@ -120,6 +122,7 @@ class Unit:
             for p in s.params:
                 p.data = empty
             s.full.untyped_storage().resize_(0)
+            LEDGER.resized(s.full)
         self.state = UnitState.FREE
 
 
@@ -152,9 +155,10 @@ class Zero3Strategy(ZeroStrategy):
         self._own_reads = 0  # inside our own state_dict() reads, which put the gathered tensors in place
 
     def place_model(self, model: nn.Module) -> nn.Module:
-        if pending_init(model) is None:
-            return super().place_model(model)
-        move_real(model, self.device)  # the meta tensors are given values on the device, unit by unit
+        # Only the buffers (small, and broadcast from rank 0 on the device) go now. The parameters stay where they
+        # were built, on the host or meta, and ``wrap_model`` places them one unit at a time, keeping this rank's
+        # shard: moving the whole model first would not fit on the device for the very models zero3 is for.
+        place_buffers(model, self.device, what="zero3")
         return model
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
@@ -173,19 +177,25 @@ class Zero3Strategy(ZeroStrategy):
         units: list[Unit] = []
         all_segments: list[Segment] = []
         # One unit at a time: lay out, take rank 0's values, keep this rank's slice, free the rest. Only one
-        # unit is ever whole here, beside the not yet sharded parameters the user built (or, for a meta-built
-        # model, beside the root's parameters, which are given values in the order the model was built).
-        # The root unit is laid out last, when everything before it has its values.
+        # unit is ever whole on the device: its flat working buffer, made on the host from the parameters the user
+        # built there (or that the deferred init gave values there, in the order the model was built) and placed
+        # whole, because rank 0's values are broadcast on the device (NCCL). The rest of the model waits on the
+        # host. The root unit is laid out last, when everything before it has its values.
         for (name, module), ps in list(zip(unit_modules, members)) + [(("<root>", model), root_params)]:
             if init is not None:
-                init.materialise_through(None if module is model else module, self.device)
-            segs = [Segment(0, group, self.world, self.rank) for group in by_dtype(ps)]
+                init.materialise_through(None if module is model else module, torch.device("cpu"))
+            what = f"zero3 unit {name}"
+            segs = [Segment(0, group, self.world, self.rank, self.device, what) for group in by_dtype(ps)]
             self._add_segments(segs)
             for seg in segs:
                 # The at-rest slice is the fp32 master itself when the dtypes agree (on the host with offload);
                 # otherwise a copy in the parameters' dtype, in the offload tier when there is one.
                 keeps_slice = seg.master is not None and seg.master.dtype == seg.dtype
-                seg.shard_param = None if keeps_slice else self.store.copy_of(seg.full[seg.lo : seg.hi])
+                seg.shard_param = (
+                    None
+                    if keeps_slice
+                    else self.store.placed(self.store.copy_of(seg.full[seg.lo : seg.hi]), f"{what} shard")
+                )
             all_segments += segs
             unit = Unit(0, module, name, segs, module is model, self.comm, self.store, self._empty)
             unit.free()
@@ -195,6 +205,8 @@ class Zero3Strategy(ZeroStrategy):
         units.insert(0, units.pop())  # the root first
         for i, u in enumerate(units):
             u.index = len(self.units) + i
+        if init is not None:
+            place_buffers(model, self.device, what="zero3")  # those the deferred init made, on the host
         if init is not None and self.topology.dp_size > 1:
             replicate_from_first(
                 model, self.topology.dp_group, self.device, self.stats, self.dp_opts.broadcast_buffers, skip=params
