@@ -351,7 +351,10 @@ class Engine:
             if boundary:
                 self.strategy.set_grad_scale(self._short_window(accum, window_len) / self.topology.dp_size)
         else:
-            n = _device_count(items, self.device)
+            if isinstance(items, torch.Tensor):
+                n = items.to(self.device, torch.float64).reshape(())
+            else:  # filled on the device: a Python number copied there makes the host wait for the GPU
+                n = torch.full((), float(items or 0), dtype=torch.float64, device=self.device)
             self._window_items = n if self._window_items is None else self._window_items + n
             if boundary:
                 total = self._window_items.clone()
@@ -793,11 +796,3 @@ class Engine:
     def precision_report(self) -> dict[str, str]:
         """The dtypes actually in use: parameters, gradients, optimizer state, compute and communication."""
         return precision_report(self.precision, self._models, self._optimizers, self.strategy.comm_dtype())
-
-
-def _device_count(items: int | float | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``items`` as a float64 scalar on ``device``. A Python number is filled in on the device: copying it there
-    from the host (torch.as_tensor) waits for the device on CUDA, once per micro-batch."""
-    if isinstance(items, torch.Tensor):
-        return items.to(device=device, dtype=torch.float64).reshape(())
-    return torch.full((), float(items), dtype=torch.float64, device=device)

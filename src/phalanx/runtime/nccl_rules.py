@@ -144,6 +144,8 @@ class _Rules(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if torch.compiler.is_compiling():  # a graph torch.compile traces: its tensors are not phalanx's code's
+            return out
         if not isinstance(out, (torch.Tensor, tuple, list)) or _in_place(func, kwargs):
             return out  # not a tensor; or written in place, where the storage stays where it was
         inputs = list(_tensors(args))
