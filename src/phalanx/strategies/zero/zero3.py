@@ -231,7 +231,8 @@ class Zero3Strategy(ZeroStrategy):
         @functools.wraps(forward)
         def explained_forward(*args: Any, **kwargs: Any) -> Any:
             try:
-                return forward(*args, **kwargs)
+                with self._casts_not_saved():
+                    return forward(*args, **kwargs)
             except RuntimeError as e:
                 raise RuntimeError(
                     f"{e}\n(zero3: outside its own module's forward, a parameter of a zero3 unit is an empty tensor. "
@@ -242,6 +243,29 @@ class Zero3Strategy(ZeroStrategy):
 
         model.forward = explained_forward  # type: ignore[method-assign]
         return model
+
+    # ---- autocast: what autograd saves of a gathered parameter
+    def _casts_not_saved(self) -> contextlib.AbstractContextManager[Any]:
+        """Under autocast, a matmul saves its bf16/fp16 cast of the weight for backward, and autocast caches the cast
+        until the forward ends: a copy of every gathered weight (2 bytes a parameter) alive whatever the shard count,
+        though the unit itself is freed. Autograd saves a marker instead (``_SavedCast``), and backward casts the
+        regathered parameter again, the same values; each unit's post-forward clears autocast's cache. (FSDP2
+        gathers in the compute dtype for the same reason, which changes what runs in fp32; this keeps autocast's
+        numerics bit for bit.)"""
+        if not torch.is_autocast_enabled(self.device.type):
+            return contextlib.nullcontext()
+        return torch.autograd.graph.saved_tensors_hooks(self._pack_saved, _unpack_saved)
+
+    def _pack_saved(self, t: torch.Tensor) -> Any:
+        base = t._base if t._base is not None else t
+        fn = base.grad_fn
+        if fn is None or fn.name() != "ToCopyBackward0":
+            return t
+        source = fn.next_functions[0][0]
+        param = getattr(source, "variable", None)
+        if param is None or param not in self._loc or base.dtype == param.dtype:
+            return t
+        return _SavedCast(param, t.dtype, tuple(t.shape), t.stride(), int(t.storage_offset() - base.storage_offset()))
 
     # ---- hooks
     def _make_root_pre_forward(self, root: Unit) -> Callable[..., None]:
@@ -289,6 +313,7 @@ class Zero3Strategy(ZeroStrategy):
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             if _in_backward():  # a recomputation: the unit's own backward is about to use it
                 return output
+            _drop_autocast_casts(self.device.type)  # this unit's casts: nothing needs them now (see _casts_not_saved)
             if not torch.is_grad_enabled():
                 unit.free()
                 return output
@@ -456,6 +481,36 @@ _EAGER_REASON = (
     "cannot be one graph. Compile with fullgraph=False (the default), or compile each unit's forward alone: "
     "unit.forward = torch.compile(unit.forward, fullgraph=True)"
 )
+
+
+class _SavedCast:
+    """What autograd keeps of a gathered parameter's autocast cast (or a view of it): the parameter and the cast."""
+
+    __slots__ = ("dtype", "offset", "param", "shape", "stride")
+
+    def __init__(
+        self, param: nn.Parameter, dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...], offset: int
+    ) -> None:
+        self.param, self.dtype, self.shape, self.stride, self.offset = param, dtype, shape, stride, offset
+
+
+def _drop_autocast_casts(device_type: str) -> None:
+    if torch.is_autocast_enabled(device_type):
+        torch.clear_autocast_cache()
+
+
+def _unpack_saved(saved: Any) -> torch.Tensor:
+    if not isinstance(saved, _SavedCast):
+        return saved
+    p = saved.param
+    if p.numel() == 0:
+        raise RuntimeError(
+            "zero3: backward needs the cast of a parameter whose unit is not gathered (its forward ran outside the "
+            "unit's own module?). Use the parameter inside the module that owns it"
+        )
+    with torch.no_grad():
+        cast = p.detach().to(saved.dtype)
+    return cast.as_strided(saved.shape, saved.stride, saved.offset)
 
 
 def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
