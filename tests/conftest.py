@@ -24,7 +24,8 @@ def run_ranks(monkeypatch: pytest.MonkeyPatch) -> Callable[..., list[Any]]:
     # Multi-rank tests run on gloo and the CPU everywhere, GPU machines included (tests/test_cuda.py covers CUDA).
     monkeypatch.setenv("PHALANX_DEVICE", "cpu")
     # ... and under NCCL's rules (phalanx/runtime/nccl_rules.py): what NCCL would refuse fails here too.
-    monkeypatch.setenv("PHALANX_NCCL_RULES", "1")
+    # (PHALANX_NCCL_RULES=0 in the suite's environment turns them off, to measure what they cost.)
+    monkeypatch.setenv("PHALANX_NCCL_RULES", os.environ.get("PHALANX_NCCL_RULES", "1"))
 
     def run(
         fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180, start_method: str | None = None
