@@ -411,7 +411,11 @@ def bench(comparison: str, args: argparse.Namespace) -> dict[str, Any]:
         print(
             f"  {ch['phalanx']}: {ch['phalanx_first_loss']:.7f}, {ch['torch']}: {ch['torch_first_loss']:.7f}, "
             f"|diff| {ch['abs_diff']:.2e} ({'ok' if ch['ok'] else 'FAIL'}); "
-            f"one process: {ch['single_process_first_loss']:.7f}"
+            + (
+                f"one process: {ch['single_process_first_loss']:.7f}"
+                if ch["single_process_first_loss"] is not None
+                else "one process: not recorded in this run"
+            )
         )
     print("\nprofiled step, rank 0 (median over rounds): collectives' self CPU / all self CPU; top ops of round 1\n")
     for r in rows:

@@ -80,6 +80,9 @@ _SELF = os.path.abspath(__file__).removesuffix("c")
 class NcclRulesError(RuntimeError):
     """A collective that NCCL would refuse (or run wrongly), caught on gloo under ``nccl_rules``."""
 
+    def __init__(self, message: str) -> None:
+        super().__init__(f"{message} [nccl_rules: this gloo run checks NCCL's rules, PHALANX_NCCL_RULES=1]")
+
 
 def _phalanx_site() -> str | None:
     """``file:line`` of the phalanx frame that called the torch op, or None when the caller is not phalanx."""
@@ -126,6 +129,7 @@ _TO_HOST = {torch.Tensor.cpu, torch.Tensor.pin_memory}
 
 
 def _tensors(args: Any) -> Iterator[torch.Tensor]:
+    """The tensors among ``args`` and in its lists (a batch of point-to-point ops: theirs)."""
     for a in args:
         if isinstance(a, torch.Tensor):
             yield a
@@ -133,6 +137,8 @@ def _tensors(args: Any) -> Iterator[torch.Tensor]:
             for b in a:
                 if isinstance(b, torch.Tensor):
                     yield b
+                elif isinstance(b, dist.P2POp):
+                    yield b.tensor
 
 
 def _in_place(func: Any, kwargs: dict[str, Any]) -> bool:
@@ -226,18 +232,6 @@ def host_site(t: torch.Tensor) -> str | None:
     return getattr(t, _MARK, None)
 
 
-def _payload(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
-    for a in [*args, *kwargs.values()]:
-        if isinstance(a, torch.Tensor):
-            yield a
-        elif isinstance(a, (list, tuple)):
-            for b in a:
-                if isinstance(b, torch.Tensor):
-                    yield b
-                elif isinstance(b, dist.P2POp):
-                    yield b.tensor
-
-
 _HOST_GROUPS: set[int] = set()
 
 
@@ -257,7 +251,7 @@ def check(op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             "(check the rank's mesh coordinates before the call)"
         )
     host_ok = group is not None and id(group) in _HOST_GROUPS
-    for t in _payload(args, kwargs):
+    for t in _tensors([*args, *kwargs.values()]):
         if t.dtype in NCCL_DTYPES_MISSING:
             raise NcclRulesError(
                 f"{op} of a {t.dtype} tensor (shape {tuple(t.shape)}): NCCL has no "
