@@ -8,6 +8,7 @@ tensor does, wherever autograd or autocast holds it."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 from typing import Any
@@ -39,8 +40,6 @@ def _steps(keep_casts: bool) -> dict[str, Any]:
     engine = phalanx.Engine(strategy="zero3", precision="bf16-mixed")
     strategy = engine.strategy
     if keep_casts:  # what zero3 did before: autograd and autocast keep the casts
-        import contextlib
-
         from phalanx.strategies.zero import zero3
 
         strategy._casts_not_saved = contextlib.nullcontext  # type: ignore[attr-defined]
@@ -75,3 +74,38 @@ def test_zero3_under_autocast_keeps_no_weight_cast_until_backward_and_trains_the
         # The weight cast again in backward is the same cast: the training is bit for bit what it was.
         assert now[rank]["losses"] == before[rank]["losses"]
         assert all(torch.equal(v, before[rank]["params"][k]) for k, v in now[rank]["params"].items())
+
+
+def _under_callers_hooks(use_hooks: bool) -> tuple[int, int, float, dict[str, torch.Tensor]]:
+    """The caller's own saved-tensor hooks (activation offloading, say) still see every other saved tensor."""
+    engine = phalanx.Engine(strategy="zero3", precision="bf16-mixed")
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(LAYERS)])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = engine.prepare(model, optimizer)
+    counts = {"pack": 0, "unpack": 0}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        counts["pack"] += 1
+        return t.clone()  # a copy, as save_on_cpu makes: what comes back must be used
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        counts["unpack"] += 1
+        return t
+
+    x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(3 + engine.rank))
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack) if use_hooks else contextlib.nullcontext():
+        loss = model(x).sum()  # a sum saves nothing: every tensor the hooks see was saved inside the model
+    engine.backward(loss)
+    optimizer.step()
+    return counts["pack"], counts["unpack"], loss.item(), engine.get_state_dict(model)
+
+
+def test_the_callers_saved_tensor_hooks_still_see_the_other_tensors(run_ranks):
+    plain = run_ranks(_under_callers_hooks, 2, False)
+    hooked = run_ranks(_under_callers_hooks, 2, True)
+    for (_, _, loss, params), (packs, unpacks, hooked_loss, hooked_params) in zip(plain, hooked):
+        # Inside the model: each Tanh's output and each Linear's input but the first's (its weight cast is ours).
+        assert packs >= 2 * LAYERS - 1 and unpacks == packs, (packs, unpacks)
+        assert hooked_loss == loss
+        assert all(torch.equal(v, params[k]) for k, v in hooked_params.items())

@@ -251,20 +251,35 @@ class Zero3Strategy(ZeroStrategy):
         though the unit itself is freed. Autograd saves a marker instead (``_SavedCast``), and backward casts the
         regathered parameter again, the same values; each unit's post-forward clears autocast's cache. (FSDP2
         gathers in the compute dtype for the same reason, which changes what runs in fp32; this keeps autocast's
-        numerics bit for bit.)"""
+        numerics bit for bit.) Hooks the caller set (``torch.autograd.graph.save_on_cpu``, say) still get every
+        other saved tensor: only one pair of hooks applies at a time, so ours hand those on."""
         if not torch.is_autocast_enabled(self.device.type):
             return contextlib.nullcontext()
-        return torch.autograd.graph.saved_tensors_hooks(self._pack_saved, _unpack_saved)
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
 
-    def _pack_saved(self, t: torch.Tensor) -> Any:
+        def pack(t: torch.Tensor) -> Any:
+            cast = self._saved_cast(t)
+            if cast is not None:
+                return cast
+            return t if outer is None else _Outer(outer[0](t))
+
+        def unpack(saved: Any) -> torch.Tensor:
+            if isinstance(saved, _Outer):
+                assert outer is not None
+                return outer[1](saved.packed)
+            return _unpack_saved(saved)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def _saved_cast(self, t: torch.Tensor) -> _SavedCast | None:
+        """The marker for ``t`` when it is (a view of) autocast's cast of a gathered parameter, else None."""
         base = t._base if t._base is not None else t
         fn = base.grad_fn
         if fn is None or fn.name() != "ToCopyBackward0":
-            return t
-        source = fn.next_functions[0][0]
-        param = getattr(source, "variable", None)
+            return None
+        param = getattr(fn.next_functions[0][0], "variable", None)
         if param is None or param not in self._loc or base.dtype == param.dtype:
-            return t
+            return None
         return _SavedCast(param, t.dtype, tuple(t.shape), t.stride(), int(t.storage_offset() - base.storage_offset()))
 
     # ---- hooks
@@ -481,6 +496,15 @@ _EAGER_REASON = (
     "cannot be one graph. Compile with fullgraph=False (the default), or compile each unit's forward alone: "
     "unit.forward = torch.compile(unit.forward, fullgraph=True)"
 )
+
+
+class _Outer:
+    """A tensor saved by the caller's own hooks, under ours."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, packed: Any) -> None:
+        self.packed = packed
 
 
 class _SavedCast:
