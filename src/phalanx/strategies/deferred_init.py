@@ -39,7 +39,6 @@ __all__ = [
     "uninitialised",
     "mark_loaded",
     "check_initialised",
-    "move_real",
 ]
 
 _PENDING: weakref.WeakKeyDictionary[nn.Module, DeferredInit] = weakref.WeakKeyDictionary()
@@ -208,15 +207,3 @@ class DeferredInit:
         return self.names.get(id(t)) or next(
             (f"{q}.{name}".lstrip(".") for q, m in self.model.named_modules() if m is module), name
         )
-
-
-def move_real(model: nn.Module, device: torch.device) -> None:
-    """Move the tensors of a partly meta model that already hold values to ``device``; meta ones stay."""
-    for m in model.modules():
-        for name, t, is_param in _own(m):
-            if t.is_meta or t.device == device:
-                continue
-            if is_param:
-                t.data = t.data.to(device)
-            else:
-                m._buffers[name] = t.to(device)

@@ -169,7 +169,7 @@ def check_replicated_grads(model: nn.Module, group: Any, rtol: float = 1e-5) -> 
     local = torch.stack(sums) if sums else torch.zeros((0, 3), dtype=torch.float64, device=device)
     gathered = [torch.empty_like(local) for _ in range(n)]
     watched(dist.all_gather, gathered, local, group=group, label="tp: replicated gradient check")
-    gathered = [g.cpu() for g in gathered]  # read below value by value: one copy to the host, not one per read
+    gathered = list(torch.stack(gathered).cpu())  # read below value by value: one copy to the host, not one per read
     bad = []
     for k, (name, info) in enumerate(zip(names, infos, strict=True)):
         holders = [r for r in range(n) if r // info.replicas == rank // info.replicas]
