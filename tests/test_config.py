@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 import phalanx
+from phalanx.config.mesh import Mesh
 from phalanx.config.settings import ConfigError, resolve_config
 from phalanx.runtime.topology import Topology, TopologyError
 from phalanx.runtime.world import detect_world, first_slurm_host
@@ -127,54 +128,53 @@ def test_slurm_node_lists():
 
 
 def test_topology_layout_and_validation():
-    t = Topology(world_size=8, rank=5, pp_size=2)
-    assert (t.dp_size, t.pp_stage, t.dp_rank) == (4, 1, 1)
-    with pytest.raises(TopologyError, match="world size 6 is not divisible by pp_size=4"):
-        Topology(world_size=6, rank=0, pp_size=4)
+    t = Topology(Mesh(8, pp=2, dp_replicate=4), rank=5)
+    assert (t.dp_size, t.pp_stage, t.dp_rank, t.data_rank) == (4, 1, 1, 1)
+    with pytest.raises(TopologyError, match=r"the mesh pp 4 spans 4 ranks, not the 6 launched"):
+        Topology(Mesh(6, pp=4), rank=0)
+    with pytest.raises(TopologyError, match=r"rank must be in 0..5; got 6"):
+        Topology(Mesh(6, dp_replicate=6), rank=6)
 
 
 def test_mesh_layout_puts_tp_innermost_then_dp_shard_then_dp_replicate_then_pp():
-    t = Topology(world_size=16, rank=13, pp_size=2, tp_size=2, dp_replicate_size=2, dp_shard_size=2)
+    t = Topology(Mesh(16, pp=2, tp=2, dp_replicate=2, dp_shard=2), rank=13)
     # 13 = ((1 * 2 + 1) * 2 + 0) * 2 + 1
-    assert t.coordinates(13) == (1, 1, 0, 1) and (t.pp_stage, t.dp_replicate_rank, t.dp_shard_rank, t.tp_rank) == (
-        1,
-        1,
-        0,
-        1,
-    )
+    assert t.coordinates(13) == (1, 1, 0, 0, 1)
+    assert (t.pp_stage, t.dp_replicate_rank, t.dp_shard_rank, t.tp_rank) == (1, 1, 0, 1)
     assert (t.dp_size, t.dp_rank) == (4, 2)
     assert t.axis_ranks(("tp",)) == [12, 13]
     assert t.axis_ranks(("dp_shard",)) == [13, 15]
     assert t.axis_ranks(("dp_replicate",)) == [9, 13]
     assert t.axis_ranks(("dp_replicate", "dp_shard")) == [9, 11, 13, 15]
     assert t.axis_ranks(("pp",)) == [5, 13]
-    assert all(t.rank_at(t.coordinates(r)) == r for r in range(16))
+    assert all(t.mesh.rank_at(t.coordinates(r)) == r for r in range(16))
     # without tp the pipeline's pp-major layout is unchanged
-    p = Topology(world_size=8, rank=5, pp_size=2)
+    p = Topology(Mesh(8, pp=2, dp_shard=4), rank=5)
     assert p.axis_ranks(("dp_replicate", "dp_shard")) == [4, 5, 6, 7] and p.axis_ranks(("pp",)) == [1, 5]
     text = t.describe()
-    assert "mesh (pp=2, dp_replicate=2, dp_shard=2, tp=2) on 16 ranks" in text
-    assert "rank 13: pp=1 dp_replicate=1 dp_shard=0 tp=1" in text
+    assert "mesh (pp=2, dp_replicate=2, dp_shard=2, cp=1, tp=2) on 16 ranks" in text
+    assert "rank 13: pp=1 dp_replicate=1 dp_shard=0 cp=0 tp=1" in text
 
 
 @pytest.mark.parametrize(
     ("strategy", "options", "world", "sizes"),
     [
-        ("ddp", {}, 4, (1, 4, 1, 1)),
-        ("zero3", {}, 4, (1, 1, 4, 1)),
-        ("ddp", {"tp_size": 2}, 4, (1, 2, 1, 2)),
-        ("zero3", {"tp_size": 2}, 8, (1, 1, 4, 2)),
-        ("zero3", {"dp_replicate_size": 2}, 4, (1, 2, 2, 1)),
-        ("zero2", {"dp_shard_size": 2}, 8, (1, 4, 2, 1)),
-        ("pipeline", {"tp_size": 2}, 4, (2, 1, 1, 2)),
-        ("pipeline", {"tp_size": 2, "pp_size": 2}, 8, (2, 2, 1, 2)),
+        ("ddp", {}, 4, (1, 4, 1, 1, 1)),
+        ("zero3", {}, 4, (1, 1, 4, 1, 1)),
+        ("ddp", {"tp_size": 2}, 4, (1, 2, 1, 1, 2)),
+        ("zero3", {"tp_size": 2}, 8, (1, 1, 4, 1, 2)),
+        ("zero3", {"dp_replicate_size": 2}, 4, (1, 2, 2, 1, 1)),
+        ("zero2", {"dp_shard_size": 2}, 8, (1, 4, 2, 1, 1)),
+        ("pipeline", {"tp_size": 2}, 4, (2, 1, 1, 1, 2)),
+        ("pipeline", {"tp_size": 2, "pp_size": 2}, 8, (2, 2, 1, 1, 2)),
+        ("zero3", {"cp_size": 2}, 8, (1, 1, 4, 2, 1)),
+        ("ddp", {"sp_size": 2, "tp_size": 2}, 8, (1, 2, 1, 2, 2)),
+        ("pipeline", {"cp_size": 2, "pp_size": 2}, 8, (2, 2, 1, 2, 1)),
     ],
 )
 def test_mesh_sizes_fill_what_is_unset(strategy, options, world, sizes):
-    from phalanx.config.mesh import mesh_sizes
-
     cfg = resolve_config(cli={"strategy": strategy, **options}).engine
-    assert tuple(mesh_sizes(cfg, world)) == sizes
+    assert Mesh.of(cfg, world).sizes == sizes
 
 
 @pytest.mark.parametrize(
@@ -197,16 +197,16 @@ def test_mesh_sizes_fill_what_is_unset(strategy, options, world, sizes):
             "pipeline",
             {"tp_size": 2, "pp_size": 3},
             8,
-            r"pp x tp x dp_replicate x dp_shard = 6 does not divide.*pp_size=3",
+            r"pp x dp_replicate x dp_shard x cp x tp = 6 does not divide.*pp_size=3",
         ),
+        ("zero3", {"cp_size": 3}, 4, r"does not divide the world; tp_size=1 \(default\), cp_size=3 \(argument\)"),
+        ("ddp", {"cp_size": 2, "sp_size": 2}, 4, r"both split the sequence.*use cp_size=4 alone"),
     ],
 )
 def test_mesh_sizes_name_every_degree_in_one_error(strategy, options, world, match):
-    from phalanx.config.mesh import mesh_sizes
-
     cfg = resolve_config(cli={"strategy": strategy, **options}, cli_origin="argument")
     with pytest.raises(ConfigError, match=match) as err:
-        mesh_sizes(cfg.engine, world, cfg.origins)
+        Mesh.of(cfg.engine, world, cfg.origins)
     assert f"world size {world}" in str(err.value)
 
 

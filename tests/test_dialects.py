@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from phalanx.config.dialects.deepspeed import from_deepspeed
+from phalanx.config.mesh import Mesh
 from phalanx.config.settings import ConfigError, resolve_config
 
 DATA = Path(__file__).parent / "data"
@@ -381,7 +382,6 @@ def test_zero_stage_in_a_phalanx_yaml_points_to_strategy(tmp_path):
 
 # --------------------------------------------------------------------------- the device mesh in the peers' names
 def test_accelerate_parallelism_config_is_the_device_mesh(tmp_path):
-    from phalanx.config.mesh import mesh_sizes
 
     text = (
         "distributed_type: FSDP\nnum_machines: 1\nnum_processes: 8\nmixed_precision: bf16\nfsdp_config:\n"
@@ -395,7 +395,7 @@ def test_accelerate_parallelism_config_is_the_device_mesh(tmp_path):
     assert "parallelism_config.parallelism_config_tp_size" in _origin(cfg, "tp_size")
     assert "parallelism_config.parallelism_config_dp_replicate_size" in _origin(cfg, "dp_replicate_size")
     assert "parallelism_config.parallelism_config_cp_size" in _ignored(cfg)
-    assert tuple(mesh_sizes(e, 8, cfg.origins)) == (1, 2, 2, 2)
+    assert Mesh.of(e, 8, cfg.origins).sizes == (1, 2, 2, 1, 2)
     # Every size 1 asks for nothing: the strategy's own layout.
     ones = text.replace(": 2\n", ": 1\n")
     cfg = resolve_config(file=_write(tmp_path, "ones.yaml", ones), env={})
@@ -403,19 +403,17 @@ def test_accelerate_parallelism_config_is_the_device_mesh(tmp_path):
 
 
 def test_accelerate_parallelism_sizes_that_do_not_fit_are_one_error_naming_the_file_keys(tmp_path):
-    from phalanx.config.mesh import mesh_sizes
 
     text = _BASE + "distributed_type: MULTI_GPU\nparallelism_config:\n  parallelism_config_dp_shard_size: 2\n"
     cfg = resolve_config(file=_write(tmp_path, "a.yaml", text), env={})
     with pytest.raises(ConfigError, match=r"strategy 'ddp' does not do.*parallelism_config_dp_shard_size"):
-        mesh_sizes(cfg.engine, 2, cfg.origins)
+        Mesh.of(cfg.engine, 2, cfg.origins)
 
 
 @pytest.mark.parametrize(
     "value, strategy", [("HYBRID_SHARD", "zero3"), ("HYBRID_SHARD_ZERO2", "zero2"), (4, "zero3"), (5, "zero2")]
 )
 def test_accelerate_fsdp_hybrid_shard_shards_within_a_machine_and_replicates_across_machines(tmp_path, value, strategy):
-    from phalanx.config.mesh import mesh_sizes
 
     text = (
         "compute_environment: LOCAL_MACHINE\nnum_machines: 2\nnum_processes: 16\ndistributed_type: FSDP\n"
@@ -427,7 +425,7 @@ def test_accelerate_fsdp_hybrid_shard_shards_within_a_machine_and_replicates_acr
     assert "num_machines=2" in _origin(cfg, "dp_replicate_size")
     assert any("replicates over the 2 machines" in note for note in cfg.notes)
     # dp_shard takes what is left: the 8 processes of one machine, as FSDP's intra-node shard groups.
-    assert tuple(mesh_sizes(cfg.engine, 16, cfg.origins)) == (1, 2, 8, 1)
+    assert Mesh.of(cfg.engine, 16, cfg.origins).sizes == (1, 2, 8, 1, 1)
 
 
 def test_accelerate_fsdp_hybrid_shard_on_one_machine_is_plain_sharding_with_a_note(tmp_path):
@@ -459,16 +457,15 @@ def test_deepspeed_autotp_size_is_tp_size_and_its_other_keys_each_say_what_they_
 
 
 def test_deepspeed_hpz_is_hybrid_zero3_over_the_hpz_group_with_the_memory_that_differs(tmp_path):
-    from phalanx.config.mesh import mesh_sizes
 
     ds = {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 4}}
     cfg = resolve_config(file=_write(tmp_path, "ds.json", json.dumps(ds)), env={})
     assert (cfg.engine.strategy, cfg.engine.dp_shard_size) == ("zero3", 4)
     assert "zero_hpz_partition_size" in _origin(cfg, "dp_shard_size")
     assert any("The update is the same" in n and "the memory is not" in n for n in cfg.notes)
-    assert tuple(mesh_sizes(cfg.engine, 16, cfg.origins)) == (1, 4, 4, 1)
+    assert Mesh.of(cfg.engine, 16, cfg.origins).sizes == (1, 4, 4, 1, 1)
     with pytest.raises(ConfigError, match=r"dp_shard_size=4 \(.*zero_hpz_partition_size.*world size 6"):
-        mesh_sizes(cfg.engine, 6, cfg.origins)
+        Mesh.of(cfg.engine, 6, cfg.origins)
     # DeepSpeed reads it at stage 3 only; below, it is ignored as there, and 1 is off.
     for stage, size in ((2, 4), (3, 1)):
         ds = {"zero_optimization": {"stage": stage, "zero_hpz_partition_size": size}}

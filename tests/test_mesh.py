@@ -523,12 +523,12 @@ def test_phalanx_config_prints_the_mesh_and_every_rank(capsys):
 
     assert main(["config", "-n", "8", "--strategy", "zero3", "--tp-size", "2", "--dp-replicate-size", "2"]) == 0
     out = capsys.readouterr().out
-    assert "mesh (pp=1, dp_replicate=2, dp_shard=2, tp=2) on 8 ranks; tp innermost" in out
-    assert "rank 5: pp=0 dp_replicate=1 dp_shard=0 tp=1" in out
+    assert "mesh (pp=1, dp_replicate=2, dp_shard=2, cp=1, tp=2) on 8 ranks; tp innermost" in out
+    assert "rank 5: pp=0 dp_replicate=1 dp_shard=0 cp=0 tp=1" in out
     assert main(["config", "-n", "6", "--tp-size", "4"]) == 2
     err = capsys.readouterr().err
     assert (
-        "pp x tp x dp_replicate x dp_shard = 4 does not divide the world; tp_size=4 (cli)" in err
+        "pp x dp_replicate x dp_shard x cp x tp = 4 does not divide the world; tp_size=4 (cli)" in err
         and "world size 6" in err
     )
 

@@ -645,7 +645,8 @@ def _pp2_engine() -> None:
 
 def test_pipeline_world_size_must_be_pp_times_dp(run_ranks):
     with pytest.raises(
-        SpawnError, match=r"pp x tp x dp_replicate x dp_shard = 2 does not divide the world; pp_size=2 .*world size 3"
+        SpawnError,
+        match=r"pp x dp_replicate x dp_shard x cp x tp = 2 does not divide the world; pp_size=2 .*world size 3",
     ):
         run_ranks(_pp2_engine, 3)
 

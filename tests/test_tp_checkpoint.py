@@ -23,6 +23,7 @@ from phalanx.checkpoint import Checkpoint, CheckpointError
 from phalanx.checkpoint.format import MANIFEST, write_json_durably, write_shard
 from phalanx.checkpoint.shards import ChunkSpec, chunk_segments, read_chunk_into
 from phalanx.checkpoint.state import TrainingParts, _manifest, load_checkpoint, save_checkpoint
+from phalanx.config.mesh import Mesh
 from phalanx.runtime.topology import Topology
 from phalanx.strategies.ddp import DDPStrategy
 from phalanx.strategies.tensor_parallel import TPParam, TPRngTracker, tp_slice_of
@@ -95,7 +96,7 @@ def save_layout(path: Path, tp: int, dp: int = 1) -> Checkpoint:
     path.mkdir(parents=True)
     world, reports = tp * dp, []
     for rank in range(world):
-        topo = Topology(world, rank, tp_size=tp)
+        topo = Topology(Mesh(world, dp_shard=world // tp, tp=tp), rank)
         model, opt = rank_state(tp, topo.tp_rank)
         entries = TPCheckpointView(FakeDDP(topo), topo).sharded_state(model, [opt])
         written = write_shard(path, rank, world, entries) if entries else None
@@ -103,14 +104,17 @@ def save_layout(path: Path, tp: int, dp: int = 1) -> Checkpoint:
     keys = {k: k for k in [*LAYOUTS, "mask"]}
     state = {"counters": {}, "seed": 0, "models": [{"class": "M", "state_dict_keys": keys}], "optimizers": [],
              "schedulers": [], "loaders": [], "objects": [], "precision": None}  # fmt: skip
-    write_json_durably(path / MANIFEST, _manifest(state, reports, FakeDDP(topo), Topology(world, 0, tp_size=tp)))
+    write_json_durably(
+        path / MANIFEST,
+        _manifest(state, reports, FakeDDP(topo), Topology(Mesh(world, dp_shard=world // tp, tp=tp), 0)),
+    )
     return Checkpoint(path)
 
 
 def check_loads(reader_of: Any, tp: int, dp: int = 1) -> None:
     """Every rank of a dp x tp mesh loads its pieces and optimizer state, bitwise."""
     for rank in range(tp * dp):
-        topo = Topology(tp * dp, rank, tp_size=tp)
+        topo = Topology(Mesh(tp * dp, dp_shard=dp, tp=tp), rank)
         model, opt = rank_state(tp, topo.tp_rank, empty=True)
         TPCheckpointView(FakeDDP(topo), topo).load_sharded_state(model, [opt], reader_of())
         assert torch.equal(model.mask, MASK)
@@ -203,7 +207,7 @@ def test_whole_tensors_from_any_reader_load_as_pieces():
 
 
 def test_view_gives_whole_shapes_and_delegates_the_rest():
-    topo = Topology(4, 3, tp_size=4)
+    topo = Topology(Mesh(4, tp=4), 3)
     model, _ = rank_state(4, 3)
     view = TPCheckpointView(FakeDDP(topo), topo)
     assert view.state_shapes(model) == {**{n: s for n, (s, *_) in LAYOUTS.items()}, "mask": (5,)}
@@ -226,7 +230,7 @@ def test_damaged_chunk_and_unknown_version_are_refused(tmp_path):
 
 
 def test_factored_optimizer_state_is_refused():
-    topo = Topology(2, 0, tp_size=2)
+    topo = Topology(Mesh(2, tp=2), 0)
     model, opt = rank_state(2, 0)
     opt.state[model.row.weight]["exp_avg_sq_row"] = torch.zeros(6)
     with pytest.raises(ValueError, match="factored state"):
@@ -234,7 +238,7 @@ def test_factored_optimizer_state_is_refused():
 
 
 def test_rng_tracker_travels_with_each_rank(tmp_path):
-    topo = Topology(1, 0)
+    topo = Topology(Mesh(1), 0)
     model, opt = rank_state(1, 0)
     view = TPCheckpointView(FakeDDP(topo), topo)
     tracker = TPRngTracker(seed=5, tp_rank=0)
@@ -265,7 +269,7 @@ def _full_state_dict(tp: int) -> dict[str, Any]:
     from _tp_common import init_gloo
 
     rank, world = init_gloo()
-    topo = Topology(world, rank, tp_size=tp)
+    topo = Topology(Mesh(world, dp_shard=world // tp, tp=tp), rank)
     topo.build_groups("cpu")
     model, _ = rank_state(tp, topo.tp_rank)
     state = TPCheckpointView(FakeDDP(topo), topo).full_state_dict(model)

@@ -403,11 +403,11 @@ def test_parallelism_config_sizes_are_the_mesh_fields(tmp_path):
         "dp_replicate_size": 2,
     }
     assert options["sequence_parallel"] is True
-    from phalanx.config.mesh import mesh_sizes
+    from phalanx.config.mesh import Mesh
     from phalanx.config.settings import resolve_config
 
     resolved = resolve_config(env={}, cli=options, cli_origin="argument")
-    assert tuple(mesh_sizes(resolved.engine, 8, resolved.origins)) == (1, 2, 2, 2)
+    assert Mesh.of(resolved.engine, 8, resolved.origins).sizes == (1, 2, 2, 1, 2)
     again = TrainingArguments(**json.loads(args.to_json_string()))  # kept as plain values
     assert again == args
     # All ones (Accelerate's ParallelismConfig() with nothing set) asks for nothing.

@@ -299,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine = Engine()
     cfg = engine.config
     accum = cfg.grad_accum_steps
-    dp = engine.topology.dp_size
+    dp = engine.topology.data_size
 
     # ---- data: the stdlib's source, the tail held out for eval
     data = load_stdlib_bytes(args.max_bytes)
@@ -448,7 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"  strategy            {cfg.strategy}",
         f"  world size          {engine.world_size} ({engine.device.type}, {dp} data-parallel"
         + "".join(
-            f", {n} {engine.topology.sizes[i]}" for i, n in ((0, "pp"), (3, "tp")) if engine.topology.sizes[i] > 1
+            f", {n} {s}" for n, s in engine.topology.mesh.as_dict().items() if n in ("pp", "cp", "sp", "tp") and s > 1
         )
         + ")",
         f"  precision           {cfg.precision}",

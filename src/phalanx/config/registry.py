@@ -30,6 +30,7 @@ __all__ = [
     "option_groups",
     "accepting",
     "accepts",
+    "shards",
     "DEFAULT_STRATEGY",
 ]
 
@@ -95,6 +96,13 @@ def option_groups() -> list[type[Options]]:
 
 def accepts(name: str, group: type[Options]) -> bool:
     return group in _REGISTRY[name].options
+
+
+def shards(name: str | None) -> bool:
+    """Whether strategy ``name`` shards parameters, gradients or optimizer state over the data-parallel ranks (the
+    zero strategies): the mesh gives such a strategy the data ranks as ``dp_shard``, the others as
+    ``dp_replicate``."""
+    return name in _REGISTRY and accepts(name, ZeroOptions)
 
 
 def accepting(group: type[Options]) -> list[str]:

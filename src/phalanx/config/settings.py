@@ -412,10 +412,10 @@ def resolve_config(
             if "WORLD_SIZE" in env
             else int(values.get("launch.nproc_per_node", 1)) * int(values.get("launch.nnodes", 1))
         )
-        from phalanx.config.mesh import mesh_sizes
+        from phalanx.config.mesh import Mesh
 
-        pp, _, _, tp = mesh_sizes(out.engine, world, origins)
-        apply_batch_rule(values, origins, world, pp, tp)
+        mesh = Mesh.of(out.engine, world, origins)
+        apply_batch_rule(values, origins, world, mesh.pp, mesh.tp, mesh.cp)
         out.engine = EngineConfig(**{k: v for k, v in values.items() if "." not in k})
     out.launch = LaunchConfig(**{k.split(".", 1)[1]: v for k, v in values.items() if k.startswith("launch.")})
     out.origins = origins

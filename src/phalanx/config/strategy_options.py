@@ -57,7 +57,7 @@ class DataParallelOptions(Options):
 class ParallelOptions(Options):
     """The device mesh's tensor-parallel and data-parallel degrees (Accelerate's ``ParallelismConfig`` names)."""
 
-    title: ClassVar[str] = "device mesh (tensor parallelism, hybrid sharding)"
+    title: ClassVar[str] = "device mesh (tensor, context and hybrid-sharded data parallelism)"
     applies_to: ClassVar[str] = "every strategy"
 
     tp_size: int = option(
@@ -66,6 +66,22 @@ class ParallelOptions(Options):
         "innermost axis of the mesh).",
         check=lambda v: v >= 1,
         fix="use 1 for no tensor parallelism",
+    )
+    cp_size: int = option(
+        1,
+        "Context parallelism by ring attention: every sequence is split over this many ranks (two zig-zag chunks "
+        "each) and the kv chunks rotate over the ring in every attention layer. Causal attention; any head count. "
+        "See docs/long-context.md.",
+        check=lambda v: v >= 1,
+        fix="use 1 for no context parallelism",
+    )
+    sp_size: int = option(
+        1,
+        "Context parallelism by Ulysses (DeepSpeed's ALST): every sequence is split over this many ranks, and "
+        "all-to-alls turn the split into a head split around attention. Attention heads must divide by it. Not "
+        "with cp_size (one of the two at a time). See docs/long-context.md.",
+        check=lambda v: v >= 1,
+        fix="use 1 for no Ulysses sequence parallelism",
     )
     dp_shard_size: int | None = option(
         None,

@@ -52,17 +52,17 @@ def gather_for_metrics(data: Any, device: torch.device, topology: Topology, load
     """The data-parallel ranks' ``data`` in global sample order, without the padding of the last batch."""
     if isinstance(data, torch.Tensor):
         # NCCL gathers device tensors only; CPU metrics travel through the engine's device.
-        gathered = all_gather_varlen(data.to(device), group=topology.dp_group)
+        gathered = all_gather_varlen(data.to(device), group=topology.data_group)
         return gathered[: loaders.trim(gathered.shape[0])]
     if isinstance(data, Mapping):
         return type(data)({k: gather_for_metrics(v, device, topology, loaders) for k, v in data.items()})  # type: ignore[call-arg]
     if isinstance(data, (list, tuple)) and data and all(isinstance(x, torch.Tensor) for x in data):
         return type(data)(gather_for_metrics(x, device, topology, loaders) for x in data)
     if isinstance(data, list):
-        if topology.dp_size == 1:
+        if topology.data_size == 1:
             return data
-        parts: list[Any] = [None] * topology.dp_size
-        watched(dist.all_gather_object, parts, data, group=topology.dp_group)
+        parts: list[Any] = [None] * topology.data_size
+        watched(dist.all_gather_object, parts, data, group=topology.data_group)
         flat = [x for part in parts for x in part]
         return flat[: loaders.trim(len(flat))]
     raise TypeError(f"gather_for_metrics takes tensors, or lists, tuples and dicts of them; got {type(data).__name__}")

@@ -36,7 +36,7 @@ from phalanx.checkpoint.pretrained import model_files_writer, write_model_dir
 from phalanx.checkpoint.resume import Resumer
 from phalanx.checkpoint.state import TrainingParts, load_checkpoint, save_checkpoint
 from phalanx.config.dialects.dummies import DummyOptim, DummyScheduler, realise_optimizer, realise_scheduler
-from phalanx.config.mesh import mesh_sizes
+from phalanx.config.mesh import Mesh
 from phalanx.config.registry import get_strategy_class
 from phalanx.config.settings import EngineConfig, resolve_config
 from phalanx.engine.data import ActiveLoaders, PreparedDataLoader, PreparedIterableLoader
@@ -121,8 +121,7 @@ class Engine:
                 "mmap threshold, and this process has no glibc (Linux with glibc only); leave it unset"
             )
         init_distributed(self.world, self.device, self.config.timeout_s)
-        pp, rep, shard, tp = mesh_sizes(self.config, self.world.world_size, self._origins)
-        self.topology = Topology(self.world.world_size, self.world.rank, pp, tp, rep, shard)
+        self.topology = Topology(Mesh.of(self.config, self.world.world_size, self._origins), self.world.rank)
         self.topology.build_groups(self.device.type)
         start_watchdog(
             self.world.rank,
@@ -254,11 +253,11 @@ class Engine:
         prepared: PreparedDataLoader | PreparedIterableLoader
         if isinstance(loader.dataset, IterableDataset):
             prepared = PreparedIterableLoader(
-                loader, self.topology.dp_rank, self.topology.dp_size, self.device, self._loaders
+                loader, self.topology.data_rank, self.topology.data_size, self.device, self._loaders
             )
         else:
             prepared = PreparedDataLoader(
-                loader, self.topology.dp_rank, self.topology.dp_size, self.config.seed, self.device, self._loaders
+                loader, self.topology.data_rank, self.topology.data_size, self.config.seed, self.device, self._loaders
             )
         self._prepared_loaders.append(prepared)
         return prepared
@@ -790,7 +789,7 @@ class Engine:
         """
         report = self.strategy.memory_report([o.optimizer for o in self._optimizers])
         report["peak"] = peak_memory_bytes(self.device)
-        report["mesh"] = dict(zip(("pp", "dp_replicate", "dp_shard", "tp"), self.topology.sizes))
+        report["mesh"] = self.topology.mesh.as_dict()
         return report
 
     def precision_report(self) -> dict[str, str]:

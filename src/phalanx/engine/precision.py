@@ -224,6 +224,18 @@ class Precision:
         }
 
 
+def agree_found_inf(precision: Precision, strategy: Any, topology: Any) -> None:
+    """Make an fp16 overflow on any rank that holds different gradients skip the step on every rank."""
+    from phalanx.runtime.comm import world_size
+
+    shard_group = strategy.grad_shard_group()
+    if topology.tp_size > 1:  # the tp ranks hold different gradients: an overflow anywhere skips everywhere
+        precision.sync_found_inf, precision.found_inf_group = True, None
+    elif strategy.shards_gradients and world_size(shard_group) > 1:
+        # An fp16 overflow in any rank's share of the gradients must skip the step on every rank.
+        precision.sync_found_inf, precision.found_inf_group = True, shard_group
+
+
 def precision_report(precision: Precision, models: list[Any], optimizers: list[Any], comm_dtype: Any) -> dict[str, str]:
     """``engine.precision_report()``: the dtypes of the prepared models' parameters and gradients, the optimizers'
     state, compute and communication."""

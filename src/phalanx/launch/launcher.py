@@ -103,18 +103,12 @@ def _check_script(script: str, module: bool) -> None:
         )
 
 
-def mesh_text(cfg: PhalanxConfig, sizes: tuple[int, int, int, int] | None = None) -> str:
-    """The device mesh ``cfg`` asks for on the launcher's ranks (``sizes``, when already known) and each rank's
-    coordinates (the first 16 ranks on a larger mesh). Raises ``ConfigError`` naming every degree when they do not
-    fit."""
-    from phalanx.config.mesh import mesh_sizes
-    from phalanx.runtime.topology import Topology
+def mesh_text(cfg: PhalanxConfig) -> str:
+    """The device mesh ``cfg`` asks for on the launcher's ranks and each rank's coordinates (the first 16 ranks on
+    a larger mesh). Raises ``ConfigError`` naming every degree when they do not fit."""
+    from phalanx.config.mesh import Mesh
 
-    world = cfg.launch.nproc_per_node * cfg.launch.nnodes
-    pp, rep, shard, tp = sizes or mesh_sizes(cfg.engine, world, cfg.origins)
-    text = Topology(world, 0, pp, tp, rep, shard).describe().splitlines()
-    more = [f"  ... and {world - 16} more ranks"] if world > 16 else []
-    return "\n".join(text[:17] + more)
+    return Mesh.of(cfg.engine, cfg.launch.nproc_per_node * cfg.launch.nnodes, cfg.origins).describe_ranks()
 
 
 def launch(cfg: PhalanxConfig, script: str, script_args: Sequence[str] = (), module: bool = False) -> int:
@@ -126,11 +120,11 @@ def launch(cfg: PhalanxConfig, script: str, script_args: Sequence[str] = (), mod
 
     _check_script(script, module)
     lc = cfg.launch
-    from phalanx.config.mesh import mesh_sizes
+    from phalanx.config.mesh import Mesh
 
-    sizes = mesh_sizes(cfg.engine, lc.nproc_per_node * lc.nnodes, cfg.origins)  # checks them before any process starts
-    if sum(s > 1 for s in sizes) > 1:  # a mesh of more than one axis: say where each rank sits
-        sys.stderr.write(f"phalanx: {mesh_text(cfg, sizes)}\n")
+    mesh = Mesh.of(cfg.engine, lc.nproc_per_node * lc.nnodes, cfg.origins)  # checks it before any process starts
+    if sum(s > 1 for s in mesh.sizes) > 1:  # a mesh of more than one axis: say where each rank sits
+        sys.stderr.write(f"phalanx: {mesh.describe_ranks()}\n")
     os.environ[ENV_CONFIG_JSON] = config_to_env(cfg)
     # On loopback every node runs on this machine: the store and gloo listen on loopback only.
     on_loopback = lc.rdzv_endpoint is None and _is_loopback(lc.master_addr)

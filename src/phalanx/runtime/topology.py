@@ -1,15 +1,20 @@
-"""The device mesh: (pp, dp_replicate, dp_shard, tp) sizes, this rank's coordinates, and each axis's process group.
+"""The process groups of a device mesh, and this rank's place in it.
 
-Built once by the Engine (sizes from ``config/mesh.py``) and passed explicitly to whatever needs it. tp is the
-innermost axis, so the ranks of a tensor-parallel group are contiguous, then dp_shard, dp_replicate and pp:
-``rank = ((pp_stage * dp_replicate + r) * dp_shard + s) * tp + t``. The data-parallel axes together form ``dp``
-(``dp_rank = r * dp_shard + s``): the data loader splits batches over them, and every rank of a tp group sees the
-same batch. Without tensor parallelism the layout is the pipeline's pp-major one, ``rank = pp_stage * dp_size +
-dp_rank``.
+The sizes, their check and the rank arithmetic belong to :class:`~phalanx.config.mesh.Mesh`; this module only
+builds the groups (``dist.new_group``, by every rank in one order) and names this rank's coordinates. Built once by
+the Engine and passed explicitly to whatever needs it.
 
-The groups are made with ``dist.new_group`` by every rank in one order. An axis of size 1 has no group (None), and
-code must look at its size first; ``dp_group`` is None when the data-parallel axes span the whole world (the
-default group is then the dp group).
+The groups, each None when its axes have size 1 (code looks at the size first):
+
+- ``tp_group``, ``pp_group``, ``cp_group``: one axis each;
+- ``data_group`` (``dp_replicate x dp_shard``): the loader splits batches over it; every rank of a cp or tp group
+  sees the same batch;
+- ``dp_group`` (``dp_replicate x dp_shard x cp``): the ranks that hold the same parameters. Gradients are reduced
+  over it, and ``dp_size`` is its size: without context parallelism it is the data group;
+- ``dp_shard_group`` (``dp_shard x cp``) and ``dp_replicate_group``: zero shards over the first and, under hybrid
+  sharding, reduces over the second. ``dp_shard_size`` is the size of that group.
+
+A group that spans the whole world is the default group (``dp_group`` is then None, as c10d spells it).
 """
 
 from __future__ import annotations
@@ -19,120 +24,105 @@ from typing import Any
 
 import torch.distributed as dist
 
+from phalanx.config.mesh import Mesh, MeshError
+
 __all__ = ["Topology", "TopologyError"]
 
+TopologyError = MeshError
+"""The world cannot be laid out as asked (raised by :class:`~phalanx.config.mesh.Mesh`)."""
 
-class TopologyError(ValueError):
-    """The world cannot be laid out as asked."""
-
-
-_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+_DATA = ("dp_replicate", "dp_shard")
+_REPLICAS = ("dp_replicate", "dp_shard", "cp")
+_SHARDS = ("dp_shard", "cp")
 
 
 @dataclass
 class Topology:
-    world_size: int
+    mesh: Mesh
     rank: int
-    pp_size: int = 1
-    tp_size: int = 1
-    dp_replicate_size: int | None = None
-    """Replicas of the data-parallel axes; default: what dp_shard_size leaves (1 when both are unset)."""
-    dp_shard_size: int | None = None
-    """Shards of each replica; default: the rest of the data-parallel ranks."""
-    dp_size: int = field(init=False)
-    dp_rank: int = field(init=False)
     pp_stage: int = field(init=False)
-    tp_rank: int = field(init=False)
     dp_replicate_rank: int = field(init=False)
+    cp_rank: int = field(init=False)
+    tp_rank: int = field(init=False)
+    data_rank: int = field(init=False)
+    """This rank's index among the data ranks: which slice of each batch it reads."""
+    dp_rank: int = field(init=False)
+    """This rank's index among the ranks that hold the same parameters (data ranks x cp)."""
     dp_shard_rank: int = field(init=False)
+    """This rank's index among the ranks zero shards over (dp_shard x cp)."""
+    data_group: Any = field(init=False, default=None, repr=False)
     dp_group: Any = field(init=False, default=None, repr=False)
-    """Process group of this rank's data-parallel peers (same stage, same tp rank); None means the world group."""
     pp_group: Any = field(init=False, default=None, repr=False)
+    cp_group: Any = field(init=False, default=None, repr=False)
     tp_group: Any = field(init=False, default=None, repr=False)
     dp_shard_group: Any = field(init=False, default=None, repr=False)
     dp_replicate_group: Any = field(init=False, default=None, repr=False)
     groups_by_ranks: dict[tuple[int, ...], Any] = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise TopologyError(f"world size must be >= 1; got {self.world_size}")
-        if not 0 <= self.rank < self.world_size:
-            raise TopologyError(f"rank must be in 0..{self.world_size - 1}; got {self.rank}")
-        fixed = self.pp_size * self.tp_size * (self.dp_replicate_size or 1) * (self.dp_shard_size or 1)
-        if min(self.pp_size, self.tp_size, self.dp_replicate_size or 1, self.dp_shard_size or 1) < 1 or (
-            self.world_size % fixed
-        ):
-            raise TopologyError(
-                f"world size {self.world_size} is not divisible by pp_size={self.pp_size} x tp_size={self.tp_size} x "
-                f"dp_replicate_size={self.dp_replicate_size} x dp_shard_size={self.dp_shard_size} = {fixed}, so "
-                f"ranks cannot form the mesh (launch a multiple of {fixed} processes, or change the sizes)"
-            )
-        rest = self.world_size // fixed
-        if self.dp_replicate_size is None and self.dp_shard_size is None:
-            self.dp_replicate_size, self.dp_shard_size = 1, rest
-        elif self.dp_shard_size is None:
-            self.dp_shard_size = rest
-        elif self.dp_replicate_size is None:
-            self.dp_replicate_size = rest
-        elif rest != 1:
-            raise TopologyError(
-                f"pp_size={self.pp_size} x dp_replicate_size={self.dp_replicate_size} x dp_shard_size="
-                f"{self.dp_shard_size} x tp_size={self.tp_size} = {fixed} ranks, but the world has {self.world_size}"
-            )
-        assert self.dp_replicate_size is not None and self.dp_shard_size is not None
-        self.dp_size = self.dp_replicate_size * self.dp_shard_size
-        (self.pp_stage, self.dp_replicate_rank, self.dp_shard_rank, self.tp_rank) = self.coordinates(self.rank)
-        self.dp_rank = self.dp_replicate_rank * self.dp_shard_size + self.dp_shard_rank
+        m = self.mesh
+        self.pp_stage, self.dp_replicate_rank, _, self.cp_rank, self.tp_rank = m.coordinates(self.rank)
+        self.data_rank = m.axis_rank(_DATA, self.rank)
+        self.dp_rank = m.axis_rank(_REPLICAS, self.rank)
+        self.dp_shard_rank = m.axis_rank(_SHARDS, self.rank)
+
+    # ------------------------------------------------------------------ sizes, by the names strategies use
+    @property
+    def world_size(self) -> int:
+        return self.mesh.world
 
     @property
-    def sizes(self) -> tuple[int, int, int, int]:
-        """(pp, dp_replicate, dp_shard, tp)."""
-        assert self.dp_replicate_size is not None and self.dp_shard_size is not None
-        return (self.pp_size, self.dp_replicate_size, self.dp_shard_size, self.tp_size)
+    def pp_size(self) -> int:
+        return self.mesh.pp
 
-    def coordinates(self, rank: int) -> tuple[int, int, int, int]:
-        """(pp_stage, dp_replicate, dp_shard, tp) of ``rank``."""
-        out = []
-        for size in reversed(self.sizes):
-            rank, c = divmod(rank, size)
-            out.append(c)
-        return tuple(reversed(out))  # type: ignore[return-value]
+    @property
+    def tp_size(self) -> int:
+        return self.mesh.tp
 
-    def rank_at(self, coords: tuple[int, int, int, int]) -> int:
-        r = 0
-        for c, size in zip(coords, self.sizes):
-            r = r * size + c
-        return r
+    @property
+    def cp_size(self) -> int:
+        """The context-parallel degree, whichever method splits it (``mesh.cp_kind``)."""
+        return self.mesh.cp
+
+    @property
+    def data_size(self) -> int:
+        return self.mesh.dp
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.dp * self.mesh.cp
+
+    @property
+    def dp_replicate_size(self) -> int:
+        return self.mesh.dp_replicate
+
+    @property
+    def dp_shard_size(self) -> int:
+        return self.mesh.dp_shard * self.mesh.cp
+
+    @property
+    def sizes(self) -> tuple[int, int, int, int, int]:
+        """(pp, dp_replicate, dp_shard, cp, tp)."""
+        return self.mesh.sizes
+
+    def coordinates(self, rank: int) -> tuple[int, int, int, int, int]:
+        return self.mesh.coordinates(rank)
 
     def axis_ranks(self, axes: tuple[str, ...], rank: int | None = None) -> list[int]:
         """The ranks that share every coordinate of ``rank`` (default: this rank) but those of ``axes``, in order."""
-        base = list(self.coordinates(self.rank if rank is None else rank))
-        idx = [_AXES.index(a) for a in axes]
-        out = []
+        return self.mesh.axis_ranks(axes, self.rank if rank is None else rank)
 
-        def walk(k: int) -> None:
-            if k == len(idx):
-                out.append(self.rank_at(tuple(base)))  # type: ignore[arg-type]
-                return
-            for c in range(self.sizes[idx[k]]):
-                base[idx[k]] = c
-                walk(k + 1)
-
-        walk(0)
-        return sorted(out)
-
+    # ------------------------------------------------------------------ groups
     def _axis_groups(self, axes: tuple[str, ...]) -> Any:
         """Create the groups of ``axes`` (every rank creates every one, in rank order); return this rank's."""
-        size = 1
-        for a in axes:
-            size *= self.sizes[_AXES.index(a)]
+        size = self.mesh.size_of(axes)
         if size == 1:
             return None
         if size == self.world_size:
             return None  # the default group
         mine, seen = None, set()
         for r in range(self.world_size):
-            ranks = tuple(self.axis_ranks(axes, r))
+            ranks = tuple(self.mesh.axis_ranks(axes, r))
             if ranks in seen:
                 continue
             seen.add(ranks)
@@ -147,24 +137,24 @@ class Topology:
         """Create the per-axis process groups. Collective: every rank must call it."""
         if not dist.is_initialized() or self.world_size == 1:
             return
+        m = self.mesh
         self.pp_group = self._axis_groups(("pp",))
-        self.dp_group = self._axis_groups(("dp_replicate", "dp_shard"))
+        self.dp_group = self._axis_groups(_REPLICAS)
+        self.data_group = self._axis_groups(_DATA) if m.cp > 1 else self.dp_group
         self.tp_group = self._axis_groups(("tp",))
-        if self.tp_size == self.world_size:
+        if m.tp == m.world:
             self.tp_group = dist.group.WORLD  # the layers always name their group
-        if self.dp_replicate_size != self.dp_size:  # hybrid: the two data-parallel axes apart
-            self.dp_shard_group = self._axis_groups(("dp_shard",))
+        self.cp_group = self._axis_groups(("cp",))
+        if m.cp == m.world:
+            self.cp_group = dist.group.WORLD  # attention always names its group
+        if m.dp_replicate > 1 and self.dp_shard_size > 1:  # hybrid: the two data-parallel axes apart
+            self.dp_shard_group = self._axis_groups(_SHARDS)
             self.dp_replicate_group = self._axis_groups(("dp_replicate",))
-        else:
+        elif m.dp_replicate > 1:
             self.dp_replicate_group = self.dp_group
-        if self.dp_shard_size == self.dp_size:
+        else:
             self.dp_shard_group = self.dp_group
 
-    def describe(self) -> str:
+    def describe(self, limit: int = 16) -> str:
         """The mesh and every rank's coordinates, as ``phalanx config -n N`` and ``phalanx launch`` print them."""
-        sizes = ", ".join(f"{a}={s}" for a, s in zip(_AXES, self.sizes))
-        lines = [f"mesh ({sizes}) on {self.world_size} ranks; tp innermost"]
-        for r in range(self.world_size):
-            c = self.coordinates(r)
-            lines.append(f"  rank {r}: " + " ".join(f"{a}={v}" for a, v in zip(_AXES, c)))
-        return "\n".join(lines)
+        return self.mesh.describe_ranks(limit)

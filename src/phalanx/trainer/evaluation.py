@@ -107,7 +107,7 @@ def evaluation_loop(
     runtime = time.perf_counter() - started
     # Counted, as a stream has no length: the samples gathered (every rank's), else this rank's times the ranks.
     counted = next((first_tensor(found[k]) for k in ("losses", "preds", "labels") if found[k] is not None), None)
-    samples = len(counted) if counted is not None and counted.dim() else seen * trainer.engine.topology.dp_size
+    samples = len(counted) if counted is not None and counted.dim() else seen * trainer.engine.topology.data_size
     steps = batches
     metrics |= {
         f"{prefix}_runtime": round(runtime, 4),

@@ -444,7 +444,7 @@ class Trainer:
             per_epoch = max(
                 1,
                 math.ceil(
-                    len(self._train_loader_raw) / self.engine.topology.dp_size / args.gradient_accumulation_steps
+                    len(self._train_loader_raw) / self.engine.topology.data_size / args.gradient_accumulation_steps
                 ),
             )
             max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * per_epoch)
@@ -578,7 +578,7 @@ class Trainer:
         args = self.args
         if args.max_steps > 0:
             global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps
-            return float(max_steps * global_batch * self.engine.topology.dp_size)
+            return float(max_steps * global_batch * self.engine.topology.data_size)
         return float(len(self.train_dataset)) * args.num_train_epochs  # type: ignore[arg-type]
 
     def _position_in_epoch(self) -> float:

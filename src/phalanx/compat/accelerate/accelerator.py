@@ -228,7 +228,9 @@ class Accelerator(Engine):
     def prepare_loader(self, loader: Any) -> PreparedDataLoader | PreparedIterableLoader:
         prepared = super().prepare_loader(loader)
         if isinstance(prepared, PreparedDataLoader) and prepared is not loader:
-            accelerate_loader_rules(prepared, loader, self.dataloader_config, self.topology.dp_group)
+            accelerate_loader_rules(
+                prepared, loader, self.dataloader_config, self.topology.data_group, self.topology.data_size
+            )
         return prepared
 
     def prepare_model(  # type: ignore[override]
@@ -400,9 +402,9 @@ class Accelerator(Engine):
                 f"{type(input_data).__name__} (wrap it in a list)"
             )
         parts: list[Any] = [input_data]
-        if self.topology.dp_size > 1:
-            parts = [None] * self.topology.dp_size
-            watched(dist.all_gather_object, parts, input_data, group=self.topology.dp_group)
+        if self.topology.data_size > 1:
+            parts = [None] * self.topology.data_size
+            watched(dist.all_gather_object, parts, input_data, group=self.topology.data_group)
         flat = [item for part in parts for item in part]
         return flat[: self._loaders.trim(len(flat))]
 

@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 from phalanx.compat.accelerate.utils import DataLoaderConfiguration
@@ -45,11 +44,12 @@ def _random_sampler(loader: DataLoader) -> RandomSampler | None:
 
 
 def accelerate_loader_rules(
-    prepared: PreparedDataLoader, loader: DataLoader, config: DataLoaderConfiguration, group: Any
+    prepared: PreparedDataLoader, loader: DataLoader, config: DataLoaderConfiguration, group: Any, size: int
 ) -> None:
-    """Give ``prepared`` (made from ``loader`` by the Engine) Accelerate's padding and order (module docstring)."""
+    """Give ``prepared`` (made from ``loader`` by the Engine) Accelerate's padding and order (module docstring).
+    ``group`` holds the ``size`` data ranks the loader is split over."""
     sampler = prepared.global_sampler
-    one_process = not (dist.is_initialized() and dist.get_world_size(group) > 1)
+    one_process = size == 1
     sampler.pad_to_global_batch = not one_process  # one process: Accelerate leaves the loader's batches as they are
     sampler.even_batches = config.even_batches
     prepared.seed_from_global_rng = loader.generator is None

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.compat.horovod.process_sets import clear_process_sets, setup_process_sets
+from phalanx.config.mesh import Mesh
 from phalanx.config.settings import resolve_config
 from phalanx.logging import configure_logging
 from phalanx.runtime.topology import Topology
@@ -114,7 +115,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         device.type,
         config.hang_timeout_s,
         config.debug_collectives,
-        Topology(world.world_size, world.rank),
+        Topology(Mesh(world.world_size, dp_replicate=world.world_size), world.rank),
     )
     _WORLD = HvdWorld(world, device, owns_group=not existed and world.init_method is not None)
     setup_process_sets(world.rank, world.world_size, _WORLD.distributed, process_sets, _WORLD.comm_device)

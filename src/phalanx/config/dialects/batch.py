@@ -15,13 +15,15 @@ from phalanx.config.options import ConfigError
 __all__ = ["apply_batch_rule"]
 
 
-def apply_batch_rule(values: dict[str, Any], origins: dict[str, str], world: int, pp: int = 1, tp: int = 1) -> None:
+def apply_batch_rule(
+    values: dict[str, Any], origins: dict[str, str], world: int, pp: int = 1, tp: int = 1, cp: int = 1
+) -> None:
     """Fill in the third of global batch, micro batch and accumulation steps from the other two, or check that all
     three agree. ``values`` and ``origins`` are the config's, keyed by setting name; they are updated in place."""
     glob, micro = values.get("global_batch_size"), values.get("micro_batch_size")
     if glob is None and micro is None:
         return
-    dp = max(1, world // (pp * tp))
+    dp = max(1, world // (pp * tp * cp))
     accum = values.get("grad_accum_steps", 1)
     accum_set = "grad_accum_steps" in origins
 
@@ -32,6 +34,7 @@ def apply_batch_rule(values: dict[str, Any], origins: dict[str, str], world: int
         f"data-parallel size {dp} (world size {world}"
         + (f", {pp} pipeline stages" if pp > 1 else "")
         + (f", tensor-parallel size {tp}" if tp > 1 else "")
+        + (f", context-parallel size {cp}" if cp > 1 else "")
         + ")"
     )
     if glob is not None and micro is not None and not accum_set:

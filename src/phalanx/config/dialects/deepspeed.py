@@ -19,6 +19,7 @@ from typing import Any
 from phalanx.config.dialects.mapping import Mapped, offload_for
 from phalanx.config.dialects.names import strategy_from_zero_stage
 from phalanx.config.options import ConfigError
+from phalanx.config.registry import shards
 
 __all__ = ["read_deepspeed", "from_deepspeed", "is_auto", "KNOWN_KEYS"]
 
@@ -471,7 +472,7 @@ def _map_zero(zero: dict[str, Any], strategy: str | None, out: Mapped) -> None:
                 # DeepSpeed counts elements; phalanx sizes buckets in MiB of fp32 gradients.
                 out.set("bucket_mb", float(value) * 4 / _MIB, f"{name} (elements x 4 bytes)")
         elif key == "reduce_scatter":
-            if value is False and strategy in ("zero1", "zero2", "zero3"):
+            if value is False and shards(strategy):
                 out.set("zero_collectives", "allreduce", name)
             else:
                 out.ignore(name, "true: zero2 and zero3 reduce-scatter (zero_collectives picks how on gloo)")
@@ -495,7 +496,7 @@ def _map_zero(zero: dict[str, Any], strategy: str | None, out: Mapped) -> None:
             "ignores it: only stages 1-3 offload the optimizer. Set stage 1, 2 or 3 to offload it, or remove it"
         )
         opt_dev = "none"
-    if (opt_dev, par_dev) != ("none", "none") or strategy in ("zero1", "zero2", "zero3"):
+    if (opt_dev, par_dev) != ("none", "none") or shards(strategy):
         if strategy not in (None, "ddp"):
             offload_for(out, opt_dev, par_dev, strategy, "zero_optimization.offload_optimizer / offload_param")
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phalanx.config.options import ConfigError
+from phalanx.config.registry import shards
 
 __all__ = ["Mapped", "offload_for"]
 
@@ -66,5 +67,5 @@ def offload_for(out: Mapped, optimizer: str, params: str, strategy: str | None, 
             f"offload {chosen}: under zero3 phalanx keeps both the optimizer state and the parameter "
             "shards there (DeepSpeed allows one without the other)"
         )
-    if chosen != "none" or strategy in ("zero1", "zero2", "zero3"):
+    if chosen != "none" or shards(strategy):
         out.set("offload", chosen, source)

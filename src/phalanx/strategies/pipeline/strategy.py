@@ -98,9 +98,9 @@ class PipelineStrategy(Strategy):
         self.partition = parse_partition(self.opts.pp_partition)
         # The same (dp, tp) coordinates in the previous and next stage.
         here = topo.coordinates(topo.rank)
-        self.prev_rank = topo.rank_at((here[0] - 1, *here[1:])) if not self.is_first else None
-        self.next_rank = topo.rank_at((here[0] + 1, *here[1:])) if not self.is_last else None
-        self.last_rank = topo.rank_at((self.pp_size - 1, *here[1:]))
+        self.prev_rank = topo.mesh.rank_at((here[0] - 1, *here[1:])) if not self.is_first else None
+        self.next_rank = topo.mesh.rank_at((here[0] + 1, *here[1:])) if not self.is_last else None
+        self.last_rank = topo.mesh.rank_at((self.pp_size - 1, *here[1:]))
         self.stage_module: PipelineStage | None = None
         self.stage_starts: list[int] = []
         self.block_names: list[str] = []
@@ -441,7 +441,7 @@ class PipelineStrategy(Strategy):
         out: dict[str, torch.Tensor] = {}
         local = self.stage_module.state_dict()
         for s, layout in enumerate(self._layout):
-            src = self.topology.rank_at((s, *self.topology.coordinates(self.topology.rank)[1:]))
+            src = self.topology.mesh.rank_at((s, *self.topology.coordinates(self.topology.rank)[1:]))
             by_dtype: dict[torch.dtype, list[tuple[str, tuple[int, ...]]]] = {}
             for name, shape, dtype in layout:
                 by_dtype.setdefault(dtype, []).append((name, shape))
