@@ -85,9 +85,12 @@ class TinyGPT(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of ``idx`` ``[b, t]``; ``position_ids`` (default ``0..t-1``) are the tokens' places in the whole
+        sequence: under context parallelism the prepared loader gives them, as each rank holds chunks of it."""
+        if position_ids is None:
+            position_ids = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok(idx) + self.pos(position_ids)
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))

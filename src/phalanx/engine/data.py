@@ -228,7 +228,16 @@ def move_to_device(obj: Any, device: torch.device, non_blocking: bool = False) -
     return map_tensors(obj, lambda t: t.to(device, non_blocking=non_blocking))
 
 
-class PreparedDataLoader(DataLoader):
+class _Transformed:
+    transform: Callable[[Any], Any] | None = None
+    """Applied to every batch once it is on the device: the Engine sets it (context parallelism cuts each sequence
+    over the cp ranks here)."""
+
+    def _transformed(self, batch: Any) -> Any:
+        return batch if self.transform is None else self.transform(batch)
+
+
+class PreparedDataLoader(_Transformed, DataLoader):
     """A DataLoader that yields this rank's share of each global batch, on the Engine's device.
 
     ``set_epoch`` happens by itself at the start of each pass; call it yourself to pick an epoch.
@@ -338,7 +347,7 @@ class PreparedDataLoader(DataLoader):
                 state.padded_size = sampler.padded_size(state.real_size)
                 state.end_of_dataloader = index == total - 1
                 self._batches_done = index + 1
-                yield move_to_device(batch, self.device, self._non_blocking)
+                yield self._transformed(move_to_device(batch, self.device, self._non_blocking))
         finally:
             self._active.leave(state)
             state.real_size = state.padded_size = 0
@@ -389,7 +398,7 @@ class PreparedDataLoader(DataLoader):
             sampler.pass_order_seed = int(state["order_seed"])
 
 
-class PreparedIterableLoader:
+class PreparedIterableLoader(_Transformed):
     """A DataLoader over an ``IterableDataset``, sharded as a map-style one is: every rank reads the same stream,
     groups it into global batches of ``batch_size x world_size`` samples, and keeps its own slice of each, so that
     the global batches are the same on any world size. The stream must give every rank the same samples in the same
@@ -471,7 +480,7 @@ class PreparedIterableLoader:
                     state.real_size, state.padded_size = real, len(chunk)
                     state.end_of_dataloader = ahead is None
                     self._batches_done = index + 1
-                    yield move_to_device(self.collate_fn(mine), self.device, self._non_blocking)
+                    yield self._transformed(move_to_device(self.collate_fn(mine), self.device, self._non_blocking))
                 index += 1
         finally:
             self._active.leave(state)

@@ -54,18 +54,18 @@ from phalanx.engine.guards import (
     warn_accumulation_unused,
 )
 from phalanx.engine.nonfinite import NonFiniteGuard
-from phalanx.engine.precision import Precision, loss_scaling, precision_report
+from phalanx.engine.precision import Precision, agree_found_inf, loss_scaling, precision_report
 from phalanx.engine.prepared import PreparedOptimizer, PreparedScheduler, autocast_forward, kind_of
 from phalanx.engine.tensor_parallel import TensorParallelState
 from phalanx.logging import configure_logging, warn_once
 from phalanx.runtime import nccl_rules
 from phalanx.runtime.comm import all_gather_bytes, all_reduce
-from phalanx.runtime.comm import world_size as comm_world_size
 from phalanx.runtime.memory import peak_memory_bytes, set_mmap_threshold
 from phalanx.runtime.topology import Topology
 from phalanx.runtime.watchdog import start_watchdog
 from phalanx.runtime.world import WorldInfo, detect_world, init_distributed, pick_device, seed_everything
 from phalanx.strategies.base import drop_hooks_of
+from phalanx.strategies.context_parallel.context import context_parallel_of
 from phalanx.strategies.deferred_init import (
     DeferredInit,
     check_init_fn_applies,
@@ -123,6 +123,8 @@ class Engine:
         init_distributed(self.world, self.device, self.config.timeout_s)
         self.topology = Topology(Mesh.of(self.config, self.world.world_size, self._origins), self.world.rank)
         self.topology.build_groups(self.device.type)
+        self.context_parallel = context_parallel_of(self.topology)
+        """The cp axis's state (ring or Ulysses; strategies/context_parallel/context.py), None without one."""
         start_watchdog(
             self.world.rank,
             self.world.world_size,
@@ -150,12 +152,7 @@ class Engine:
                 "inf or NaN and lowers the scale (engine.step_was_skipped tells when); use bf16-mixed for the guard"
             )
         self.strategy = strategy_cls(self.config, self.topology, self.device, self.precision)
-        shard_group = self.strategy.grad_shard_group()
-        if self.topology.tp_size > 1:  # the tp ranks hold different gradients: an overflow anywhere skips everywhere
-            self.precision.sync_found_inf, self.precision.found_inf_group = True, None
-        elif self.strategy.shards_gradients and comm_world_size(shard_group) > 1:
-            # An fp16 overflow in any rank's share of the gradients must skip the step on every rank.
-            self.precision.sync_found_inf, self.precision.found_inf_group = True, shard_group
+        agree_found_inf(self.precision, self.strategy, self.topology)
         self._models: list[nn.Module] = []
         self._optimizers: list[PreparedOptimizer] = []
         self._schedulers: list[PreparedScheduler] = []
@@ -227,6 +224,8 @@ class Engine:
             model.register_forward_pre_hook(lambda m, args: check_initialised(m, "forward"), prepend=True)
         if self.precision.compute_dtype is not None:
             autocast_forward(self.unwrap_model(wrapped), self.precision)
+        if self.context_parallel is not None:  # its attention runs over the cp ranks
+            self.context_parallel.adopt(self.unwrap_model(wrapped))
         self._models.append(wrapped)
         return wrapped
 
@@ -259,6 +258,7 @@ class Engine:
             prepared = PreparedDataLoader(
                 loader, self.topology.data_rank, self.topology.data_size, self.config.seed, self.device, self._loaders
             )
+        prepared.transform = self.context_parallel.cut if self.context_parallel is not None else None
         self._prepared_loaders.append(prepared)
         return prepared
 
@@ -347,6 +347,8 @@ class Engine:
             # plain gradients, not gradients divided by the world size.
             accum = self.config.grad_accum_steps if in_window else 1
             loss = loss * (1.0 / accum) if accum > 1 else loss
+            if self.context_parallel is not None and (weight := self.context_parallel.weight()) is not None:
+                loss = loss * weight  # this rank's share of the whole sequence's targets (context.py)
             if boundary:
                 self.strategy.set_grad_scale(self._short_window(accum, window_len) / self.topology.dp_size)
         else:

@@ -1,0 +1,175 @@
+"""Context parallelism through the Engine, against one process on whole sequences (fp32, dropout off, 1e-5).
+
+The user's loop is unchanged: ``loss = model(**batch).loss; engine.backward(loss)`` over a prepared loader, which
+cuts every sequence over the cp ranks (ring: zig-zag chunks; Ulysses: slices), shifts the labels over the whole
+sequence and adds global ``position_ids``. Two models: a transformers Llama (SDPA, grouped-query attention: 4 query
+heads, 2 kv heads) with right padding in one row, and the demo GPT (its SDPA calls caught during forward) with
+``(input_ids, targets)`` batches. Each run trains a few SGD steps; every whole parameter must match one process's
+within 1e-5, and so must the whole-sequence loss computed from the ranks' pieces.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import phalanx
+
+STEPS, BATCH, SEQ, VOCAB = 2, 4, 16, 64
+TOL = 1e-5
+
+
+# ---------------------------------------------------------------------------------- models and data
+def llama(seed: int = 0) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, attention_dropout=0.0, attn_implementation="sdpa",
+        use_cache=False,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg)
+
+
+def gpt(seed: int = 0) -> nn.Module:
+    from phalanx.demo import GPTConfig, TinyGPT
+
+    torch.manual_seed(seed)
+    return TinyGPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=32))
+
+
+def samples(model: str, seq: int = SEQ, pad: bool = True) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for i in range(STEPS * BATCH):
+        ids = torch.randint(0, VOCAB, (seq + 1,), generator=g)
+        if model == "gpt":
+            out.append({"input_ids": ids[:-1], "targets": ids[1:]})
+            continue
+        mask = torch.ones(seq, dtype=torch.long)
+        if pad and i % BATCH == 1:  # right padding: the last 5 tokens of one row are not real
+            mask[-5:] = 0
+        labels = ids[:-1].masked_fill(mask == 0, -100)
+        out.append({"input_ids": ids[:-1], "attention_mask": mask, "labels": labels})
+    return out
+
+
+def loss_of(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    if "targets" in batch:
+        logits = model(batch["input_ids"], position_ids=batch.get("position_ids"))
+        return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
+    return model(**batch).loss
+
+
+def reference(name: str, seq: int = SEQ, pad: bool = True) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = llama() if name == "llama" else gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    data = samples(name, seq, pad)
+    losses = []
+    for step in range(STEPS):
+        batch = torch.utils.data.default_collate(data[step * BATCH : (step + 1) * BATCH])
+        loss = loss_of(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def run(name: str, options: dict[str, Any], seq: int = SEQ, pad: bool = True) -> dict[str, Any]:
+    engine = phalanx.Engine(**options)
+    model = llama() if name == "llama" else gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    loader = torch.utils.data.DataLoader(samples(name, seq, pad), batch_size=BATCH // engine.topology.data_size)
+    model, opt, loader = engine.prepare(model, opt, loader)
+    losses = []
+    for batch in loader:
+        loss = loss_of(model, batch)
+        engine.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        weight = engine.context_parallel.weight() if engine.context_parallel is not None else None
+        # the whole sequence's mean: this rank's mean weighed by its share of the targets, averaged over dp x cp
+        losses.append(engine.reduce(loss.detach() * (weight if weight is not None else 1.0), "mean").item())
+    state = {k: v.detach().clone() for k, v in engine.get_state_dict(model).items()}
+    return {"losses": losses, "state": state, "rank": engine.rank}
+
+
+def check(results: list[dict[str, Any]], name: str, seq: int = SEQ, pad: bool = True) -> None:
+    losses, state = reference(name, seq, pad)
+    for r in results:
+        assert r["losses"] == pytest.approx(losses, abs=TOL), (r["rank"], r["losses"], losses)
+        assert state.keys() == r["state"].keys()
+        for k, v in state.items():
+            torch.testing.assert_close(r["state"][k], v, atol=TOL, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
+
+
+# ---------------------------------------------------------------------------------- cp and sp alone
+@pytest.mark.parametrize("name", ["llama", "gpt"])
+@pytest.mark.parametrize(("key", "size"), [("cp_size", 2), ("cp_size", 4), ("sp_size", 2), ("sp_size", 4)])
+def test_context_parallel_matches_one_process(run_ranks, name, key, size):
+    check(run_ranks(run, size, name, {key: size}), name)
+
+
+def test_sequences_not_a_multiple_of_the_chunks_are_padded_and_still_match(run_ranks):
+    # 14 tokens over cp2's 4 chunks: padded to 16 at the end, with ignored labels and masked keys.
+    check(run_ranks(run, 2, "llama", {"cp_size": 2}, 14), "llama", 14)
+
+
+# ---------------------------------------------------------------------------------- composed on the mesh
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"strategy": "zero3", "cp_size": 2},  # zero3 over dp2 x cp2: shards over all four ranks
+        {"strategy": "ddp", "cp_size": 2, "tp_size": 2},
+        {"strategy": "ddp", "cp_size": 2, "tp_size": 2, "sequence_parallel": True},
+    ],
+    ids=["cp2-zero3-dp2", "cp2-tp2", "cp2-tp2-sp"],
+)
+def test_context_parallel_composes_on_four_ranks(run_ranks, options):
+    check(run_ranks(run, 4, "gpt", options), "gpt")
+
+
+def test_cp_with_zero3_shards_over_dp_shard_times_cp(run_ranks):
+    results = run_ranks(_groups, 4, {"strategy": "zero3", "cp_size": 2})
+    assert [r["data"] for r in results] == [(0, 2), (0, 2), (1, 2), (1, 2)]  # cp ranks read the same batches
+    assert all(r["shard"] == 4 and r["dp"] == 4 for r in results)
+
+
+def _groups(options: dict[str, Any]) -> dict[str, Any]:
+    engine = phalanx.Engine(**options)
+    t = engine.topology
+    return {"data": (t.data_rank, t.data_size), "shard": t.dp_shard_size, "dp": t.dp_size}
+
+
+# ---------------------------------------------------------------------------------- what is refused
+def _refused(options: dict[str, Any], what: str) -> str:
+    engine = phalanx.Engine(**options)
+    model = engine.prepare(gpt())
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    try:
+        if what == "uncut":  # a whole sequence fed to the model without the prepared loader's cut
+            model(ids)
+        elif what == "mask":  # arbitrary masks: document masking
+            loader = torch.utils.data.DataLoader(
+                [{"input_ids": ids[0], "attention_mask": torch.ones(SEQ, SEQ)}], batch_size=1
+            )
+            next(iter(engine.prepare(loader)))
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_a_batch_the_loader_did_not_cut_is_refused(run_ranks):
+    msg = run_ranks(_refused, 2, {"cp_size": 2}, "uncut")[0]
+    assert "ran before any batch was cut" in msg and "prepared by engine.prepare" in msg
+
+
+def test_document_masks_are_refused_with_the_reason(run_ranks):
+    msg = run_ranks(_refused, 2, {"cp_size": 2}, "mask")[0]
+    assert "Arbitrary masks, such as document masks" in msg and "(1, 16, 16)" in msg
