@@ -173,3 +173,66 @@ def test_a_batch_the_loader_did_not_cut_is_refused(run_ranks):
 def test_document_masks_are_refused_with_the_reason(run_ranks):
     msg = run_ranks(_refused, 2, {"cp_size": 2}, "mask")[0]
     assert "Arbitrary masks, such as document masks" in msg and "(1, 16, 16)" in msg
+
+
+# ---------------------------------------------------------------------------------- cp x pp
+def _pipe_data(ignore: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (STEPS * BATCH, SEQ + 1), generator=torch.Generator().manual_seed(5))
+    y = ids[:, 1:].clone()
+    if ignore:  # the last 6 targets of every other row are ignored: cp2's chunks hold unequal counts
+        y[::2, -6:] = -100
+    return ids[:, :-1], y
+
+
+def _pipe_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(model(batch[0]).flatten(0, 1), batch[1].flatten())
+
+
+def _pipe_loss_sum(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    loss = F.cross_entropy(model(batch[0]).flatten(0, 1), batch[1].flatten(), reduction="sum")
+    return loss, (batch[1] != -100).sum()
+
+
+def _pipe_run(options: dict[str, Any], ignore: bool = False, sums: bool = False) -> dict[str, Any]:
+    engine = phalanx.Engine(strategy="pipeline", pp_microbatches=2, **options)
+    model = gpt().pipeline_blocks()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x, y = _pipe_data(ignore)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH)
+    model, opt, loader = engine.prepare(model, opt, loader)
+    try:
+        losses = [
+            engine.reduce(engine.train_step(batch, _pipe_loss_sum if sums else _pipe_loss), "mean").item()
+            for batch in loader
+        ]
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return {"error": str(e)}
+    state = {k: v.detach().clone() for k, v in engine.get_state_dict(model).items()}
+    return {"losses": losses, "state": state, "rank": engine.rank}
+
+
+@pytest.mark.parametrize("ignore", [False, True], ids=["mean", "ignored-targets-as-sums"])
+def test_context_parallel_inside_pipeline_stages_pp2_cp2(run_ranks, ignore):
+    results = run_ranks(_pipe_run, 4, {"pp_size": 2, "cp_size": 2}, ignore, ignore)
+    model = gpt().pipeline_blocks()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x, y = _pipe_data(ignore)
+    losses = []
+    for step in range(STEPS):
+        rows = slice(step * BATCH, (step + 1) * BATCH)
+        loss = _pipe_loss(model, (x[rows], y[rows]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    for r in results:
+        if not ignore:  # with sums, each rank's returned loss is its own chunks' mean; the parameters tell
+            assert r["losses"] == pytest.approx(losses, abs=TOL), (r["rank"], r["losses"], losses)
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(r["state"][k], v, atol=TOL, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_pipeline_mean_losses_over_uneven_cp_chunks_are_refused_on_every_stage(run_ranks):
+    results = run_ranks(_pipe_run, 4, {"pp_size": 2, "cp_size": 2}, True, False)
+    assert all("fall unevenly on the context-parallel ranks" in r["error"] for r in results), results
+    assert all("Return (loss_sum, items) from loss_fn" in r["error"] for r in results)

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
+from phalanx.strategies.context_parallel.context import positions_like
+
 __all__ = ["GPTConfig", "TinyGPT", "load_stdlib_bytes", "ByteChunks", "default_nproc", "parse_args", "main"]
 
 
@@ -89,7 +91,7 @@ class TinyGPT(nn.Module):
         """Logits of ``idx`` ``[b, t]``; ``position_ids`` (default ``0..t-1``) are the tokens' places in the whole
         sequence: under context parallelism the prepared loader gives them, as each rank holds chunks of it."""
         if position_ids is None:
-            position_ids = torch.arange(idx.shape[1], device=idx.device)
+            position_ids = positions_like(idx)
         x = self.tok(idx) + self.pos(position_ids)
         for block in self.blocks:
             x = block(x)
@@ -133,7 +135,7 @@ class _Embed(nn.Module):
         self.tok, self.pos = tok, pos
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        return self.tok(idx) + self.pos(positions_like(idx))
 
 
 class _Head(nn.Module):

@@ -45,7 +45,14 @@ from phalanx.strategies.context_parallel.layout import LayoutError, multiple, po
 from phalanx.strategies.context_parallel.ring import ring_attention
 from phalanx.strategies.context_parallel.ulysses import ulysses_attention
 
-__all__ = ["ContextParallel", "ContextParallelError", "ATTN_IMPLEMENTATION", "context_parallel_of"]
+__all__ = [
+    "ContextParallel",
+    "ContextParallelError",
+    "ATTN_IMPLEMENTATION",
+    "check_even_targets",
+    "context_parallel_of",
+    "positions_like",
+]
 
 ATTN_IMPLEMENTATION = "phalanx_context_parallel"
 """The name phalanx registers in transformers' ``AttentionInterface``."""
@@ -91,6 +98,7 @@ class ContextParallel:
         device = _first_tensor(batch).device
         pos = positions(self.kind, self.size, self.rank, padded, device)
         self.seq_len, self.positions, self._key_mask, self._cut = padded, pos, None, set()
+        _CURRENT[:] = [self]
         out = self._cut_batch(batch, seq, padded, pos)
         return out
 
@@ -217,6 +225,7 @@ class ContextParallel:
                 )
             pos = positions(self.kind, self.size, self.rank, seq, todo[0][0].device)
             self.seq_len, self.positions, self._key_mask, self._weight = seq, pos, None, None
+            _CURRENT[:] = [self]
             for t, d in todo:
                 saved.append((t, t.data))
                 moved = t.data.movedim(d, 1)
@@ -293,15 +302,10 @@ class ContextParallel:
         if impl is not None and hasattr(model, "set_attn_implementation"):
             self._adopt_transformers(model, impl)
             return
-        forward = model.forward
+        # The model and its children: the pipeline runs a stage's blocks without the model's own forward.
         mode = _CatchSDPA(self)
-
-        @functools.wraps(forward)
-        def context_parallel_forward(*args: Any, **kwargs: Any) -> Any:
-            with mode:
-                return forward(*args, **kwargs)
-
-        model.forward = context_parallel_forward  # type: ignore[method-assign]
+        for module in (model, *model.children()):
+            _catch_in_forward(module, mode)
 
     def _adopt_transformers(self, model: nn.Module, impl: str) -> None:
         if impl == ATTN_IMPLEMENTATION:
@@ -327,6 +331,50 @@ def context_parallel_of(topology: Any) -> ContextParallel | None:
     if topology.cp_size == 1:
         return None
     return ContextParallel(topology.mesh.cp_kind, topology.cp_group, topology.cp_size, topology.cp_rank)
+
+
+_CURRENT: list[ContextParallel] = []  # the state that cut the last batch in this process
+
+
+def check_even_targets(what: str) -> None:
+    """Raise when the last cut put the batch's targets unevenly on the cp ranks (ignored labels, padding): for
+    ``what`` that averages each rank's mean loss with the same weight (the pipeline), which would then be wrong.
+    One host sync, only under context parallelism with countable targets."""
+    weight = _CURRENT[0].weight() if _CURRENT else None
+    if weight is not None and bool((weight - 1).abs() > 1e-6):
+        owner = _CURRENT[0]
+        raise ContextParallelError(
+            f"{owner.setting}={owner.size} under {what}: this batch's targets fall unevenly on the context-parallel "
+            "ranks (ignored labels or padding), and a mean loss from loss_fn weighs every rank's mean alike, which "
+            "would not be the whole sequence's mean. Return (loss_sum, items) from loss_fn: the sums are exact"
+        )
+
+
+def positions_like(ids: torch.Tensor) -> torch.Tensor:
+    """The places in the whole sequence of the tokens of ``ids`` ``[b, t]`` (int64, on its device): under context
+    parallelism, the positions this rank holds of the last batch cut in this process; else ``0 .. t-1``. For models
+    that make their own positions (a learned position embedding, as the demo GPT's) when none are passed."""
+    t = ids.shape[1]
+    if _CURRENT and _CURRENT[0].positions is not None and _CURRENT[0].positions.numel() == t:
+        return _CURRENT[0].positions.to(ids.device)
+    return torch.arange(t, device=ids.device)
+
+
+def _catch_in_forward(module: nn.Module, mode: _CatchSDPA) -> None:
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def context_parallel_forward(*args: Any, **kwargs: Any) -> Any:
+        if mode.active:  # entered already (a child inside its parent's forward): once is enough
+            return forward(*args, **kwargs)
+        mode.active = True
+        try:
+            with mode:
+                return forward(*args, **kwargs)
+        finally:
+            mode.active = False
+
+    module.forward = context_parallel_forward  # type: ignore[method-assign]
 
 
 _OWNERS: dict[int, ContextParallel] = {}  # a model config's id -> the state that owns its attention
@@ -367,6 +415,7 @@ class _CatchSDPA(TorchFunctionMode):
     def __init__(self, owner: ContextParallel) -> None:
         super().__init__()
         self.owner = owner
+        self.active = False
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}

@@ -48,6 +48,7 @@ from phalanx.runtime.comm import broadcast_coalesced
 from phalanx.runtime.placement import place_module
 from phalanx.strategies._replicas import group_rank0
 from phalanx.strategies.base import Strategy
+from phalanx.strategies.context_parallel.context import check_even_targets
 from phalanx.strategies.pipeline.microbatch import (
     MicroBatch,
     NoBackward,
@@ -276,14 +277,17 @@ class PipelineStrategy(Strategy):
         # The last stage knows the loss and the item count (1 per replica when loss_fn returned a mean, which was
         # divided by m already): every stage learns both, without waiting on the device. Summed over the replicas,
         # the count is the gradients' divisor either way: the items of the whole step, or dp_size.
-        summary = torch.zeros(2, dtype=torch.float64, device=self.device)
+        summary = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, items, loss_fn gave means
         if self.is_last:
             losses = torch.stack([mb.loss for mb in mbs if mb.loss is not None]).double()
             items = self._items if self._items is not None else torch.ones((), device=self.device)
-            summary = torch.stack([losses.sum(), items.to(device=self.device, dtype=torch.float64).reshape(())])
+            means = torch.full((), float(self._items is None), dtype=torch.float64, device=self.device)
+            summary = torch.stack([losses.sum(), items.to(device=self.device, dtype=torch.float64).reshape(()), means])
         if self.pp_size > 1:
             watched(dist.broadcast, summary, src=self.last_rank, group=self.topology.pp_group)
-        total = summary[1:].clone()
+        if self.topology.cp_size > 1 and bool(summary[2]):  # means of cp chunks: exact when the chunks are even
+            check_even_targets("strategy='pipeline'")  # on every stage alike
+        total = summary[1:2].clone()
         if self.topology.dp_size > 1:
             watched(dist.all_reduce, total, group=self.topology.dp_group)
         self.set_grad_scale((1.0 / total[0]).to(torch.float32))
