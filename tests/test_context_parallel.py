@@ -236,3 +236,63 @@ def test_pipeline_mean_losses_over_uneven_cp_chunks_are_refused_on_every_stage(r
     results = run_ranks(_pipe_run, 4, {"pp_size": 2, "cp_size": 2}, True, False)
     assert all("fall unevenly on the context-parallel ranks" in r["error"] for r in results), results
     assert all("Return (loss_sum, items) from loss_fn" in r["error"] for r in results)
+
+
+# ---------------------------------------------------------------------------------- checkpoints across layouts
+def _checkpoint_side(options: dict[str, Any], directory: str, save: bool) -> dict[str, torch.Tensor]:
+    """Train a step and save_state (save=True), or load_state into a fresh model; then one more SGD step on the
+    same batch (it reads the optimizer's momentum: SGD's, linear in the gradients, so that 1e-5 stays meaningful;
+    AdamW divides near-zero gradients by their own size). Returns the state after loading and after the extra
+    step."""
+    engine = phalanx.Engine(**options)
+    model = gpt(seed=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    loader = torch.utils.data.DataLoader(samples("gpt")[:BATCH], batch_size=BATCH // engine.topology.data_size)
+    model, opt, loader = engine.prepare(model, opt, loader)
+
+    def step() -> None:
+        for batch in loader:
+            engine.backward(loss_of(model, batch))
+            opt.step()
+            opt.zero_grad()
+
+    if save:
+        step()
+        engine.save_state(directory)
+    else:
+        engine.load_state(directory)
+    out = {f"loaded/{k}": v.clone() for k, v in engine.get_state_dict(model).items()}
+    step()
+    return {**out, **{f"next/{k}": v for k, v in engine.get_state_dict(model).items()}}
+
+
+@pytest.mark.parametrize(
+    ("saver", "loader"),
+    [(({"strategy": "zero3", "cp_size": 2}, 4), ({"strategy": "ddp"}, 2)),
+     (({"strategy": "ddp"}, 2), ({"strategy": "zero3", "cp_size": 2}, 4)),
+     (({"strategy": "zero2", "sp_size": 2}, 2), ({"strategy": "ddp"}, 1))],
+    ids=["zero3-cp2-to-ddp", "ddp-to-zero3-cp2", "zero2-sp2-to-one-process"],
+)  # fmt: skip
+def test_a_checkpoint_saved_under_cp_loads_on_another_layout_and_back(run_ranks, tmp_path, saver, loader):
+    saved = run_ranks(_checkpoint_side, saver[1], saver[0], str(tmp_path / "ck"), True)
+    loaded = run_ranks(_checkpoint_side, loader[1], loader[0], str(tmp_path / "ck"), False)
+    for state in (*saved, *loaded):
+        for k, v in saved[0].items():
+            if k.startswith("loaded/"):
+                assert torch.equal(state[k], v), k  # what was saved, bit for bit
+            else:
+                torch.testing.assert_close(state[k], v, atol=TOL, rtol=0)  # the optimizer state came along
+
+
+# ---------------------------------------------------------------------------------- bf16
+def test_bf16_under_cp_is_as_close_to_fp32_as_one_process_in_bf16(run_ranks):
+    """bf16-mixed keeps fp32 weights and computes in bf16 (unit roundoff 2^-8 = 3.9e-3). The ring merges its
+    blocks in fp32, so cp changes where bf16 rounding happens, not how much: after two steps each parameter's
+    distance from the fp32 run must stay within twice one bf16 process's distance, plus one bf16 unit of the
+    update size (lr 0.5 x a gradient of order 1e-2: 2e-5)."""
+    _, exact = reference("llama")
+    one = run_ranks(run, 1, "llama", {"precision": "bf16-mixed"})[0]["state"]
+    cp = run_ranks(run, 2, "llama", {"precision": "bf16-mixed", "cp_size": 2})[0]["state"]
+    worst_one = max((one[k] - v).abs().max().item() for k, v in exact.items())
+    worst_cp = max((cp[k] - v).abs().max().item() for k, v in exact.items())
+    assert 0 < worst_one < 1e-2 and worst_cp <= 2 * worst_one + 2e-5, (worst_one, worst_cp)

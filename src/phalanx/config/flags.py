@@ -23,11 +23,13 @@ from phalanx.config.dialects.flags import (
     CONFIG_FILE,
     DIALECT_FLAGS,
     NO_SETTING,
+    PC_FLAG,
     TOTAL_PROCESSES,
     USE_DEEPSPEED,
     DialectFlag,
 )
 from phalanx.config.dialects.names import strategy_from_zero_stage
+from phalanx.config.dialects.parallelism import read_parallelism
 from phalanx.config.general import PRECISIONS
 from phalanx.config.registry import accepting, strategy_names, strategy_summaries
 from phalanx.config.settings import (
@@ -209,7 +211,9 @@ def resolve_flags(ns: argparse.Namespace) -> PhalanxConfig:
         trial = {**cli, "launch.nproc_per_node": cli.get("launch.nproc_per_node", total)}
         nnodes = resolve_config(file=file, cli=trial).launch.nnodes
         cli["launch.nproc_per_node"] = _per_node(total, nnodes, cli.get("launch.nproc_per_node"))
+    notes = _parallelism_notes(given)
     cfg = resolve_config(file=file, cli=cli)
+    cfg.notes.extend(note for note in notes if note not in cfg.notes)
     if given.one(USE_DEEPSPEED) and "strategy" not in cfg.origins:
         # Accelerate runs ZeRO stage 2 when --use_deepspeed names no stage (not here, nor in a file), and so does this.
         cfg = resolve_config(file=file, cli={**cli, "strategy": strategy_from_zero_stage(_ACCELERATE_ZERO_STAGE)})
@@ -219,6 +223,31 @@ def resolve_flags(ns: argparse.Namespace) -> PhalanxConfig:
             f"--standalone runs one node, and nnodes={cfg.launch.nnodes}; drop --standalone, or --nnodes for one node"
         )
     return cfg
+
+
+def _parallelism_notes(given: _Given) -> list[str]:
+    """The ParallelismConfig that the flags say (Accelerate's --parallelism_config_* and phalanx's --cp-size and
+    --sp-size), read as every front reads it: the two sequence splits together are refused naming the flags given,
+    and the options' notes are returned."""
+    said: dict[str, Any] = {}
+    spelt: dict[str, str] = {}
+    for target, entries in given.by_target.items():
+        for spelling, _, value in entries:
+            if spelling.startswith(PC_FLAG):
+                name = spelling.removeprefix(PC_FLAG)
+            elif target in ("cp_size", "sp_size"):
+                name = target
+            else:
+                continue
+            if target in ("cp_size", "sp_size"):
+                try:
+                    value = int(value)
+                except ValueError:
+                    continue  # the settings refuse it, naming the flag
+            said[name], spelt[name] = value, spelling
+    if not said:
+        return []
+    return read_parallelism(said, lambda name: spelt.get(name, PC_FLAG + name)).notes
 
 
 def accelerate_default_config() -> str | None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.config.dialects.deepspeed import from_deepspeed, read_deepspeed
+from phalanx.config.dialects.parallelism import object_spelling, read_parallelism, values_of
 from phalanx.config.general import PRECISIONS
 from phalanx.config.options import ConfigError
 from phalanx.config.registry import strategy_names
@@ -50,14 +51,13 @@ _OWNED = {
     "micro_batch_size": "per_device_train_batch_size", "global_batch_size": "per_device_train_batch_size",
     "tp_size": "tp_size (or parallelism_config)", "dp_shard_size": "dp_shard_size (or parallelism_config)",
     "dp_replicate_size": "dp_replicate_size (or parallelism_config)",
+    "cp_size": "parallelism_config (its cp_size)", "sp_size": "parallelism_config (its sp_size)",
 }  # fmt: skip
 # transformers' fsdp words: the strategy each sharding word is, and whether it is FSDP's hybrid (shards within a
 # machine, replicas across machines); "offload" and "auto_wrap" go with one of them.
 _FSDP_WORDS = {"full_shard": ("zero3", False), "shard_grad_op": ("zero2", False), "no_shard": ("ddp", False),
                "hybrid_shard": ("zero3", True), "hybrid_shard_zero2": ("zero2", True)}  # fmt: skip
 _MESH = ("tp_size", "dp_shard_size", "dp_replicate_size")
-# Accelerate's ParallelismConfig sizes, and the axes phalanx does not have.
-_PC_ABSENT = {"cp_size": "context parallelism", "sp_size": "DeepSpeed's Ulysses sequence parallelism"}
 # transformers fields that phalanx does not take, with what to do instead.
 _HF_ELSEWHERE = {
     "fsdp_config": "use fsdp (or strategy='zero3') and strategy_options",
@@ -272,8 +272,10 @@ class TrainingArguments:
     hybrid_shard_zero2 (zero3 / zero2 sharded within each machine and replicated across machines, as FSDP's
     HYBRID_SHARD), with offload (offload='cpu') and auto_wrap (zero3's units, always); True is full_shard."""
     parallelism_config: Any = None
-    """Accelerate's ParallelismConfig, or a dict of its sizes: tp_size, dp_shard_size and dp_replicate_size are read
-    into the fields of those names; cp_size and sp_size above 1 are refused."""
+    """Accelerate's ParallelismConfig (or phalanx.accelerate's, or a dict of its names): tp_size, dp_shard_size and
+    dp_replicate_size are read into the fields of those names; cp_size (ring attention) and sp_size (Ulysses,
+    DeepSpeed's ALST) go to the Engine; their backends and handlers' options are read as every front reads them
+    (``config/dialects/parallelism.py``). Kept as a plain dict of what was given."""
     tp_size: int | None = None
     """Tensor-parallel degree (transformers 4.5x's tp_size; the Engine's tp_size): the model's own plan is split over
     this many ranks. The plan and sequence_parallel go in strategy_options."""
@@ -507,38 +509,28 @@ class TrainingArguments:
             precision = self.precision or (
                 "fp16-mixed" if any(k.startswith("loss_scale") for k in self.strategy_options) else "fp32"
             )
-            sizes = {k: getattr(self, k) for k in _MESH if getattr(self, k) is not None}
+            sizes = {k: getattr(self, k) for k in _MESH if getattr(self, k) is not None} | self._sequence_split()
             EngineConfig(strategy=self.strategy, precision=precision, **sizes, **self.strategy_options)
 
     def _read_parallelism_config(self) -> None:
-        """Accelerate's ParallelismConfig (or a dict of its sizes) into tp_size, dp_shard_size, dp_replicate_size;
-        kept as a plain dict of the sizes, so that the arguments stay JSON."""
+        """Accelerate's ParallelismConfig (or a dict of its names) into tp_size, dp_shard_size, dp_replicate_size and
+        the Engine's cp_size and sp_size; kept as a plain dict of what was given, so that the arguments stay JSON."""
         pc = self.parallelism_config
         if pc is None:
             return
-        if isinstance(pc, dict):
-            unknown = sorted(set(pc) - {*_MESH, *_PC_ABSENT})
-            if unknown:
-                raise ConfigError(
-                    f"parallelism_config: unknown size {unknown[0]!r}; ParallelismConfig's sizes are "
-                    f"{', '.join((*_MESH, *_PC_ABSENT))}"
-                )
-            sizes = {k: pc.get(k) for k in (*_MESH, *_PC_ABSENT)}
-        else:
-            sizes = {k: getattr(pc, k, None) for k in (*_MESH, *_PC_ABSENT)}
-        for key, value in sizes.items():
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"parallelism_config: {key} must be a whole number of at least 1; got {value!r}")
-            if key in _PC_ABSENT and (value or 1) > 1:
-                raise ConfigError(
-                    f"parallelism_config: {key}={value} asks for {_PC_ABSENT[key]}, which phalanx does not have; use "
-                    "1 (for a model or activations that do not fit: tp_size, strategy='zero3' or 'pipeline')"
-                )
-        self.parallelism_config = {k: v for k, v in sizes.items() if v is not None}
-        if all(v in (None, 1) for v in sizes.values()):
+        values = values_of(pc, "parallelism_config")
+        spell = (
+            (lambda key: f"parallelism_config[{key!r}]") if isinstance(pc, dict) else object_spelling(type(pc).__name__)
+        )
+        reading = read_parallelism(values, spell)
+        for note in reading.notes:
+            warn_once(f"TrainingArguments: {note}")
+        self.parallelism_config = values
+        if not reading.asks_for_a_mesh:
             return  # Accelerate's all-ones config asks for nothing beyond the strategy's own layout
+        settings = reading.settings()
         for key in _MESH:
-            value, ours = sizes[key], getattr(self, key)
+            value, ours = settings.get(key), getattr(self, key)
             if value is None:
                 continue
             if ours is not None and ours != value:
@@ -547,6 +539,11 @@ class TrainingArguments:
                     "one setting (give one of them)"
                 )
             setattr(self, key, value)
+
+    def _sequence_split(self) -> dict[str, int]:
+        """cp_size or sp_size above 1, from parallelism_config (the Engine's settings of those names)."""
+        pc = self.parallelism_config if isinstance(self.parallelism_config, dict) else {}
+        return {k: pc[k] for k in ("cp_size", "sp_size") if isinstance(pc.get(k), int) and pc[k] > 1}
 
     def _read_fsdp(self) -> None:
         """transformers' fsdp words as the strategy (and offload); kept as one space-separated string."""
@@ -649,6 +646,7 @@ class TrainingArguments:
         }
         for key in _MESH:
             out[key] = getattr(self, key)
+        out |= self._sequence_split()
         if out["dp_shard_size"] is None:
             out["dp_shard_size"] = self._hybrid_shard_size()
         return out

@@ -141,7 +141,8 @@ class Accelerator(Engine):
         if cpu:
             options["device"] = "cpu"
         options.update(_plugin_options(deepspeed_plugin, fsdp_plugin))
-        options.update(parallelism_options(parallelism_config))  # tp_size, dp_shard_size, dp_replicate_size
+        notes: list[str] = []
+        options.update(parallelism_options(parallelism_config, notes))  # the mesh sizes, cp_size and sp_size
         for handler in kwargs_handlers or []:
             options.update(_handler_options(handler))
         if not device_placement:
@@ -166,6 +167,9 @@ class Accelerator(Engine):
             self.project_configuration.project_dir = project_dir
         with keep_global_rngs():  # Accelerate's Accelerator() does not seed; a set_seed before it must hold
             super().__init__(**options)
+        for note in notes:
+            warn_once(note)
+        self.parallelism_config = parallelism_config
         if self._origins.get("seed", "default") != "default":
             seed_everything(self.config.seed)  # a seed given to phalanx (flag, file, environment) still seeds
         kind = _distributed_type(self, deepspeed_plugin is not None, fsdp_plugin is not None)
@@ -416,6 +420,61 @@ class Accelerator(Engine):
             raise ValueError(f"reduce(reduction={reduction!r}): use 'sum', 'mean', 'max' or 'none'")
         op = "sum" if reduction == "none" else reduction
         return map_tensors(tensor, lambda t: Engine.reduce(self, t, op).to(t.dtype))
+
+    @contextlib.contextmanager
+    def maybe_context_parallel(
+        self,
+        buffers: list[torch.Tensor] | None = None,
+        buffer_seq_dims: list[int] | None = None,
+        no_restore_buffers: set[torch.Tensor] | None = None,
+    ) -> Iterator[None]:
+        """Accelerate's: ``buffers`` cut in place along ``buffer_seq_dims`` over the cp (or sp) ranks for the block,
+        restored after it but for ``no_restore_buffers``; a no-op that warns once without cp, as in Accelerate. The
+        prepared loader cut its batches already: their tensors, and tensors made from them at this rank's length,
+        stay as they are, but ``position_ids`` made by ``torch.arange`` of that length take this rank's positions."""
+        cp = self.context_parallel
+        if cp is None:
+            warn_once(
+                "maybe_context_parallel has no effect: context parallelism is not enabled (set cp_size or sp_size "
+                "above 1, e.g. Accelerator(parallelism_config=ParallelismConfig(cp_size=2)))"
+            )
+            yield
+            return
+        buffers = list(buffers or [])
+        dims = list(buffer_seq_dims) if buffer_seq_dims is not None else [1] * len(buffers)
+        if cp.seq_len is None or cp.positions is None or not any(id(t) in cp._cut for t in buffers):
+            with cp.buffers(buffers, dims, no_restore_buffers):  # the user's own whole-sequence tensors
+                yield
+            return
+        local, keep, saved = cp.seq_len // cp.size, {id(t) for t in (no_restore_buffers or ())}, []
+        for t, d in zip(buffers, dims):
+            if id(t) in cp._cut:
+                continue
+            length, last = t.shape[d], t.data.movedim(d, -1)
+            if length == cp.seq_len:  # the whole batch's length: cut as the loader cut the batch
+                new = cp._take(t.data.movedim(d, 1), cp.positions).movedim(1, d)
+            elif length != local:
+                raise ValueError(
+                    f"maybe_context_parallel: a buffer has {length} positions along dim {d}, and the prepared loader "
+                    f"cut this batch's {cp.seq_len} (padded) positions to {local} on each of the {cp.setting}="
+                    f"{cp.size} ranks; give the batch's tensors, or tensors of its whole length"
+                )
+            elif not t.is_floating_point() and torch.equal(last, torch.arange(local, device=t.device).expand_as(last)):
+                warn_once(
+                    "maybe_context_parallel: position_ids made by torch.arange of the cut batch's length would count "
+                    "this rank's tokens from 0; they take the global positions of its tokens instead"
+                )
+                new = cp.positions.to(t.dtype).expand_as(last).movedim(-1, d)
+            else:
+                continue  # made from the cut batch: this rank's share already
+            saved.append((t, t.data))
+            t.data = new.contiguous()
+        try:
+            yield
+        finally:
+            for t, data in saved:
+                if id(t) not in keep:
+                    t.data = data
 
     def unwrap_model(  # type: ignore[override]
         self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True

@@ -16,48 +16,75 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from phalanx.config.dialects.parallelism import object_spelling, read_parallelism, values_of
+
 __all__ = [
     "DistributedType", "DataLoaderConfiguration", "GradientAccumulationPlugin", "DeepSpeedPlugin",
     "FullyShardedDataParallelPlugin", "DistributedDataParallelKwargs", "GradScalerKwargs", "InitProcessGroupKwargs",
-    "ProjectConfiguration", "ParallelismConfig", "set_seed", "seed_set", "skip_first_batches",
+    "ProjectConfiguration", "ParallelismConfig", "TorchContextParallelConfig", "DeepSpeedSequenceParallelConfig",
+    "set_seed", "seed_set", "skip_first_batches",
 ]  # fmt: skip
 
 
 @dataclasses.dataclass
+class TorchContextParallelConfig:
+    """Accelerate's options of ``cp_size`` (``accelerate.utils.TorchContextParallelConfig``): how torch's
+    context_parallel exchanges kv shards. phalanx's ring passes kv chunks point-to-point whatever it says (a note)."""
+
+    cp_comm_strategy: str | None = None
+
+
+@dataclasses.dataclass
+class DeepSpeedSequenceParallelConfig:
+    """Accelerate's options of ``sp_size`` (``accelerate.utils.DeepSpeedSequenceParallelConfig``), read as
+    ``config/dialects/parallelism.py`` says: phalanx's Ulysses takes any sequence length and runs SDPA inside."""
+
+    sp_seq_length: int | None = None
+    sp_seq_length_is_variable: bool | None = None
+    sp_attn_implementation: str | None = None
+
+
+@dataclasses.dataclass
 class ParallelismConfig:
-    """Accelerate's ``ParallelismConfig`` sizes (``from accelerate.parallelism_config import ParallelismConfig``):
-    the device mesh's data-parallel replicas and shards and its tensor-parallel degree. Context and (Ulysses)
-    sequence parallelism are not available in phalanx: sizes above 1 are refused when the Accelerator reads it."""
+    """Accelerate's ``ParallelismConfig`` (``from accelerate.parallelism_config import ParallelismConfig``): the
+    device mesh's data-parallel replicas and shards, its tensor-parallel degree, and the sequence split over
+    ``cp_size`` ranks (phalanx's ring attention, for torch's context_parallel) or ``sp_size`` ranks (phalanx's Ulysses,
+    for DeepSpeed's ALST). The Accelerator reads it, or Accelerate's own, with ``parallelism_options``."""
 
     dp_replicate_size: int | None = None
     dp_shard_size: int | None = None
     tp_size: int | None = None
     cp_size: int | None = None
+    cp_backend: str | None = None
     sp_size: int | None = None
+    sp_backend: str | None = None
+    tp_handler: Any = None
+    cp_handler: TorchContextParallelConfig | None = None
+    sp_handler: DeepSpeedSequenceParallelConfig | None = None
+
+    @property
+    def cp_enabled(self) -> bool:
+        return (self.cp_size or 1) > 1
+
+    @property
+    def sp_enabled(self) -> bool:
+        return (self.sp_size or 1) > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return (self.tp_size or 1) > 1
 
 
-_ABSENT_AXES = {"cp_size": "context parallelism", "sp_size": "Ulysses sequence parallelism"}
-
-
-def parallelism_options(config: Any) -> dict[str, int]:
-    """The Engine settings of an Accelerate (or phalanx) ``ParallelismConfig``; refuses the axes phalanx lacks."""
+def parallelism_options(config: Any, notes: list[str] | None = None) -> dict[str, int]:
+    """The Engine settings of an Accelerate (or phalanx) ``ParallelismConfig``; the notes on its options go to
+    ``notes``. What phalanx cannot do is refused, as every front refuses it (``config/dialects/parallelism.py``)."""
     if config is None:
         return {}
-    out = {}
-    for key in ("dp_replicate_size", "dp_shard_size", "tp_size", *_ABSENT_AXES):
-        value = getattr(config, key, None)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"ParallelismConfig({key}={value!r}): a size is a whole number of at least 1")
-        if key in _ABSENT_AXES and value > 1:
-            raise ValueError(
-                f"ParallelismConfig({key}={value}) asks for {_ABSENT_AXES[key]}, which phalanx does not have; use 1 "
-                "(for activations that do not fit: tp_size with sequence_parallel=True, or strategy='pipeline')"
-            )
-        if key not in _ABSENT_AXES:
-            out[key] = value
-    return out  # Accelerate's tp_handler (filled in by default) has nothing to say here: the plan is the model's
+    reading = read_parallelism(values_of(config, type(config).__name__), object_spelling(type(config).__name__))
+    if notes is not None:
+        notes.extend(reading.notes)
+    # Accelerate's tp_handler (filled in by default) has nothing to say here: the plan is the model's.
+    return reading.settings()
 
 
 class DistributedType(str, enum.Enum):

@@ -15,6 +15,8 @@ from typing import Any
 
 from phalanx.config.dialects.mapping import Mapped, offload_for
 from phalanx.config.dialects.names import precision_from_accelerate, strategy_from_zero_stage
+from phalanx.config.dialects.parallelism import NAMES as PC_NAMES
+from phalanx.config.dialects.parallelism import read_parallelism
 from phalanx.config.options import ConfigError
 
 __all__ = ["is_accelerate_config", "from_accelerate", "KNOWN_KEYS"]
@@ -243,37 +245,33 @@ _FSDP_MAPPED = {
     "fsdp_transformer_layer_cls_to_wrap", "fsdp_auto_wrap_policy", "fsdp_backward_prefetch",
     "fsdp_backward_prefetch_policy", "fsdp_forward_prefetch", "fsdp_activation_checkpointing", "fsdp_ignored_modules",
 }  # fmt: skip
-# Accelerate's ParallelismConfig, as `accelerate config` writes it (each key prefixed, as the launcher's flags are).
+# Accelerate's ParallelismConfig, as `accelerate config` writes it (each key prefixed, as the launcher's flags are);
+# parallelism.py reads it, as it reads the Accelerator's and TrainingArguments' ParallelismConfig.
 _PC = "parallelism_config_"
-_PC_SIZES = {_PC + "tp_size": "tp_size", _PC + "dp_shard_size": "dp_shard_size",
-             _PC + "dp_replicate_size": "dp_replicate_size"}  # fmt: skip
-# Axes phalanx does not have: refused above 1, with what each is.
-_PC_ABSENT = {
-    _PC + "cp_size": "context parallelism (cp_size: each rank holds a slice of the sequence through attention, "
-    "ring attention over the cp ranks)",
-    _PC + "sp_size": "DeepSpeed's Ulysses sequence parallelism (sp_size: the sequence split over ranks with "
-    "all-to-all attention). phalanx's sequence_parallel is the other kind, inside tensor parallelism: set tp_size "
-    "and sequence_parallel",
+# Accelerate 1.11's ALST spellings (cp_backend: deepspeed with these), renamed sp_* since.
+_PC_RENAMED = {"cp_seq_length": "sp_seq_length", "cp_seq_length_is_variable": "sp_seq_length_is_variable",
+               "cp_attn_implementation": "sp_attn_implementation"}  # fmt: skip
+# DeepSpeed keys that `accelerate config` users put in the deepspeed_config section, which Accelerate hands to
+# nothing (no launcher flag or plugin field reads them), with what phalanx does instead.
+_DS_PASSED_OVER = {
+    "seq_parallel_communication_data_type": "Accelerate passes it to nothing (in a DeepSpeed JSON it is the dtype of "
+    "the sequence-parallel communication); phalanx's Ulysses all-to-alls move the activations in their own dtype "
+    "(the precision's compute dtype)",
 }
-# Options of those axes: read only when their size is above 1.
-_PC_OF_ABSENT = {
-    _PC + "cp_backend": _PC + "cp_size", _PC + "cp_comm_strategy": _PC + "cp_size",
-    _PC + "sp_backend": _PC + "sp_size", _PC + "sp_seq_length": _PC + "sp_size",
-    _PC + "sp_seq_length_is_variable": _PC + "sp_size", _PC + "sp_attn_implementation": _PC + "sp_size",
-}  # fmt: skip
 # Every key each section of an Accelerate config may hold, as this module reads them; a key outside its section's
 # set is an error. keys.py builds the table of what phalanx does with each (docs/config-keys.md) from these sets.
 KNOWN_KEYS: dict[str, frozenset[str]] = {
     "": frozenset(_KNOWN_TOP | set(_IGNORED_TOP) | _SAGEMAKER),
-    "deepspeed_config": frozenset(_DS_MAPPED | set(_DS_IGNORED) | set(_DS_HOSTFILE)),
+    "deepspeed_config": frozenset(_DS_MAPPED | set(_DS_IGNORED) | set(_DS_HOSTFILE) | set(_DS_PASSED_OVER)),
     "fsdp_config": frozenset(_FSDP_MAPPED | set(_FSDP_NOTED)),
-    "parallelism_config": frozenset(set(_PC_SIZES) | set(_PC_ABSENT) | set(_PC_OF_ABSENT)),
+    "parallelism_config": frozenset(_PC + name for name in PC_NAMES),
 }
 
 
 def _map_parallelism(section: Any, out: Mapped) -> None:
-    """Accelerate's ``parallelism_config``: the tp, dp_shard and dp_replicate sizes are phalanx's mesh sizes, taken
-    as they are written (Accelerate, too, needs their product to be the number of processes); cp and sp refused."""
+    """Accelerate's ``parallelism_config``: its sizes are phalanx's mesh sizes, taken as they are written (Accelerate,
+    too, needs their product to be the number of processes); cp_size is ring attention, sp_size Ulysses, and their
+    options are mapped, noted or refused by ``parallelism.py``."""
     if section in (None, {}):
         out.ignore("parallelism_config", "empty: no device mesh asked for")
         return
@@ -288,37 +286,33 @@ def _map_parallelism(section: Any, out: Mapped) -> None:
                 f"accelerate config: parallelism_config.{key} is not read by Accelerate, which reads the prefixed "
                 f"name; did you mean '{_PC}{key}'? (as `accelerate config` writes it)"
             )
+        renamed = _PC_RENAMED.get(str(key).removeprefix(_PC))
+        if renamed is not None:
+            raise ConfigError(
+                f"accelerate config: parallelism_config.{key} is Accelerate 1.11's ALST spelling; Accelerate now "
+                f"reads '{_PC}{renamed}' (with {_PC}sp_size and {_PC}sp_backend: deepspeed for ALST/Ulysses, which "
+                "is phalanx's sp_size)"
+            )
         if key not in KNOWN_KEYS["parallelism_config"]:
             raise _unknown("parallelism_config", key)
-    sizes: dict[str, int] = {}
-    for key in (*_PC_SIZES, *_PC_ABSENT):
-        if key not in section or section[key] is None:
-            continue
-        value = section[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(
-                f"accelerate config: parallelism_config.{key} must be a whole number of at least 1; got {value!r}"
-            )
-        sizes[key] = value
-    for key, feature in _PC_ABSENT.items():
-        if sizes.get(key, 1) > 1:
-            raise _error(
-                f"parallelism_config.{key}",
-                sizes[key],
-                f"phalanx does not have {feature}. Set it to 1; for a model or activations that do not fit, shard "
-                "with tp_size (tensor parallelism), strategy zero3, or strategy pipeline",
-            )
-    if all(size == 1 for size in sizes.values()):
+    values = {key.removeprefix(_PC): value for key, value in section.items() if value is not None}
+    try:
+        reading = read_parallelism(values, lambda name: f"parallelism_config.{_PC}{name}")
+    except ConfigError as e:
+        raise ConfigError(f"accelerate config: {e}") from None
+    if not reading.asks_for_a_mesh:
         out.ignore("parallelism_config", "every size is 1: no device mesh asked for")
         return
+    settings = reading.settings()
     for key, value in section.items():
-        name = f"parallelism_config.{key}"
-        if key in _PC_SIZES and value is not None:
-            out.set(_PC_SIZES[key], value, name)
-        elif key in _PC_ABSENT:
-            out.ignore(name, f"{value!r}: off")
-        elif key in _PC_OF_ABSENT:
-            out.ignore(name, f"read only with {_PC_OF_ABSENT[key]} above 1")
+        name, short = f"parallelism_config.{key}", key.removeprefix(_PC)
+        if value is None:
+            out.ignore(name, "null: unset")
+        elif short in settings:
+            out.set(short, settings[short], name)
+        else:
+            out.ignore(name, reading.accepted[short])
+    out.notes.extend(reading.notes)
 
 
 def _unknown(section: str, key: str) -> ConfigError:
@@ -377,6 +371,8 @@ def _map_deepspeed(ds: dict[str, Any], out: Mapped, where: str, read_json: Calla
                     "use deepspeed_multinode_launcher: standard",
                 )
             out.ignore(name, _DS_IGNORED[key])
+        elif key in _DS_PASSED_OVER:
+            out.ignore(name, _DS_PASSED_OVER[key])
         elif key in _DS_HOSTFILE:
             raise _error(
                 name,

@@ -33,8 +33,8 @@ _IGNORED = {
     "dump_state": "phalanx config prints the resolved settings",
     "prescale_gradients": "phalanx averages in the reduction: each bucket is scaled, then all-reduced",
     "gradient_predivide_factor": "phalanx averages in the reduction: each bucket is scaled, then all-reduced",
-    "seq_parallel_communication_data_type": "the dtype of DeepSpeed-Ulysses sequence parallelism, which phalanx "
-    "does not have (nothing here uses it)",
+    "seq_parallel_communication_data_type": "the dtype of DeepSpeed's sequence-parallel communication; phalanx's "
+    "Ulysses (sp_size) all-to-alls move the activations in their own dtype (the precision's compute dtype)",
     "zero_force_ds_cpu_optimizer": "phalanx steps your own optimizer on the host shard",
     "tensorboard": "phalanx's tracking writes TensorBoard when it is installed",
     "wandb": "use phalanx's tracking (JSONL, TensorBoard)",
@@ -79,7 +79,7 @@ _MAPPED = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping", "fp16",
     "bf16", "bfloat16", "zero_optimization", "optimizer", "scheduler", "zero_allow_untested_optimizer",
     "communication_data_type", "amp", "fp8", "torch_autocast", "gradient_allreduce_op",
-    "managed_gradient_accumulation", "tensor_parallel", *_FEATURES,
+    "managed_gradient_accumulation", "tensor_parallel", "sequence_parallel_size", *_FEATURES,
 }  # fmt: skip
 _ZERO_IGNORED = {
     "allgather_bucket_size": "phalanx gathers per bucket (zero1/2) or per unit (zero3)",
@@ -241,6 +241,8 @@ def from_deepspeed(data: dict[str, Any], where: str) -> Mapped:
     _map_torch_autocast(data.get("torch_autocast"), out, where)
     if "tensor_parallel" in data:
         _map_tensor_parallel(data["tensor_parallel"], out, where)
+    if "sequence_parallel_size" in data:
+        _map_sequence_parallel(data["sequence_parallel_size"], out, where)
     for key, why in _IGNORED.items():
         if key in data:
             block = data[key]
@@ -593,6 +595,27 @@ def _map_tensor_parallel(block: Any, out: Mapped, where: str) -> None:
             out.ignore(name, f"{value!r}: not used")
         elif key in ("tensor_parallel", "tp"):
             _map_tp_group(value, max(size, 1), name, out, where)
+
+
+def _map_sequence_parallel(size: Any, out: Mapped, where: str) -> None:
+    """DeepSpeed's ``sequence_parallel_size`` (the Ulysses degree ALST's ``UlyssesSPAttentionHF`` and its mpu build
+    their groups from) is phalanx's sp_size: the same split of the sequence, and of the heads around attention."""
+    key = "sequence_parallel_size"
+    if is_auto(size):
+        out.ignore(key, "auto: sp_size comes from the other settings (parallelism_config's sp_size, --sp-size)")
+        return
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(f"DeepSpeed config {where}: {key} must be a whole number of at least 1; got {size!r}")
+    if size == 1:
+        out.ignore(key, "1: no sequence parallelism")
+        return
+    out.set("sp_size", size, key)
+    out.notes.append(
+        f"{key}={size}: phalanx's Ulysses (sp_size={size}) splits every sequence over {size} ranks and all-to-alls "
+        "to a head split around attention, as DeepSpeed's ALST does; the prepared loader cuts each batch (the job of "
+        "DeepSpeed's UlyssesSPDataLoaderAdapter) and engine.backward weighs each rank's loss by its share of the "
+        "targets, so a script needs no all-gather of the ranks' losses. Attention heads must divide by it"
+    )
 
 
 def _map_tp_group(block: Any, size: int, name: str, out: Mapped, where: str) -> None:

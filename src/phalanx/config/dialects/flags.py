@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from phalanx.config.dialects.names import ACCELERATE_PRECISIONS, precision_from_accelerate, strategy_from_zero_stage
+from phalanx.config.dialects.parallelism import check_option
 from phalanx.config.options import ConfigError
 
 __all__ = [
-    "DialectFlag", "DIALECT_FLAGS", "CONFIG_FILE", "TOTAL_PROCESSES", "USE_DEEPSPEED", "NO_SETTING",
+    "DialectFlag", "DIALECT_FLAGS", "CONFIG_FILE", "TOTAL_PROCESSES", "USE_DEEPSPEED", "NO_SETTING", "PC_FLAG",
 ]  # fmt: skip
 
 CONFIG_FILE = "(config file)"
@@ -91,23 +92,26 @@ def _cpu(text: str, spelling: str) -> str:
     return "cpu"
 
 
-def _absent_axis(feature: str) -> Callable[[str, str], int]:
-    """A size of an axis phalanx does not have: 1 is accepted, more is refused naming the feature."""
+def _pc_option(key: str) -> Callable[[str, str], Any]:
+    """An option of ParallelismConfig's sequence splits, checked as every front checks it (``parallelism.py``);
+    ``phalanx.flags`` reads the options given together with the sizes, for the notes."""
 
-    def convert(text: str, spelling: str) -> int:
-        size = _whole(text, spelling)
-        if size != 1:
-            raise ConfigError(
-                f"{spelling} {text} asks for {feature}, which phalanx does not have; use 1 (for a model or "
-                "activations that do not fit: --tp-size, --strategy zero3 or --strategy pipeline)"
-            )
-        return size
+    def convert(text: str, spelling: str) -> Any:
+        return check_option(key, text, lambda name: spelling if name == key else PC_FLAG + name)
 
     return convert
 
 
+PC_FLAG = "--parallelism_config_"
+"""The prefix of Accelerate's ParallelismConfig flags."""
+
+
 def _mesh_flag(axis: str, help: str) -> DialectFlag:
     return DialectFlag(f"--parallelism_config_{axis}", "Accelerate", axis, help, _whole)
+
+
+def _pc_flag(key: str, help: str, metavar: str) -> DialectFlag:
+    return DialectFlag(PC_FLAG + key, "Accelerate", NO_SETTING, help, _pc_option(key), metavar=metavar)
 
 
 def _torchrun(
@@ -178,22 +182,21 @@ DIALECT_FLAGS: tuple[DialectFlag, ...] = (
     _mesh_flag("tp_size", "= --tp-size"),
     _mesh_flag("dp_shard_size", "= --dp-shard-size"),
     _mesh_flag("dp_replicate_size", "= --dp-replicate-size"),
-    DialectFlag(
-        "--parallelism_config_cp_size",
-        "Accelerate",
-        NO_SETTING,
-        "1 only: phalanx has no context parallelism",
-        _absent_axis("context parallelism (the sequence split over ranks through attention)"),
+    _mesh_flag("cp_size", "= --cp-size (ring attention)"),
+    _mesh_flag("sp_size", "= --sp-size (Ulysses, DeepSpeed's ALST)"),
+    _pc_flag("cp_backend", "torch only: phalanx's ring attention stands in for torch's context_parallel", "NAME"),
+    _pc_flag(
+        "cp_comm_strategy",
+        "allgather or alltoall: accepted, with a note (phalanx's ring passes kv chunks point-to-point)",
+        "{allgather,alltoall}",
     ),
-    DialectFlag(
-        "--parallelism_config_sp_size",
-        "Accelerate",
-        NO_SETTING,
-        "1 only: phalanx has no Ulysses sequence parallelism (its --sequence-parallel works inside --tp-size)",
-        _absent_axis(
-            "DeepSpeed's Ulysses sequence parallelism (phalanx's --sequence-parallel is the kind inside "
-            "tensor parallelism)"
-        ),
+    _pc_flag("sp_backend", "deepspeed only: phalanx's --sp-size is DeepSpeed's ALST/Ulysses", "NAME"),
+    _pc_flag("sp_seq_length", "accepted: phalanx reads each batch's length", "TOKENS"),
+    _pc_flag("sp_seq_length_is_variable", "accepted: phalanx takes any length in every batch", "{true,false}"),
+    _pc_flag(
+        "sp_attn_implementation",
+        "sdpa; flash attention is accepted with a note (phalanx's Ulysses runs SDPA), eager is refused",
+        "NAME",
     ),
     DialectFlag(
         "--use_parallelism_config",

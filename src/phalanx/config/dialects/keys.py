@@ -61,6 +61,11 @@ class Section:
         return doc
 
 
+# The bases of the options of the two sequence splits: read with their size above 1.
+_PC_CP = {"distributed_type": "FSDP", "num_processes": 2, "parallelism_config": {"parallelism_config_cp_size": 2}}
+_PC_SP = {"distributed_type": "DEEPSPEED", "num_processes": 2, "deepspeed_config": {"zero_stage": 3},
+          "parallelism_config": {"parallelism_config_sp_size": 2}}  # fmt: skip
+
 _SAGEMAKER_VALUES = {"ec2_instance_type": "ml.p3.2xlarge", "iam_role_name": "accelerate_sagemaker_execution_role",
                      "image_uri": None, "profile": "default", "region": "us-east-1", "base_job_name": "accelerate",
                      "pytorch_version": "2.5.0", "transformers_version": "4.46", "py_version": "py311",
@@ -128,6 +133,7 @@ SECTIONS: list[Section] = [
         "expert_parallel": [{"enabled": True, "autoep_size": 2}, {"enabled": False}],
         "gradient_allreduce_op": ["mean", "sum"],
         "managed_gradient_accumulation": [True, False],
+        "sequence_parallel_size": [4, 1, "auto"],
     }),
     Section("deepspeed", "zero_optimization", {"zero_optimization": {"stage": 2}}, ("zero_optimization",), {
         "stage": [0, 1, 2, 3, "auto"],
@@ -293,6 +299,7 @@ SECTIONS: list[Section] = [
         "deepspeed_hostfile": ["/job/hostfile"],
         "deepspeed_inclusion_filter": ["worker-0:0,1"],
         "deepspeed_exclusion_filter": ["worker-1:0"],
+        "seq_parallel_communication_data_type": ["bf16"],
     }, bases={"deepspeed_config_file": {"distributed_type": "DEEPSPEED", "deepspeed_config": {}},
               "offload_param_device": {"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 3}}}),
     Section("accelerate", "fsdp_config", {"distributed_type": "FSDP", "fsdp_config": {}}, ("fsdp_config",), {
@@ -320,13 +327,19 @@ SECTIONS: list[Section] = [
         "parallelism_config_dp_shard_size": [2],
         "parallelism_config_dp_replicate_size": [2],
         "parallelism_config_cp_size": [1, 8],
-        "parallelism_config_sp_size": [1, 2],
-        "parallelism_config_cp_backend": ["torch"],
-        "parallelism_config_cp_comm_strategy": ["allgather"],
-        "parallelism_config_sp_backend": ["deepspeed"],
+        "parallelism_config_sp_size": [1, 2, 4],
+        "parallelism_config_cp_backend": ["torch", "deepspeed"],
+        "parallelism_config_cp_comm_strategy": ["allgather", "alltoall"],
+        "parallelism_config_sp_backend": ["deepspeed", "megatron"],
         "parallelism_config_sp_seq_length": ["1024"],
-        "parallelism_config_sp_seq_length_is_variable": [True],
-        "parallelism_config_sp_attn_implementation": ["sdpa"],
+        "parallelism_config_sp_seq_length_is_variable": [True, False],
+        "parallelism_config_sp_attn_implementation": ["sdpa", "flash_attention_2", "eager"],
+    }, bases={
+        **{f"parallelism_config_{k}": _PC_CP for k in ("cp_backend", "cp_comm_strategy")},
+        **{f"parallelism_config_{k}": _PC_SP for k in ("sp_backend", "sp_seq_length", "sp_seq_length_is_variable",
+                                                       "sp_attn_implementation")},
+        "parallelism_config_sp_size": {"distributed_type": "DEEPSPEED", "num_processes": 4,
+                                       "deepspeed_config": {"zero_stage": 3}, "parallelism_config": {}},
     }),
 ]  # fmt: skip
 

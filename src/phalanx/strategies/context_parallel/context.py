@@ -251,6 +251,9 @@ class ContextParallel:
         """Attention of this rank's queries ``[b, h, s_local, d]`` over the whole sequence; ``k``, ``v`` may have
         fewer (kv) heads. Returns ``[b, h, s_local, d]``."""
         self._check_layout(q)
+        if torch.is_autocast_enabled(q.device.type):  # as autocast runs SDPA: in its lower dtype
+            dtype = torch.get_autocast_dtype(q.device.type)
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         if self.kind == "ring":
             if not causal:
                 raise ContextParallelError(
