@@ -5,6 +5,8 @@ named in ``phalanx/config/registry.py`` with the settings it reads; the Engine l
 - ``ddp.py``            bucketed, overlapped all-reduce (GradReducer): the gradient path starts here
 - ``zero/``             ZeRO stages 1-3, with offload
 - ``pipeline/``         GPipe and 1F1B over stages, with data parallelism inside each stage
+- ``context_parallel/`` long sequences over the cp ranks: ring attention, Ulysses, the batch cut, attention routing
+- ``tensor_parallel/``  Megatron-style layers split in place by a plan
 - ``_grads.py``         the gradient scale contract, the bucket builder, the gradient errors
 - ``_replicas.py``      replica checks and broadcast from the first replica
 - ``_memory.py``        memory_report helpers

@@ -45,7 +45,7 @@ from phalanx.trainer.conventions import (
 )
 from phalanx.trainer.evaluation import evaluation_loop
 from phalanx.trainer.loaders import build_loader, eval_set, loader_from
-from phalanx.trainer.loss import as_sum, items_of
+from phalanx.trainer.loss import as_sum, check_cut_loss, items_of, shift_labels_of, whole_prediction
 from phalanx.trainer.nested import nested_map
 from phalanx.trainer.optimization import create_optimizer, create_optimizer_and_scheduler, create_scheduler
 from phalanx.trainer.outputs import EvalPrediction, PredictionOutput, TrainOutput
@@ -351,21 +351,28 @@ class Trainer:
         num_items_in_batch=...)`` when given (the labels are then taken out of the batch, as HF does), else the
         model's own: ``outputs["loss"]`` of a dict or ``ModelOutput``, the first element of a tuple. A batch that is a
         pair ``(inputs, labels)`` calls ``model(inputs)``. ``num_items_in_batch`` is this micro-batch's item count
-        (phalanx normalises the whole window over every rank itself)."""
-        labels = self._labels(inputs)
-        smoother = self.label_smoother
+        (phalanx normalises the whole window over every rank itself). A batch cut under context parallelism carries
+        ``shift_labels``: the model's loss, the label smoother and ``compute_loss_func`` read those (see loss.py)."""
+        labels, shift, smoother = self._labels(inputs), shift_labels_of(inputs), self.label_smoother
+        if shift is not None and (cp := self.engine.context_parallel) is not None:  # labels shifted before the cut
+            own = self.compute_loss_func is None and smoother is None
+            check_cut_loss(
+                model, self._forward_params if own else None, self.compute_loss_func, f"{cp.setting}={cp.size}"
+            )
         if isinstance(inputs, Mapping):
             if (self.compute_loss_func is not None or smoother is not None) and "labels" in inputs:
-                inputs = {k: v for k, v in inputs.items() if k != "labels"}
+                inputs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
             outputs = model(**inputs)
         elif isinstance(inputs, (tuple, list)) and len(inputs) == 2:
             outputs = model(inputs[0])
         else:
             outputs = model(inputs)
         if self.compute_loss_func is not None:
-            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+            extra = {"shift_labels": shift} if shift is not None else {}
+            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch, **extra)
         elif smoother is not None and labels is not None:
-            loss = smoother(outputs, labels, shift_labels=self._causal, num_items_in_batch=num_items_in_batch)
+            causal = self._causal and shift is None  # shift_labels are aligned with the logits already
+            loss = smoother(outputs, labels if shift is None else shift, causal, num_items_in_batch=num_items_in_batch)
         else:
             loss = loss_of(outputs)
         return (loss, outputs) if return_outputs else loss
@@ -383,6 +390,8 @@ class Trainer:
 
     def _items(self, inputs: Any) -> torch.Tensor | None:
         """The items one micro-batch's loss averages over: the labels that are not -100 (HF counts ``labels``)."""
+        if (shift := shift_labels_of(inputs)) is not None:  # shifted over the whole sequence (context parallelism)
+            return items_of(shift, causal=False)
         if isinstance(inputs, Mapping):
             name = "labels" if "labels" in self._label_names else self._label_names[0] if self._label_names else None
             return items_of(inputs.get(name) if name is not None else None, self._causal)
@@ -697,6 +706,10 @@ class Trainer:
                     outputs = model(inputs[0])
                 else:
                     outputs = model(inputs)
+        if self.engine.context_parallel is not None:  # each cp rank holds a chunk of every sequence
+            loss, outputs, labels = whole_prediction(
+                self.engine.context_parallel, loss, self._items(inputs), outputs, labels
+            )
         if prediction_loss_only:
             return loss, None, None
         if isinstance(outputs, torch.Tensor):

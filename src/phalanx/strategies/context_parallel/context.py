@@ -77,6 +77,7 @@ class ContextParallel:
         self._key_mask: torch.Tensor | None = None  # this rank's positions (ring) or the whole sequence (Ulysses)
         self._weight: torch.Tensor | None = None
         self._cut: set[int] = set()  # ids of the tensors the last cut made: maybe_context_parallel leaves them
+        self.in_forward = False  # inside the forward of a model adopted by catching SDPA
 
     # ------------------------------------------------------------------ the batch
     def cut(self, batch: Any) -> Any:
@@ -354,11 +355,13 @@ def check_even_targets(what: str) -> None:
 
 
 def positions_like(ids: torch.Tensor) -> torch.Tensor:
-    """The places in the whole sequence of the tokens of ``ids`` ``[b, t]`` (int64, on its device): under context
-    parallelism, the positions this rank holds of the last batch cut in this process; else ``0 .. t-1``. For models
-    that make their own positions (a learned position embedding, as the demo GPT's) when none are passed."""
+    """The places in the whole sequence of the tokens of ``ids`` ``[b, t]`` (int64, on its device): inside the
+    forward of a model prepared under context parallelism, the positions this rank holds of the last batch cut in
+    this process; else ``0 .. t-1``. For models that make their own positions (a learned position embedding, as the
+    demo GPT's) when none are passed."""
     t = ids.shape[1]
-    if _CURRENT and _CURRENT[0].positions is not None and _CURRENT[0].positions.numel() == t:
+    inside = _CURRENT and _CURRENT[0].in_forward  # a prepared model's forward: not a plain copy's (sampling)
+    if inside and _CURRENT[0].positions is not None and _CURRENT[0].positions.numel() == t:
         return _CURRENT[0].positions.to(ids.device)
     return torch.arange(t, device=ids.device)
 
@@ -370,12 +373,12 @@ def _catch_in_forward(module: nn.Module, mode: _CatchSDPA) -> None:
     def context_parallel_forward(*args: Any, **kwargs: Any) -> Any:
         if mode.active:  # entered already (a child inside its parent's forward): once is enough
             return forward(*args, **kwargs)
-        mode.active = True
+        mode.active = mode.owner.in_forward = True
         try:
             with mode:
                 return forward(*args, **kwargs)
         finally:
-            mode.active = False
+            mode.active = mode.owner.in_forward = False
 
     module.forward = context_parallel_forward  # type: ignore[method-assign]
 
