@@ -81,7 +81,7 @@ def reference(name: str, seq: int = SEQ, pad: bool = True) -> tuple[list[float],
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def run(name: str, options: dict[str, Any], seq: int = SEQ, pad: bool = True) -> dict[str, Any]:
+def run(name: str, options: dict[str, Any], seq: int = SEQ, pad: bool = True, items: bool = False) -> dict[str, Any]:
     engine = phalanx.Engine(**options)
     model = llama() if name == "llama" else gpt()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -90,7 +90,11 @@ def run(name: str, options: dict[str, Any], seq: int = SEQ, pad: bool = True) ->
     losses = []
     for batch in loader:
         loss = loss_of(model, batch)
-        engine.backward(loss)
+        if items:  # the items contract: this rank's sum and target count, summed over dp x cp by the engine
+            n = (batch["shift_labels"] != -100).sum()
+            engine.backward(loss * n, items=n)
+        else:
+            engine.backward(loss)
         opt.step()
         opt.zero_grad()
         weight = engine.context_parallel.weight() if engine.context_parallel is not None else None
@@ -114,6 +118,14 @@ def check(results: list[dict[str, Any]], name: str, seq: int = SEQ, pad: bool = 
 @pytest.mark.parametrize(("key", "size"), [("cp_size", 2), ("cp_size", 4), ("sp_size", 2), ("sp_size", 4)])
 def test_context_parallel_matches_one_process(run_ranks, name, key, size):
     check(run_ranks(run, size, name, {key: size}), name)
+
+
+def test_the_items_contract_counts_targets_over_dp_times_cp(run_ranks):
+    results = run_ranks(run, 4, "llama", {"strategy": "zero2", "cp_size": 2}, SEQ, True, True)
+    losses, state = reference("llama")
+    for r in results:  # the logged losses are each rank's mean: the parameters tell
+        for k, v in state.items():
+            torch.testing.assert_close(r["state"][k], v, atol=TOL, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def test_sequences_not_a_multiple_of_the_chunks_are_padded_and_still_match(run_ranks):

@@ -238,3 +238,32 @@ def test_a_meta_built_model_on_the_gpu_equals_the_cpu_build(strategy, offload):
     got = engine.get_state_dict(model)
     assert all(torch.equal(got[k].cpu(), v) for k, v in want.items())
     assert model(torch.randint(0, 11, (2, 5), device=engine.device)).device.type == "cuda"
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_context_parallel_attention_and_cut_on_the_gpu(dtype):
+    """The ring's blocks (a ring of one: no transfer) and Ulysses' pass-through on the device against SDPA, and a
+    batch cut for rank 0 of cp2 staying on the device: what a one-GPU machine can check of context parallelism."""
+    import torch.nn.functional as F
+
+    from phalanx.strategies.context_parallel.context import ContextParallel
+    from phalanx.strategies.context_parallel.ring import ring_attention
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 64, 16, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(2, 2, 64, 16, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(2, 2, 64, 16, device="cuda", dtype=dtype, requires_grad=True)
+    out = ring_attention(q, k, v)
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
+    tol = 1e-5 if dtype == torch.float32 else 2**-6 * ref.abs().max().item()  # bf16: four rounding units
+    assert out.device.type == "cuda" and (out.float() - ref).abs().max().item() < tol
+    out.float().sum().backward()
+    assert q.grad is not None and q.grad.device.type == "cuda" and torch.isfinite(q.grad).all()
+    cp = ContextParallel("ring", None, 2, 0)
+    ids = torch.randint(0, 50, (2, 16), device="cuda")
+    batch = cp.cut({"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)})
+    assert all(t.device.type == "cuda" for t in batch.values())
+    assert batch["position_ids"][0].tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert batch["shift_labels"][0].tolist() == [*ids[0, 1:5].tolist(), *ids[0, 13:].tolist(), -100]
