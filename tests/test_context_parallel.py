@@ -104,10 +104,11 @@ def run(name: str, options: dict[str, Any], seq: int = SEQ, pad: bool = True, it
     return {"losses": losses, "state": state, "rank": engine.rank}
 
 
-def check(results: list[dict[str, Any]], name: str, seq: int = SEQ, pad: bool = True) -> None:
-    losses, state = reference(name, seq, pad)
+def check(results: list[dict[str, Any]], name: str, seq: int = SEQ, pad: bool = True, losses: bool = True) -> None:
+    expected, state = reference(name, seq, pad)
     for r in results:
-        assert r["losses"] == pytest.approx(losses, abs=TOL), (r["rank"], r["losses"], losses)
+        if losses:
+            assert r["losses"] == pytest.approx(expected, abs=TOL), (r["rank"], r["losses"], expected)
         assert state.keys() == r["state"].keys()
         for k, v in state.items():
             torch.testing.assert_close(r["state"][k], v, atol=TOL, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
@@ -120,14 +121,6 @@ def test_context_parallel_matches_one_process(run_ranks, name, key, size):
     check(run_ranks(run, size, name, {key: size}), name)
 
 
-def test_the_items_contract_counts_targets_over_dp_times_cp(run_ranks):
-    results = run_ranks(run, 4, "llama", {"strategy": "zero2", "cp_size": 2}, SEQ, True, True)
-    losses, state = reference("llama")
-    for r in results:  # the logged losses are each rank's mean: the parameters tell
-        for k, v in state.items():
-            torch.testing.assert_close(r["state"][k], v, atol=TOL, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
-
-
 def test_sequences_not_a_multiple_of_the_chunks_are_padded_and_still_match(run_ranks):
     # 14 tokens over cp2's 4 chunks: padded to 16 at the end, with ignored labels and masked keys.
     check(run_ranks(run, 2, "llama", {"cp_size": 2}, 14), "llama", 14)
@@ -135,16 +128,22 @@ def test_sequences_not_a_multiple_of_the_chunks_are_padded_and_still_match(run_r
 
 # ---------------------------------------------------------------------------------- composed on the mesh
 @pytest.mark.parametrize(
-    "options",
+    ("name", "options"),
     [
-        {"strategy": "zero3", "cp_size": 2},  # zero3 over dp2 x cp2: shards over all four ranks
-        {"strategy": "ddp", "cp_size": 2, "tp_size": 2},
-        {"strategy": "ddp", "cp_size": 2, "tp_size": 2, "sequence_parallel": True},
+        ("gpt", {"strategy": "zero3", "cp_size": 2}),  # zero3 over dp2 x cp2: shards over all four ranks
+        ("llama", {"strategy": "zero3", "cp_size": 2}),
+        ("gpt", {"strategy": "ddp", "cp_size": 2, "tp_size": 2}),
+        ("llama", {"strategy": "ddp", "cp_size": 2, "tp_size": 2}),
+        # Megatron sp under tp: the demo GPT only (a transformers model is refused it with or without cp)
+        ("gpt", {"strategy": "ddp", "cp_size": 2, "tp_size": 2, "sequence_parallel": True}),
     ],
-    ids=["cp2-zero3-dp2", "cp2-tp2", "cp2-tp2-sp"],
+    ids=["gpt-cp2-zero3-dp2", "llama-cp2-zero3-dp2", "gpt-cp2-tp2", "llama-cp2-tp2", "gpt-cp2-tp2-sp"],
 )
-def test_context_parallel_composes_on_four_ranks(run_ranks, options):
-    check(run_ranks(run, 4, "gpt", options), "gpt")
+def test_context_parallel_composes_on_four_ranks(run_ranks, name, options):
+    # Over dp2 the Llama's padding falls on one data rank: a mean loss per rank (DDP's contract) would weigh the
+    # two ranks alike, so its runs use the items contract, exact over dp x cp (their logged losses are per rank).
+    items = name == "llama" and options["strategy"] == "zero3"
+    check(run_ranks(run, 4, name, options, SEQ, True, items), name, losses=not items)
 
 
 def test_cp_with_zero3_shards_over_dp_shard_times_cp(run_ranks):
