@@ -349,3 +349,22 @@ def test_a_python_warning_prints_once_per_job_unless_every_rank_logs(tmp_path, a
     assert combined.count("marker-7431") == times, combined
     if all_ranks:
         assert "[phalanx rank 1] WARNING" in combined and "UserWarning: a script warning" in combined
+
+
+# ------------------------------------------------------------------------------------ ParallelismConfig and handlers
+def test_parallelism_config_and_its_handlers_take_accelerate_s_fields():
+    import dataclasses
+
+    accelerate = pytest.importorskip("accelerate.utils.dataclasses", reason="accelerate is not installed")
+    from accelerate.parallelism_config import ParallelismConfig as AcceleratePC
+
+    from phalanx.accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig, TorchContextParallelConfig
+
+    def names(cls: type) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls) if f.init}
+
+    assert names(ParallelismConfig) == names(AcceleratePC)
+    assert names(TorchContextParallelConfig) == names(accelerate.TorchContextParallelConfig)
+    assert names(DeepSpeedSequenceParallelConfig) == names(accelerate.DeepSpeedSequenceParallelConfig)
+    pc = ParallelismConfig(cp_size=2, cp_handler=TorchContextParallelConfig(cp_comm_strategy="alltoall"))
+    assert pc.cp_enabled and not pc.sp_enabled and not pc.tp_enabled

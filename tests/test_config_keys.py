@@ -97,10 +97,18 @@ def test_the_rows_say_what_the_issue_asked_for():
     assert row.kind == "maps" and "`tp_size` = `2`" in row.outcome and "the model's own plan" in row.outcome
     row = _row("zero_optimization", "zero_hpz_partition_size", 8)
     assert row.kind == "maps" and "`dp_shard_size` = `8`" in row.outcome and "the memory is not" in row.outcome
-    # Accelerate's ParallelismConfig sizes are the mesh's; context parallelism is refused by name.
+    # Accelerate's ParallelismConfig sizes are the mesh's: cp_size is ring attention, sp_size Ulysses (and DeepSpeed's
+    # sequence_parallel_size too); the options are mapped, noted or refused with the reason.
     assert "`dp_replicate_size` = `2`" in _row("parallelism_config", "parallelism_config_dp_replicate_size", 2).outcome
-    row = _row("parallelism_config", "parallelism_config_cp_size", 8)
-    assert row.kind == "refuses" and "context parallelism" in row.outcome
+    assert _row("parallelism_config", "parallelism_config_cp_size", 8).outcome == "sets `cp_size` = `8`"
+    assert _row("parallelism_config", "parallelism_config_sp_size", 2).outcome == "sets `sp_size` = `2`"
+    row = _row("parallelism_config", "parallelism_config_cp_comm_strategy", "alltoall")
+    assert row.kind == "ignores" and "note:" in row.outcome and "point-to-point" in row.outcome
+    row = _row("parallelism_config", "parallelism_config_sp_backend", "megatron")
+    assert row.kind == "refuses" and "only sequence-parallel backend is 'deepspeed'" in row.outcome
+    row = _row("parallelism_config", "parallelism_config_cp_backend", "deepspeed")
+    assert row.kind == "refuses" and "Accelerate 1.11's ALST spelling" in row.outcome
+    assert "sets `sp_size` = `4`" in _row("DeepSpeed JSON: top", "sequence_parallel_size", 4).outcome
     # "auto" is filled as Accelerate fills it.
     assert "`strategy` = `'zero2'`" in _row("zero_optimization", "stage", "auto").outcome
     assert "`max_grad_norm` = `1.0` unless" in _row("DeepSpeed JSON: top", "gradient_clipping", "auto").outcome

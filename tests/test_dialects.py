@@ -107,14 +107,16 @@ _BASE = "compute_environment: LOCAL_MACHINE\nnum_machines: 1\nnum_processes: 2\n
         ("distributed_type: MEGATRON_LM\n", "MEGATRON_LM.*use strategy pipeline"),
         ("distributed_type: MULTI_GPU\nmixed_precision: fp8\n", "fp8.*use mixed_precision: bf16"),
         ("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: HALF_SHARD\n", "HALF_SHARD.*HYBRID_SHARD"),
-        # Context and Ulysses sequence parallelism are named, with what to use instead.
+        # Ring attention and Ulysses split the sequence one at a time; Accelerate's SP backend is DeepSpeed's ALST.
         (
-            "distributed_type: FSDP\nparallelism_config:\n  parallelism_config_cp_size: 2\n",
-            r"parallelism_config_cp_size=2 .*does not have context parallelism.*Set it to 1",
+            "distributed_type: FSDP\nparallelism_config:\n  parallelism_config_cp_size: 2\n"
+            "  parallelism_config_sp_size: 2\n",
+            r"parallelism_config_cp_size=2 and .*parallelism_config_sp_size=2 both split the sequence.*cp_size=4 alone",
         ),
         (
-            "distributed_type: FSDP\nparallelism_config:\n  parallelism_config_sp_size: 2\n",
-            "Ulysses sequence parallelism.*set tp_size and sequence_parallel",
+            "distributed_type: FSDP\nparallelism_config:\n  parallelism_config_sp_size: 2\n"
+            "  parallelism_config_sp_backend: megatron\n",
+            "parallelism_config_sp_backend='megatron': Accelerate's only sequence-parallel backend is 'deepspeed'",
         ),
         # Accelerate's own spelling has the prefix; the bare name would be dropped by Accelerate without a word.
         ("distributed_type: FSDP\nparallelism_config:\n  tp_size: 2\n", "did you mean 'parallelism_config_tp_size'"),

@@ -241,10 +241,10 @@ def test_deepspeed_config_file_is_deepspeed(capsys, tmp_path):
         (["--standalone", "--nnodes", "2", "--master-port", "29400"], ["--standalone", "nnodes=2"]),
         (["--tp-size", "4", "--parallelism_config_tp_size", "2"], ["--tp-size 4", "--parallelism_config_tp_size 2"]),
         (
-            ["--parallelism_config_cp_size", "4"],
-            ["--parallelism_config_cp_size 4", "context parallelism", "phalanx does not have", "use 1"],
+            ["--parallelism_config_cp_size", "4", "--parallelism_config_sp_size", "2"],
+            ["--parallelism_config_cp_size=4 and --parallelism_config_sp_size=2 both split the sequence", "=8 alone"],
         ),
-        (["--parallelism_config_sp_size", "2"], ["Ulysses sequence parallelism", "--sequence-parallel"]),
+        (["--parallelism_config_sp_backend", "megatron", "--parallelism_config_sp_size", "2"], ["'deepspeed'"]),
         (["--parallelism_config_tp_size", "two"], ["--parallelism_config_tp_size takes a whole number", "'two'"]),
     ],
 )

@@ -505,16 +505,17 @@ def test_a_transformers_model_gets_tp_from_its_own_plan_through_accelerate(run_r
     _check_against(results, ref, "Llama tp2 through phalanx.accelerate")
 
 
-def test_parallelism_config_refuses_what_phalanx_lacks():
+def test_parallelism_config_maps_the_mesh_and_refuses_what_cannot_be():
     from phalanx.accelerate import ParallelismConfig
     from phalanx.compat.accelerate.utils import parallelism_options
 
     assert parallelism_options(ParallelismConfig(dp_replicate_size=2, tp_size=2)) == {
         "dp_replicate_size": 2, "tp_size": 2,
     }  # fmt: skip
-    with pytest.raises(ValueError, match=r"cp_size=2\) asks for context parallelism, which phalanx does not have"):
-        parallelism_options(ParallelismConfig(cp_size=2))
-    with pytest.raises(ValueError, match=r"tp_size=0\): a size is a whole number of at least 1"):
+    assert parallelism_options(ParallelismConfig(cp_size=2)) == {"cp_size": 2}
+    with pytest.raises(ValueError, match=r"cp_size=2 and ParallelismConfig.sp_size=2 both split the sequence"):
+        parallelism_options(ParallelismConfig(cp_size=2, sp_size=2))
+    with pytest.raises(ValueError, match=r"tp_size must be a whole number of at least 1; got 0"):
         parallelism_options(ParallelismConfig(tp_size=0))
 
 

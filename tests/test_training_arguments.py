@@ -373,10 +373,14 @@ def test_fsdp_hybrid_shard_shards_over_the_processes_of_one_machine(monkeypatch)
         ({"fsdp": "no_shard offload"}, "offload needs sharding"),
         ({"fsdp": "full_shard offload", "strategy_options": {"offload": "disk"}}, "offload='disk'"),
         ({"fsdp": "hybrid_shard", "dp_replicate_size": 2}, "shards within each machine.*dp_replicate_size=2"),
-        ({"parallelism_config": {"cp_size": 2}}, "cp_size=2 asks for context parallelism"),
-        ({"parallelism_config": {"sp_size": 4}}, "Ulysses sequence parallelism"),
-        ({"parallelism_config": {"tp_sise": 2}}, "unknown size 'tp_sise'"),
-        ({"parallelism_config": {"tp_size": 0}}, "tp_size must be a whole number of at least 1; got 0"),
+        # Ring attention and Ulysses both split the sequence: one at a time (Accelerate refuses the pair too).
+        ({"parallelism_config": {"cp_size": 2, "sp_size": 4}}, r"\['cp_size'\]=2 and .*\['sp_size'\]=4 both split"),
+        (
+            {"parallelism_config": {"sp_size": 4, "sp_backend": "torch"}},
+            "only sequence-parallel backend is 'deepspeed'",
+        ),
+        ({"parallelism_config": {"tp_sise": 2}}, "unknown key 'tp_sise'; did you mean 'tp_size'"),
+        ({"parallelism_config": {"tp_size": 0}}, r"\['tp_size'\] must be a whole number of at least 1; got 0"),
         ({"parallelism_config": {"tp_size": 2}, "tp_size": 4}, "parallelism_config says tp_size=2 and the field"),
         ({"strategy_options": {"tp_size": 2}}, r"strategy_options\['tp_size'\] is set by the TrainingArguments field"),
         ({"strategy": "zero3", "strategy_options": {"sequence_parallel": True}}, "applies under tensor parallelism"),
@@ -425,10 +429,12 @@ def test_accelerate_s_parallelism_config_object_is_read(monkeypatch):
     )
     assert (args.tp_size, args.dp_shard_size, args.dp_replicate_size) == (2, 4, 1)
     assert args.parallelism_config == {
-        "tp_size": 2, "dp_shard_size": 4, "dp_replicate_size": 1, "cp_size": 1, "sp_size": 1
+        "tp_size": 2, "dp_shard_size": 4, "dp_replicate_size": 1, "cp_size": 1, "sp_size": 1, "cp_backend": "torch",
+        "sp_backend": "deepspeed",
     }  # fmt: skip
-    with pytest.raises(ConfigError, match="context parallelism"):
-        TrainingArguments(parallelism_config=accelerate.ParallelismConfig(cp_size=2))
+    # Context parallelism is ring attention, for the Engine (Accelerate's handler's allgather gets a note).
+    args = TrainingArguments(parallelism_config=accelerate.ParallelismConfig(cp_size=2))
+    assert args.engine_options()["cp_size"] == 2 and args.parallelism_config["cp_comm_strategy"] == "allgather"
 
 
 def test_tp_size_contradicting_deepspeed_autotp_is_an_error(tmp_path):

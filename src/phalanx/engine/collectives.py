@@ -51,6 +51,8 @@ def gather(data: Any, device: torch.device) -> Any:
 def gather_for_metrics(data: Any, device: torch.device, topology: Topology, loaders: ActiveLoaders) -> Any:
     """The data-parallel ranks' ``data`` in global sample order, without the padding of the last batch."""
     if isinstance(data, torch.Tensor):
+        if topology.data_size == 1:  # its group is None then, which c10d reads as the whole world
+            return data[: loaders.trim(data.shape[0])] if data.dim() else data
         # NCCL gathers device tensors only; CPU metrics travel through the engine's device.
         gathered = all_gather_varlen(data.to(device), group=topology.data_group)
         return gathered[: loaders.trim(gathered.shape[0])]

@@ -13,6 +13,7 @@ options of the two sequence splits are Accelerate's backends and handlers (``Tor
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,14 +69,17 @@ def values_of(config: Any, who: str = "parallelism_config") -> dict[str, Any]:
     if isinstance(config, Mapping):
         unknown = sorted(set(config) - set(NAMES))
         if unknown:
-            import difflib
-
             close = difflib.get_close_matches(str(unknown[0]), NAMES, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise ConfigError(
                 f"{who}: unknown key {unknown[0]!r}; {hint}ParallelismConfig's settings are {', '.join(NAMES)}"
             )
         return {k: v for k, v in config.items() if v is not None}
+    if not any(hasattr(config, k) for k in SIZES):
+        raise ConfigError(
+            f"{who} takes Accelerate's ParallelismConfig (or phalanx.accelerate.utils.ParallelismConfig), or a dict of "
+            f"its settings such as {{'cp_size': 2}}; got a {type(config).__name__}"
+        )
     out = {k: getattr(config, k, None) for k in (*SIZES, "cp_backend", "sp_backend")}
     for handler, names in (("cp_handler", ("cp_comm_strategy",)), ("sp_handler", _SP_OPTIONS[1:])):
         obj = getattr(config, handler, None)
