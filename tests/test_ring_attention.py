@@ -226,6 +226,19 @@ def test_size_one_is_plain_causal_attention(name):
     assert max(errors.values()) < _tolerance(dtype), errors
 
 
+@pytest.mark.parametrize("name", ["padded", "padded gqa2", "gqa1"])
+def test_blocks_computed_in_tiles_of_query_rows_give_the_same_result(monkeypatch, name):
+    # A tile budget of 5 score elements cuts every block into tiles of one or a few query rows (and the causal
+    # mask with them), as the 16 MiB budget cuts long chunks.
+    from phalanx.strategies.context_parallel import ring
+
+    monkeypatch.setattr(ring, "_TILE_ELEMENTS", 5)
+    assert len(ring._tiles(4, 2)) == 2 and len(ring._tiles(4, 100)) == 4
+    h_kv, padding, dtype = _CASES[name]
+    errors = _errors(_inputs(h_kv, seed=3, padding=padding), dtype, None, 1, 0)
+    assert max(errors.values()) < _tolerance(dtype), errors
+
+
 def test_size_one_takes_the_scale_and_equals_sdpa_is_causal():
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 6, 4) for _ in range(3))

@@ -48,6 +48,9 @@ ranks (``dist.get_global_rank``). Nothing inside the loops syncs with the host: 
 the ranks and the step, and the masks are made on the inputs' device.
 
 The blocks are plain matmuls and a masked softmax, computed in float32: a reference path that runs on any device.
+Each block is computed in tiles of query rows (``_TILE_ELEMENTS`` score elements, 16 MiB in fp32) with its softmax
+pieces in place, so that the temporaries of a step stay a few tiles whatever the chunk length: at 16,384 tokens
+on cp4 an untiled backward block held four 128 MiB score-sized tensors at once.
 Attention dropout is refused (the recompute would need the forward's masks): turn it off under context parallelism.
 """
 
@@ -262,10 +265,27 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(lse == float("-inf"), 0.0)
 
 
+_TILE_ELEMENTS = 1 << 22
+"""Score elements of one tile of query rows (16 MiB in fp32): a block is computed tile by tile, so that its
+temporaries stay this size whatever the chunk length, instead of growing with the square of it."""
+
+
+def _tiles(n: int, rows_cost: int) -> list[slice]:
+    """Row slices of a chunk of ``n`` query rows, each row costing ``rows_cost`` score elements."""
+    step = max(1, min(n, _TILE_ELEMENTS // max(1, rows_cost)))
+    return [slice(r, min(r + step, n)) for r in range(0, n, step)]
+
+
+def _rows_of(allowed: torch.Tensor | None, tile: slice) -> torch.Tensor | None:
+    """``allowed`` for the query rows ``tile`` (its row dim is 1 when it does not depend on the row)."""
+    return allowed if allowed is None or allowed.shape[-2] == 1 else allowed[..., tile, :]
+
+
 def _scores(qb: torch.Tensor, kb: torch.Tensor, allowed: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """``S * scale`` of ``qb`` ``[b, h_kv, g, n, d]`` against ``kb`` ``[b, h_kv, L, d]``, ``-inf`` where masked."""
-    s = torch.matmul(qb, kb.unsqueeze(2).transpose(-1, -2)) * scale
-    return s if allowed is None else s.masked_fill(~allowed, float("-inf"))
+    """``S * scale`` of ``qb`` ``[b, h_kv, g, n, d]`` against ``kb`` ``[b, h_kv, L, d]``, ``-inf`` where masked
+    (in place: one score-sized tensor)."""
+    s = torch.matmul(qb, kb.unsqueeze(2).transpose(-1, -2)).mul_(scale)
+    return s if allowed is None else s.masked_fill_(~allowed, float("-inf"))
 
 
 def _block_forward(
@@ -274,7 +294,7 @@ def _block_forward(
     """The block's normalised output ``[b, h_kv, g, n, d]`` and the log-sum-exp of its scores ``[b, h_kv, g, n]``."""
     s = _scores(qb, kb, allowed, scale)
     lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - _finite(lse).unsqueeze(-1))
+    p = s.sub_(_finite(lse).unsqueeze(-1)).exp_()
     return torch.matmul(p, vb.unsqueeze(2)), lse
 
 
@@ -296,10 +316,11 @@ def _block_backward(
     allowed: torch.Tensor | None,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The block's ``dQ`` ``[b, h_kv, g, n, d]`` and ``dK``, ``dV`` ``[b, h_kv, L, d]``, recomputed from the lse."""
-    p = torch.exp(_scores(qb, kb, allowed, scale) - _finite(lse).unsqueeze(-1))  # [b, h_kv, g, n, L]
+    """The block's ``dQ`` ``[b, h_kv, g, n, d]`` and ``dK``, ``dV`` ``[b, h_kv, L, d]``, recomputed from the lse
+    (two score-sized tensors at a time)."""
+    p = _scores(qb, kb, allowed, scale).sub_(_finite(lse).unsqueeze(-1)).exp_()  # [b, h_kv, g, n, L]
     dp = torch.matmul(dob, vb.unsqueeze(2).transpose(-1, -2))
-    ds = p * (dp - delta.unsqueeze(-1))
+    ds = dp.sub_(delta.unsqueeze(-1)).mul_(p)
     dq = torch.matmul(ds, kb.unsqueeze(2)) * scale
     dk = torch.matmul(ds.transpose(-1, -2), qb).sum(2) * scale
     dv = torch.matmul(p.transpose(-1, -2), dob).sum(2)
@@ -338,15 +359,17 @@ class _RingAttention(torch.autograd.Function):
             kv_acc = held[0].to(acc)
             held_mask = held[1] if mask is not None else None
             for i, m, causal in ring.plan(step):
-                rows = slice(i * n, (i + 1) * n)
-                blk_out, blk_lse = _block_forward(
-                    qg[..., rows, :],
-                    kv_acc[0, :, :, : m * n],
-                    kv_acc[1, :, :, : m * n],
-                    _allowed(n, m, causal, held_mask, tri),
-                    scale,
-                )
-                _merge(out[..., rows, :], lse[..., rows], blk_out, blk_lse)
+                allowed = _allowed(n, m, causal, held_mask, tri)
+                for tile in _tiles(n, b * h * m * n):
+                    rows = slice(i * n + tile.start, i * n + tile.stop)
+                    blk_out, blk_lse = _block_forward(
+                        qg[..., rows, :],
+                        kv_acc[0, :, :, : m * n],
+                        kv_acc[1, :, :, : m * n],
+                        _rows_of(allowed, tile),
+                        scale,
+                    )
+                    _merge(out[..., rows, :], lse[..., rows], blk_out, blk_lse)
             if pending is not None:
                 held, works = pending
                 _wait(works)  # just before the pair is needed
@@ -378,20 +401,22 @@ class _RingAttention(torch.autograd.Function):
             held_mask = held[1] if mask is not None else None
             contrib = torch.zeros_like(kv_acc)  # this rank's dK, dV for the pair held
             for i, m, causal in ring.plan(step):
-                rows = slice(i * n, (i + 1) * n)
-                dq_blk, dk_blk, dv_blk = _block_backward(
-                    qg[..., rows, :],
-                    kv_acc[0, :, :, : m * n],
-                    kv_acc[1, :, :, : m * n],
-                    dog[..., rows, :],
-                    lse[..., rows],
-                    delta[..., rows],
-                    _allowed(n, m, causal, held_mask, tri),
-                    scale,
-                )
-                dq[..., rows, :] += dq_blk
-                contrib[0, :, :, : m * n] += dk_blk
-                contrib[1, :, :, : m * n] += dv_blk
+                allowed = _allowed(n, m, causal, held_mask, tri)
+                for tile in _tiles(n, b * h * m * n):
+                    rows = slice(i * n + tile.start, i * n + tile.stop)
+                    dq_blk, dk_blk, dv_blk = _block_backward(
+                        qg[..., rows, :],
+                        kv_acc[0, :, :, : m * n],
+                        kv_acc[1, :, :, : m * n],
+                        dog[..., rows, :],
+                        lse[..., rows],
+                        delta[..., rows],
+                        _rows_of(allowed, tile),
+                        scale,
+                    )
+                    dq[..., rows, :] += dq_blk
+                    contrib[0, :, :, : m * n] += dk_blk
+                    contrib[1, :, :, : m * n] += dv_blk
             if dkv_pending is None:
                 dkv = contrib
             else:  # the accumulator of this pair, from the previous rank: waited for only now
