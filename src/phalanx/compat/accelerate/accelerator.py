@@ -429,9 +429,8 @@ class Accelerator(Engine):
         no_restore_buffers: set[torch.Tensor] | None = None,
     ) -> Iterator[None]:
         """Accelerate's: ``buffers`` cut in place along ``buffer_seq_dims`` over the cp (or sp) ranks for the block,
-        restored after it but for ``no_restore_buffers``; a no-op that warns once without cp, as in Accelerate. The
-        prepared loader cut its batches already: their tensors, and tensors made from them at this rank's length,
-        stay as they are, but ``position_ids`` made by ``torch.arange`` of that length take this rank's positions."""
+        restored after it but for ``no_restore_buffers``; a no-op that warns once without cp, as in Accelerate. On a
+        batch the prepared loader cut already, see ``ContextParallel.buffers``."""
         cp = self.context_parallel
         if cp is None:
             warn_once(
@@ -440,41 +439,8 @@ class Accelerator(Engine):
             )
             yield
             return
-        buffers = list(buffers or [])
-        dims = list(buffer_seq_dims) if buffer_seq_dims is not None else [1] * len(buffers)
-        if cp.seq_len is None or cp.positions is None or not any(id(t) in cp._cut for t in buffers):
-            with cp.buffers(buffers, dims, no_restore_buffers):  # the user's own whole-sequence tensors
-                yield
-            return
-        local, keep, saved = cp.seq_len // cp.size, {id(t) for t in (no_restore_buffers or ())}, []
-        for t, d in zip(buffers, dims):
-            if id(t) in cp._cut:
-                continue
-            length, last = t.shape[d], t.data.movedim(d, -1)
-            if length == cp.seq_len:  # the whole batch's length: cut as the loader cut the batch
-                new = cp._take(t.data.movedim(d, 1), cp.positions).movedim(1, d)
-            elif length != local:
-                raise ValueError(
-                    f"maybe_context_parallel: a buffer has {length} positions along dim {d}, and the prepared loader "
-                    f"cut this batch's {cp.seq_len} (padded) positions to {local} on each of the {cp.setting}="
-                    f"{cp.size} ranks; give the batch's tensors, or tensors of its whole length"
-                )
-            elif not t.is_floating_point() and torch.equal(last, torch.arange(local, device=t.device).expand_as(last)):
-                warn_once(
-                    "maybe_context_parallel: position_ids made by torch.arange of the cut batch's length would count "
-                    "this rank's tokens from 0; they take the global positions of its tokens instead"
-                )
-                new = cp.positions.to(t.dtype).expand_as(last).movedim(-1, d)
-            else:
-                continue  # made from the cut batch: this rank's share already
-            saved.append((t, t.data))
-            t.data = new.contiguous()
-        try:
+        with cp.buffers(buffers, buffer_seq_dims, no_restore_buffers):
             yield
-        finally:
-            for t, data in saved:
-                if id(t) not in keep:
-                    t.data = data
 
     def unwrap_model(  # type: ignore[override]
         self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True

@@ -198,8 +198,12 @@ class ContextParallel:
         no_restore_buffers: set[torch.Tensor] | None = None,
     ) -> Iterator[None]:
         """Accelerate's ``maybe_context_parallel``: cut ``buffers`` in place along their sequence dims for the
-        block, and restore those not in ``no_restore_buffers`` after it. Buffers that the prepared loader has cut
-        already are left as they are (the loader cuts every batch under cp)."""
+        block, and restore those not in ``no_restore_buffers`` after it.
+
+        On a batch the prepared loader cut already (the loader cuts every batch under cp), its tensors, and tensors
+        made from them at this rank's length, stay as they are; tensors of the batch's whole length are cut as the
+        loader cut it; ``position_ids`` made by ``torch.arange`` of the cut length take this rank's global
+        positions. Without such a batch, the buffers' own length sets the layout."""
         buffers = list(buffers or [])
         dims = list(buffer_seq_dims) if buffer_seq_dims is not None else [1] * len(buffers)
         if len(dims) != len(buffers):
@@ -208,35 +212,69 @@ class ContextParallel:
                 "sequence dim per buffer"
             )
         keep = {id(t) for t in (no_restore_buffers or ())}
-        todo = [(t, d) for t, d in zip(buffers, dims) if id(t) not in self._cut]
-        lengths = {t.shape[d] for t, d in todo}
-        if len(lengths) > 1:
-            raise ContextParallelError(
-                f"maybe_context_parallel's buffers have different sequence lengths {sorted(lengths)} along their "
-                "buffer_seq_dims; give the dims where each holds the sequence"
-            )
+        if self.seq_len is not None and any(id(t) in self._cut for t in buffers):
+            cuts = self._cuts_beside_the_batch(buffers, dims)
+        else:
+            cuts = self._cuts_of_a_new_layout(buffers, dims)
         saved = []
-        if todo:
-            seq = lengths.pop()
-            m = multiple(self.kind, self.size)
-            if seq % m:
-                raise ContextParallelError(
-                    f"maybe_context_parallel: a sequence of {seq} tokens cannot be cut into {m} equal chunks for "
-                    f"{self.setting}={self.size} (pad the batch to a multiple of {m})"
-                )
-            pos = positions(self.kind, self.size, self.rank, seq, todo[0][0].device)
-            self.seq_len, self.positions, self._key_mask, self._weight = seq, pos, None, None
-            _CURRENT[:] = [self]
-            for t, d in todo:
-                saved.append((t, t.data))
-                moved = t.data.movedim(d, 1)
-                t.data = self._take(moved, pos).movedim(1, d).contiguous()
+        for t, new in cuts:
+            saved.append((t, t.data))
+            t.data = new.contiguous()
         try:
             yield
         finally:
             for t, data in saved:
                 if id(t) not in keep:
                     t.data = data
+
+    def _cuts_of_a_new_layout(
+        self, buffers: list[torch.Tensor], dims: list[int]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        lengths = {t.shape[d] for t, d in zip(buffers, dims)}
+        if len(lengths) > 1:
+            raise ContextParallelError(
+                f"maybe_context_parallel's buffers have different sequence lengths {sorted(lengths)} along their "
+                "buffer_seq_dims; give the dims where each holds the sequence"
+            )
+        if not buffers:
+            return []
+        seq = lengths.pop()
+        m = multiple(self.kind, self.size)
+        if seq % m:
+            raise ContextParallelError(
+                f"maybe_context_parallel: a sequence of {seq} tokens cannot be cut into {m} equal chunks for "
+                f"{self.setting}={self.size} (pad the batch to a multiple of {m})"
+            )
+        pos = positions(self.kind, self.size, self.rank, seq, buffers[0].device)
+        self.seq_len, self.positions, self._key_mask, self._weight = seq, pos, None, None
+        _CURRENT[:] = [self]
+        return [(t, self._take(t.data.movedim(d, 1), pos).movedim(1, d)) for t, d in zip(buffers, dims)]
+
+    def _cuts_beside_the_batch(
+        self, buffers: list[torch.Tensor], dims: list[int]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        assert self.seq_len is not None and self.positions is not None
+        local, out = self.seq_len // self.size, []
+        for t, d in zip(buffers, dims):
+            if id(t) in self._cut:
+                continue
+            length, last = t.shape[d], t.data.movedim(d, -1)
+            if length == self.seq_len:  # the whole batch's length: cut as the loader cut the batch
+                out.append((t, self._take(t.data.movedim(d, 1), self.positions).movedim(1, d)))
+            elif length != local:
+                raise ContextParallelError(
+                    f"maybe_context_parallel: a buffer has {length} positions along dim {d}, and the prepared loader "
+                    f"cut this batch's {self.seq_len} (padded) positions to {local} on each of the {self.setting}="
+                    f"{self.size} ranks; give the batch's tensors, or tensors of its whole length"
+                )
+            elif not t.is_floating_point() and torch.equal(last, torch.arange(local, device=t.device).expand_as(last)):
+                warn_once(
+                    "maybe_context_parallel: position_ids made by torch.arange of the cut batch's length would count "
+                    "this rank's tokens from 0; they take the global positions of its tokens instead"
+                )
+                out.append((t, self.positions.to(t.dtype).expand_as(last).movedim(-1, d)))
+            # else: made from the cut batch, this rank's share already
+        return out
 
     # ------------------------------------------------------------------ attention
     def attend(
