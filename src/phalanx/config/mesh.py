@@ -19,6 +19,16 @@ Three groups are made of the data-parallel axes (``runtime/topology.py`` builds 
   over cp), so gradients are reduced over them;
 - the *shard* ranks, ``dp_shard x cp``: zero1/2/3 shard over them, as torchtitan's ``dp_shard_cp`` does.
 
+Expert parallelism is not an axis of its own: ``ep`` ranks are carved out of the replica ranks (they are the
+innermost ``ep`` of them, in rank order), as torchtitan carves them out of ``dp_shard x cp``. The experts of a
+mixture-of-experts layer are split over those ranks, and the dense parameters stay replicated over them:
+
+- the *ep* ranks: consecutive replica ranks that hold different experts and exchange tokens by all-to-all;
+- the *expert replica* ranks (Megatron's expert-data-parallel group): the replica ranks at the same place in their
+  ep group, which hold the same experts, so expert gradients are reduced over them;
+- the *expert shard* ranks: the shard ranks at the same place in their ep group; zero shards expert state over
+  them (so ``ep`` divides ``dp_shard x cp`` under hybrid sharding).
+
 The settings are Accelerate's ``ParallelismConfig`` names (``tp_size``, ``cp_size``, ``sp_size``,
 ``dp_shard_size``, ``dp_replicate_size``) plus the pipeline's ``pp_size``. :meth:`Mesh.of` fills in what was left
 unset and checks every degree at once against the world size, in one message that names each size and where it
@@ -60,6 +70,9 @@ class Mesh:
     cp: int = 1
     tp: int = 1
     cp_kind: str = "ring"
+    ep: int = 1
+    """Expert-parallel degree, carved out of the replica ranks (``dp_replicate x dp_shard x cp``); not a factor of
+    the world."""
 
     def __post_init__(self) -> None:
         if self.cp_kind not in ("ring", "ulysses"):
@@ -71,6 +84,21 @@ class Mesh:
             raise MeshError(
                 f"the mesh {self.describe()} spans {self.product} ranks, not the {self.world} launched (launch "
                 f"{self.product} processes, or change the sizes so that their product is {self.world})"
+            )
+        if not isinstance(self.ep, int) or self.ep < 1:
+            raise MeshError(f"ep_size must be a whole number >= 1; got {self.ep!r}")
+        replicas, shards = self.dp * self.cp, self.dp_shard * self.cp
+        if replicas % self.ep:
+            raise MeshError(
+                f"ep_size={self.ep} does not divide the {replicas} data-parallel ranks of {self.describe()} (expert "
+                "parallelism splits the experts over data-parallel ranks; use an ep_size that divides "
+                f"dp_replicate x dp_shard x cp = {replicas}, or launch more processes)"
+            )
+        if self.dp_replicate > 1 and shards > 1 and shards % self.ep:
+            raise MeshError(
+                f"ep_size={self.ep} does not divide dp_shard x cp = {shards} under hybrid sharding ({self.describe()}): "
+                "the experts' ranks must lie within one replica's shard group; use an ep_size that divides "
+                f"{shards}, or shard over more ranks"
             )
 
     # ------------------------------------------------------------------ sizes
@@ -107,12 +135,13 @@ class Mesh:
     def describe(self) -> str:
         """``pp 2 x dp_shard 2 x tp 2``: the axes above 1 (the cp axis named sp under Ulysses)."""
         names = [("sp" if a == "cp" and self.cp_kind == "ulysses" else a, s) for a, s in zip(AXES, self.sizes)]
-        return " x ".join(f"{name} {size}" for name, size in names if size > 1) or "one rank"
+        out = " x ".join(f"{name} {size}" for name, size in names if size > 1) or "one rank"
+        return out + (f" (ep {self.ep} within the data-parallel ranks)" if self.ep > 1 else "")
 
     def as_dict(self) -> dict[str, int]:
         """The sizes by axis name, as ``memory_report`` and checkpoints record them."""
         out = dict(zip(AXES, self.sizes))
-        out["sp"], out["cp"] = self.sp, self.ring
+        out["sp"], out["cp"], out["ep"] = self.sp, self.ring, self.ep
         return out
 
     # ------------------------------------------------------------------ rank arithmetic
@@ -153,15 +182,35 @@ class Mesh:
         """``rank``'s index among :meth:`axis_ranks` of ``axes``."""
         return self.axis_ranks(axes, rank).index(rank)
 
+    def ep_ranks(self, rank: int) -> list[int]:
+        """The ranks of ``rank``'s expert-parallel group: the ``ep`` consecutive replica ranks it is one of."""
+        replicas = self.axis_ranks(("dp_replicate", "dp_shard", "cp"), rank)
+        first = replicas.index(rank) // self.ep * self.ep
+        return replicas[first : first + self.ep]
+
+    def expert_replica_ranks(self, rank: int) -> list[int]:
+        """The replica ranks that hold the same experts as ``rank`` (the same place in their ep groups)."""
+        replicas = self.axis_ranks(("dp_replicate", "dp_shard", "cp"), rank)
+        return replicas[replicas.index(rank) % self.ep :: self.ep]
+
+    def expert_shard_ranks(self, rank: int) -> list[int]:
+        """The shard ranks (``dp_shard x cp``) that hold the same experts as ``rank``: where zero shards them."""
+        shards = self.axis_ranks(("dp_shard", "cp"), rank)
+        if len(shards) % self.ep:  # plain ddp-like replicas (no shard axis): each rank shards alone
+            return [rank]
+        return shards[shards.index(rank) % self.ep :: self.ep]
+
     def describe_ranks(self, limit: int = 16) -> str:
         """The mesh and the first ``limit`` ranks' coordinates, as ``phalanx config -n N`` and ``phalanx launch``
         print them."""
         sizes = ", ".join(f"{a}={s}" for a, s in zip(AXES, self.sizes))
         how = {"ring": "; cp by ring attention", "ulysses": "; cp by Ulysses (sp)"}[self.cp_kind] if self.cp > 1 else ""
+        how += f"; ep={self.ep} within the data-parallel ranks" if self.ep > 1 else ""
         lines = [f"mesh ({sizes}) on {self.world} ranks; tp innermost{how}"]
         for r in range(min(self.world, limit)):
             c = self.coordinates(r)
-            lines.append(f"  rank {r}: " + " ".join(f"{a}={v}" for a, v in zip(AXES, c)))
+            ep = f" ep={self.ep_ranks(r).index(r)}" if self.ep > 1 else ""
+            lines.append(f"  rank {r}: " + " ".join(f"{a}={v}" for a, v in zip(AXES, c)) + ep)
         if self.world > limit:
             lines.append(f"  ... and {self.world - limit} more ranks")
         return "\n".join(lines)
@@ -238,7 +287,20 @@ class Mesh:
                 f"launch {pp * fixed} processes, or leave dp_replicate_size or dp_shard_size unset to take the rest",
             )
         assert rep is not None and shard is not None
-        return cls(world_size, pp, rep, shard, cp, tp, kind)
+        ep = par.ep_size
+        if ep > 1 and (rep * shard * cp) % ep:
+            raise error(
+                f"ep_size={ep} ({origins.get('ep_size', 'default')}) does not divide the {rep * shard * cp} "
+                "data-parallel ranks (dp_replicate x dp_shard x cp), out of which expert parallelism is carved",
+                f"launch a multiple of {ep} data-parallel ranks, or use an ep_size that divides {rep * shard * cp}",
+            )
+        if ep > 1 and rep > 1 and shard * cp > 1 and (shard * cp) % ep:
+            raise error(
+                f"ep_size={ep} ({origins.get('ep_size', 'default')}) does not divide dp_shard x cp = {shard * cp}: "
+                "under hybrid sharding the experts' ranks lie within one replica",
+                f"use an ep_size that divides {shard * cp}, or leave dp_replicate_size unset",
+            )
+        return cls(world_size, pp, rep, shard, cp, tp, kind, ep)
 
 
 def _index(axis: str) -> int:

@@ -83,6 +83,14 @@ class ParallelOptions(Options):
         check=lambda v: v >= 1,
         fix="use 1 for no Ulysses sequence parallelism",
     )
+    ep_size: int = option(
+        1,
+        "Expert parallelism: the experts of every mixture-of-experts layer are split over this many ranks, carved "
+        "out of the data-parallel ranks (it divides dp_replicate x dp_shard x cp); tokens go to their experts' ranks "
+        "and back by all-to-all. The split follows the model's base_model_ep_plan. See docs/moe.md.",
+        check=lambda v: v >= 1,
+        fix="use 1 for no expert parallelism",
+    )
     dp_shard_size: int | None = option(
         None,
         "Data-parallel ranks that shard the model (zero1/2/3); default: every data-parallel rank under zero, 1 "

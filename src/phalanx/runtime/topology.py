@@ -14,6 +14,13 @@ The groups, each None when its axes have size 1 (code looks at the size first):
 - ``dp_shard_group`` (``dp_shard x cp``) and ``dp_replicate_group``: zero shards over the first and, under hybrid
   sharding, reduces over the second. ``dp_shard_size`` is the size of that group.
 
+Under expert parallelism (``mesh.ep > 1``), three more, carved out of the dp ranks (see ``config/mesh.py``):
+
+- ``ep_group``: the ranks that hold different experts of each layer and exchange tokens by all-to-all;
+- ``expert_dp_group`` (Megatron's expert-data-parallel group): the dp ranks that hold the same experts; expert
+  gradients are reduced over it;
+- ``expert_shard_group``: where zero shards the experts' state (the dp_shard x cp ranks with the same experts).
+
 A group that spans the whole world is the default group (``dp_group`` is then None, as c10d spells it).
 """
 
@@ -57,6 +64,13 @@ class Topology:
     tp_group: Any = field(init=False, default=None, repr=False)
     dp_shard_group: Any = field(init=False, default=None, repr=False)
     dp_replicate_group: Any = field(init=False, default=None, repr=False)
+    ep_rank: int = field(init=False)
+    """This rank's place in its ep group: it holds experts ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)``."""
+    expert_dp_rank: int = field(init=False)
+    expert_shard_rank: int = field(init=False)
+    ep_group: Any = field(init=False, default=None, repr=False)
+    expert_dp_group: Any = field(init=False, default=None, repr=False)
+    expert_shard_group: Any = field(init=False, default=None, repr=False)
     groups_by_ranks: dict[tuple[int, ...], Any] = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -65,6 +79,9 @@ class Topology:
         self.data_rank = m.axis_rank(_DATA, self.rank)
         self.dp_rank = m.axis_rank(_REPLICAS, self.rank)
         self.dp_shard_rank = m.axis_rank(_SHARDS, self.rank)
+        self.ep_rank = m.ep_ranks(self.rank).index(self.rank)
+        self.expert_dp_rank = m.expert_replica_ranks(self.rank).index(self.rank)
+        self.expert_shard_rank = m.expert_shard_ranks(self.rank).index(self.rank)
 
     # ------------------------------------------------------------------ sizes, by the names strategies use
     @property
@@ -101,6 +118,19 @@ class Topology:
         return self.mesh.dp_shard * self.mesh.cp
 
     @property
+    def ep_size(self) -> int:
+        return self.mesh.ep
+
+    @property
+    def expert_dp_size(self) -> int:
+        """The dp ranks that hold the same experts: ``dp_size / ep_size``."""
+        return self.dp_size // self.mesh.ep
+
+    @property
+    def expert_shard_size(self) -> int:
+        return len(self.mesh.expert_shard_ranks(self.rank))
+
+    @property
     def sizes(self) -> tuple[int, int, int, int, int]:
         """(pp, dp_replicate, dp_shard, cp, tp)."""
         return self.mesh.sizes
@@ -115,14 +145,19 @@ class Topology:
     # ------------------------------------------------------------------ groups
     def _axis_groups(self, axes: tuple[str, ...]) -> Any:
         """Create the groups of ``axes`` (every rank creates every one, in rank order); return this rank's."""
-        size = self.mesh.size_of(axes)
+        return self._groups(lambda r: self.mesh.axis_ranks(axes, r))
+
+    def _groups(self, ranks_of: Any) -> Any:
+        """Create the groups ``ranks_of(rank)`` names (every rank creates every one, in rank order); return this
+        rank's, None when it is this rank alone or the whole world (the default group)."""
+        size = len(ranks_of(self.rank))
         if size == 1:
             return None
         if size == self.world_size:
             return None  # the default group
         mine, seen = None, set()
         for r in range(self.world_size):
-            ranks = tuple(self.mesh.axis_ranks(axes, r))
+            ranks = tuple(ranks_of(r))
             if ranks in seen:
                 continue
             seen.add(ranks)
@@ -154,6 +189,12 @@ class Topology:
             self.dp_replicate_group = self.dp_group
         else:
             self.dp_shard_group = self.dp_group
+        if m.ep > 1:
+            self.ep_group = self._groups(m.ep_ranks)
+            if m.ep == m.world:
+                self.ep_group = dist.group.WORLD  # dispatch always names its group
+            self.expert_dp_group = self._groups(m.expert_replica_ranks)
+            self.expert_shard_group = self._groups(m.expert_shard_ranks)
 
     def describe(self, limit: int = 16) -> str:
         """The mesh and every rank's coordinates, as ``phalanx config -n N`` and ``phalanx launch`` print them."""
