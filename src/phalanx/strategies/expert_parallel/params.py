@@ -1,0 +1,62 @@
+"""Where an expert parameter lives under expert parallelism: :class:`EPParam`, and the helpers the data-parallel
+strategies use to treat expert parameters apart from the dense ones."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["ATTR", "EPParam", "ep_param_info", "is_expert", "split_dense_experts"]
+
+ATTR = "_phalanx_ep"
+
+
+@dataclass(frozen=True)
+class EPParam:
+    """An expert parameter split over the ep ranks along dim 0 (the expert dim): this rank holds experts
+    ``[index * local, (index + 1) * local)`` of ``full_shape[0]``, where ``local = full_shape[0] // parts``.
+
+    Dim 0 is the outermost, so the local tensor is one contiguous run of the whole flattened tensor, starting at
+    ``index * numel(local)``: a checkpoint needs no chunk layout for it, only an offset (``checkpoint.py``).
+    ``full_shape`` is the shape of the tensor the ep split cut (under tensor parallelism, the tp piece)."""
+
+    full_shape: tuple[int, ...]
+    parts: int
+    index: int
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return (self.full_shape[0] // self.parts, *self.full_shape[1:])
+
+    @property
+    def local_numel(self) -> int:
+        n = 1
+        for s in self.local_shape:
+            n *= s
+        return n
+
+    @property
+    def offset(self) -> int:
+        """Where this rank's run starts in the whole flattened tensor."""
+        return self.index * self.local_numel
+
+
+def ep_param_info(p: Any) -> EPParam | None:
+    info = getattr(p, ATTR, None)
+    return info if isinstance(info, EPParam) else None
+
+
+def is_expert(p: torch.Tensor) -> bool:
+    """Whether ``p`` is one ep rank's experts (reduced over the expert-replica ranks, not every dp rank)."""
+    return ep_param_info(p) is not None
+
+
+def split_dense_experts(params: Iterable[torch.Tensor]) -> tuple[list[Any], list[Any]]:
+    """``params`` in order, as (dense, experts)."""
+    dense, experts = [], []
+    for p in params:
+        (experts if is_expert(p) else dense).append(p)
+    return dense, experts

@@ -1,0 +1,151 @@
+"""Expert-parallel dispatch and combine (phalanx/strategies/expert_parallel/dispatch.py and plan.py) against the
+model's own experts module in one process.
+
+Every rank builds the same transformers Qwen3-MoE experts module (8 experts, fp32) and the same tokens and routing;
+rank r's tokens are its slice. The experts are cut over ep ranks by ``apply_ep_plan``'s cut, and each rank's output
+and the gradients of its tokens, its routing weights and its experts' weights are compared with the whole module's
+within 1e-5 (the dense module's expert gradients are summed over all ranks' tokens: each ep rank's local experts
+receive every rank's tokens). Cases: ep2 and ep4, top-1 and top-2, an expert no token picks, a rank with no tokens
+at all, two ep groups of 2 in a 4-rank world, the capacity factor's drops counted, and the traffic from the log.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from phalanx.runtime.collective_log import LOG
+from phalanx.strategies.expert_parallel import apply_ep_plan, dispatch_elements
+
+TOL = 1e-5
+E, H, INTER, T = 8, 16, 12, 10
+
+
+def _init() -> int:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=os.environ["PHALANX_INIT_METHOD"], rank=rank, world_size=world)
+    return rank
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self, experts: torch.nn.Module) -> None:
+        super().__init__()
+        self.experts = experts
+
+
+def _experts() -> torch.nn.Module:
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=INTER, num_experts=E, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    m = Qwen3MoeExperts(cfg)
+    with torch.no_grad():
+        m.gate_up_proj.normal_(0, 0.3)
+        m.down_proj.normal_(0, 0.3)
+    return m
+
+
+def _routing(world: int, k: int, empty_rank: int | None, unused_expert: int | None) -> tuple[Any, Any, Any, list[int]]:
+    g = torch.Generator().manual_seed(1)
+    counts = [0 if r == empty_rank else T + r for r in range(world)]
+    n = sum(counts)
+    x = torch.randn(n, H, generator=g)
+    scores = torch.randn(n, E, generator=g)
+    if unused_expert is not None:
+        scores[:, unused_expert] = -1e9
+    w, idx = torch.softmax(scores, -1).topk(k, -1)
+    w = w / w.sum(-1, keepdim=True)
+    return x, idx, w, counts
+
+
+def _case(ep_groups: list[list[int]], k: int, empty_rank: int | None, unused: int | None, cf: float | None) -> dict:
+    rank = _init()
+    world = dist.get_world_size()
+    x, idx, w, counts = _routing(world, k, empty_rank, unused)
+    # The reference: the whole module on every rank's tokens.
+    ref = _experts()
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out_ref = ref(xr, idx, wr)
+    dy = torch.randn(out_ref.shape, generator=torch.Generator().manual_seed(2))
+    (out_ref * dy).sum().backward()
+    lo, hi = sum(counts[:rank]), sum(counts[: rank + 1])
+    # Under test: this rank's tokens, the experts cut over its ep group.
+    members = next(g for g in ep_groups if rank in g)
+    groups = [dist.new_group(g) for g in ep_groups]
+    group = groups[ep_groups.index(members)]
+    holder = _Holder(_experts())
+    report = apply_ep_plan(
+        holder, group, len(members), members.index(rank), plan={"experts": "ep_dispatch_experts"}, capacity_factor=cf
+    )
+    xl, wl = x[lo:hi].clone().requires_grad_(), w[lo:hi].clone().requires_grad_()
+    LOG.clear() if hasattr(LOG, "clear") else None
+    out = holder.experts(xl, idx[lo:hi], wl)
+    (out * dy[lo:hi]).sum().backward()
+    ep, local = len(members), E // len(members)
+    mine = slice(members.index(rank) * local, (members.index(rank) + 1) * local)
+    result: dict[str, Any] = {"stats": report.stats.read()}
+    if cf is None:
+        # Expert gradients: the module on this ep group's tokens only (the other group's tokens went elsewhere).
+        group_ref = _experts()
+        glo = [sum(counts[:r]) for r in members]
+        ghi = [sum(counts[: r + 1]) for r in members]
+        rows = torch.cat([torch.arange(a, b) for a, b in zip(glo, ghi)]) if members else torch.arange(0)
+        o = group_ref(x[rows], idx[rows], w[rows])
+        (o * dy[rows]).sum().backward()
+        result.update(
+            out=(out - out_ref[lo:hi]).abs().max().item() if hi > lo else 0.0,
+            dx=(xl.grad - xr.grad[lo:hi]).abs().max().item() if hi > lo else 0.0,
+            dw=(wl.grad - wr.grad[lo:hi]).abs().max().item() if hi > lo else 0.0,
+            gate_up=(holder.experts.gate_up_proj.grad - group_ref.gate_up_proj.grad[mine]).abs().max().item(),
+            down=(holder.experts.down_proj.grad - group_ref.down_proj.grad[mine]).abs().max().item(),
+            shape=tuple(holder.experts.gate_up_proj.shape),
+            num_experts=holder.experts.num_experts,
+        )
+    return result
+
+
+def _cases(cases: list[tuple[Any, ...]]) -> list[dict]:
+    return [_case(*c) for c in cases]  # one spawn for several cases: the ranks import transformers once
+
+
+def _check(results: list[list[dict]], cases: list[tuple[Any, ...]]) -> None:
+    for r, per_rank in enumerate(results):
+        for (groups, *_), res in zip(cases, per_rank):
+            for key in ("out", "dx", "dw", "gate_up", "down"):
+                assert res[key] < TOL, (r, groups, key, res[key])
+            ep = len(next(g for g in groups if r in g))
+            assert res["shape"] == (E // ep, 2 * INTER, H) and res["num_experts"] == E // ep
+            assert res["stats"]["dropped"] == 0
+
+
+def test_dispatch_on_two_ranks_and_the_capacity_factor(run_ranks: Any) -> None:
+    cases = [
+        ([[0, 1]], 2, None, None, None),
+        ([[0, 1]], 1, 1, 3, None),  # top-1, rank 1 has no tokens, expert 3 unused
+    ]
+    capped = ([[0, 1]], 1, None, None, 0.5)
+    results = run_ranks(_cases, 2, [*cases, capped])
+    _check([r[:2] for r in results], cases)
+    # Capacity 0.5 of the even share: each expert keeps at most ceil(0.5 * n * k / E) pairs from a rank.
+    for r, per_rank in enumerate(results):
+        stats, n = per_rank[2]["stats"], T + r
+        assert stats["routed"] + stats["dropped"] == n
+        assert stats["dropped"] > 0 and stats["routed"] <= E * -(-n // (2 * E))
+
+
+def test_dispatch_on_four_ranks_one_group_and_two(run_ranks: Any) -> None:
+    cases = [
+        ([[0, 1, 2, 3]], 2, None, 5, None),  # ep4, expert 5 unused
+        ([[0, 1], [2, 3]], 2, 2, None, None),  # two ep groups of 2; rank 2 has no tokens
+    ]
+    _check(run_ranks(_cases, 4, cases), cases)
+
+
+def test_traffic_formula() -> None:
+    assert dispatch_elements(100, 2, 16, 4) == 100 * 2 * 16 * 3 / 4
+    assert dispatch_elements(100, 2, 16, 1) == 0
