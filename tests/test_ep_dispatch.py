@@ -86,7 +86,7 @@ def _case(ep_groups: list[list[int]], k: int, empty_rank: int | None, unused: in
     LOG.clear() if hasattr(LOG, "clear") else None
     out = holder.experts(xl, idx[lo:hi], wl)
     (out * dy[lo:hi]).sum().backward()
-    ep, local = len(members), E // len(members)
+    local = E // len(members)
     mine = slice(members.index(rank) * local, (members.index(rank) + 1) * local)
     result: dict[str, Any] = {"stats": report.stats.read()}
     if cf is None:

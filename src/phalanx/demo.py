@@ -2,11 +2,13 @@
 
 phalanx demo                                  # 2 processes on CPU (one per GPU where there are GPUs)
 phalanx demo -n 1 -- --steps 100 --layers 2   # demo options go after --
+phalanx demo -- --moe --experts 8 --top-k 2    # a mixture-of-experts MLP in every block (Qwen3-MoE's layout)
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -22,9 +24,22 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
+from phalanx.logging import warn_once
 from phalanx.strategies.context_parallel.context import positions_like
 
-__all__ = ["GPTConfig", "TinyGPT", "load_stdlib_bytes", "ByteChunks", "default_nproc", "parse_args", "main"]
+__all__ = [
+    "GPTConfig",
+    "TinyGPT",
+    "SparseMoE",
+    "TopKRouter",
+    "Experts",
+    "load_balancing_loss",
+    "load_stdlib_bytes",
+    "ByteChunks",
+    "default_nproc",
+    "parse_args",
+    "main",
+]
 
 
 def default_nproc() -> int:
@@ -40,6 +55,134 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 128
     dropout: float = 0.0
+    moe: bool = False
+    """Each block's MLP is a mixture of experts (``SparseMoE``) instead of the dense GELU MLP."""
+    n_experts: int = 8
+    """Experts per MoE layer (with ``moe``)."""
+    top_k: int = 2
+    """Experts each token is routed to (with ``moe``)."""
+    moe_intermediate: int | None = None
+    """Each expert's hidden width; None: ``4 * n_embd // top_k``, so that a token's routed experts hold about the
+    dense MLP's width between them."""
+
+    def __post_init__(self) -> None:
+        if self.moe and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(
+                f"a mixture of experts routes each token to 1..n_experts experts; got top_k={self.top_k} with "
+                f"n_experts={self.n_experts} (lower top_k or raise n_experts)"
+            )
+
+    @property
+    def expert_width(self) -> int:
+        return self.moe_intermediate or max(1, 4 * self.n_embd // self.top_k)
+
+
+# ----------------------------------------------------------------------------------------- mixture of experts
+# The MoE MLP follows transformers 5's Qwen3-MoE layout name for name and op for op (Qwen3MoeSparseMoeBlock: `gate`
+# the router, `experts` the stacked expert weights), because expert parallelism splits a model by that contract:
+# ep_plan() names `experts` and its two 3-D weights, whose dim 0 is the expert.
+class TopKRouter(nn.Module):
+    """Qwen3MoeTopKRouter: ``hidden [T, H] -> (router_logits [T, E], top_k_weights [T, k], top_k_index [T, k])``,
+    the softmax in fp32, the top-k probabilities renormalised to sum to 1 and cast back to the logits' dtype."""
+
+    def __init__(self, hidden_dim: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.hidden_dim, self.num_experts, self.top_k = hidden_dim, num_experts, top_k
+        self.norm_topk_prob = True
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_dim))
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        router_logits = F.linear(hidden_states, self.weight)
+        router_probs = F.softmax(router_logits, dim=-1, dtype=torch.float)
+        top_k_weights, top_k_index = torch.topk(router_probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top_k_weights = top_k_weights / top_k_weights.sum(dim=-1, keepdim=True)
+        return router_logits, top_k_weights.to(router_logits.dtype), top_k_index
+
+
+class Experts(nn.Module):
+    """Qwen3MoeExperts: ``num_experts`` gated MLPs stacked in ``gate_up_proj [E, 2I, H]`` (gate rows, then up rows)
+    and ``down_proj [E, H, I]``. The activation is SiLU (a SwiGLU expert, as Qwen3-MoE's), so the weights carry over
+    to and from transformers unchanged.
+
+    forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]: each token's routed experts'
+    outputs, weighted. Expert ids >= num_experts are skipped: expert parallelism lowers num_experts to the experts
+    this rank holds and marks the others' (token, expert) pairs with such ids."""
+
+    def __init__(self, hidden_dim: int, intermediate_dim: int, num_experts: int) -> None:
+        super().__init__()
+        self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden_dim, intermediate_dim
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_dim, hidden_dim))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_dim, intermediate_dim))
+        self.act_fn = nn.SiLU()
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        final_hidden_states = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            # One extra class collects every skipped id, so that one_hot takes any id.
+            skip = top_k_index.clamp(max=self.num_experts)
+            expert_mask = F.one_hot(skip, num_classes=self.num_experts + 1).permute(2, 1, 0)  # [E + 1, k, T]
+            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        for hit in expert_hit:
+            expert_idx = hit[0]
+            if expert_idx == self.num_experts:
+                continue
+            top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
+            gate, up = F.linear(hidden_states[token_idx], self.gate_up_proj[expert_idx]).chunk(2, dim=-1)
+            current = F.linear(self.act_fn(gate) * up, self.down_proj[expert_idx])
+            current = current * top_k_weights[token_idx, top_k_pos, None]
+            final_hidden_states.index_add_(0, token_idx, current.to(final_hidden_states.dtype))
+        return final_hidden_states
+
+
+class SparseMoE(nn.Module):
+    """Qwen3MoeSparseMoeBlock: route each token (``gate``), run its experts (``experts``). The router logits of the
+    last forward stay in ``router_logits`` for the load-balancing loss (``load_balancing_loss``)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.experts = Experts(cfg.n_embd, cfg.expert_width, cfg.n_experts)
+        self.gate = TopKRouter(cfg.n_embd, cfg.n_experts, cfg.top_k)
+        self.router_logits: torch.Tensor | None = None
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        flat = hidden_states.reshape(-1, shape[-1])
+        self.router_logits, top_k_weights, top_k_index = self.gate(flat)
+        return self.experts(flat, top_k_index, top_k_weights).reshape(shape)
+
+
+def load_balancing_loss(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss (its eqs. 4-6) over the layers' router logits ``[T, E]`` together, as
+    transformers' load_balancing_loss_func computes it: ``num_experts * sum_e f_e * P_e``, where ``f_e`` is the share
+    of rows whose top-k picks include expert e and ``P_e`` its mean router probability. It is ``top_k`` when the
+    routing is perfectly even, and grows as it concentrates on a few experts."""
+    assert router_logits, "no router logits: the model has no mixture-of-experts layer, or ran no forward"
+    picks = torch.zeros(num_experts, dtype=torch.float32, device=router_logits[0].device)
+    prob_sum = torch.zeros_like(picks)
+    rows = 0
+    for logits in router_logits:
+        probs = F.softmax(logits, dim=-1, dtype=torch.float)
+        top = torch.topk(probs, top_k, dim=-1).indices
+        picks = picks + F.one_hot(top, num_experts).sum(dim=(0, 1))  # counted without a host sync (no bincount)
+        prob_sum = prob_sum + probs.sum(dim=0)
+        rows += probs.shape[0]
+    return num_experts * torch.sum((picks / rows) * (prob_sum / rows))
+
+
+def _router_aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """The load-balancing loss over the router logits of ``model``'s last forward (None if it has no MoE layer);
+    takes them off the layers, so that they do not keep the step's graph alive."""
+    layers = [m for m in model.modules() if isinstance(m, SparseMoE) and m.router_logits is not None]
+    if not layers:
+        return None
+    logits = [m.router_logits for m in layers if m.router_logits is not None]
+    for m in layers:
+        m.router_logits = None
+    return load_balancing_loss(logits, layers[0].gate.num_experts, layers[0].gate.top_k)
 
 
 class _Block(nn.Module):
@@ -49,8 +192,10 @@ class _Block(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = nn.Sequential(
-            nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.mlp: nn.Module = (
+            SparseMoE(cfg)
+            if cfg.moe
+            else nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd))
         )
         self.n_head = cfg.n_head
         self.head_dim = cfg.n_embd // cfg.n_head
@@ -82,10 +227,13 @@ class TinyGPT(nn.Module):
 
     @staticmethod
     def _init(m: nn.Module) -> None:
-        if isinstance(m, (nn.Linear, nn.Embedding)):
+        if isinstance(m, (nn.Linear, nn.Embedding, TopKRouter)):
             nn.init.normal_(m.weight, std=0.02)
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
+        if isinstance(m, Experts):
+            nn.init.normal_(m.gate_up_proj, std=0.02)
+            nn.init.normal_(m.down_proj, std=0.02)
 
     def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of ``idx`` ``[b, t]``; ``position_ids`` (default ``0..t-1``) are the tokens' places in the whole
@@ -103,21 +251,42 @@ class TinyGPT(nn.Module):
         qkv as 3 packed blocks of heads, its projection and MLP Megatron-style; the positions split along the
         sequence under sequence parallelism."""
         h = self.cfg.n_head
+        mlp = (
+            {  # Qwen3-MoE's: every expert split Megatron-style, the routed mixture summed; the router replicated
+                "blocks.*.mlp.experts.gate_up_proj": "packed_colwise",
+                "blocks.*.mlp.experts.down_proj": "rowwise",
+                "blocks.*.mlp.experts": "moe_tp_experts",
+            }
+            if self.cfg.moe
+            else {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
+        )
         return {
             "tok": "embedding_rowwise",
             "pos": "sequence_parallel",
             "blocks.*.qkv": f"packed_colwise(packed=3, heads={h})",
             "blocks.*.proj": f"rowwise(heads={h})",
-            "blocks.*.mlp.0": "colwise",
-            "blocks.*.mlp.2": "rowwise",
+            **mlp,
             "head": "colwise_gather_output",
+        }
+
+    def ep_plan(self) -> dict[str, str]:
+        """The expert-parallel plan, as transformers' base_model_ep_plan: each MoE layer's experts split over the ep
+        ranks along the expert dim, tokens sent to their experts' ranks and back. Empty for the dense model."""
+        if not self.cfg.moe:
+            return {}
+        return {
+            "blocks.*.mlp.experts": "ep_dispatch_experts",
+            "blocks.*.mlp.experts.gate_up_proj": "grouped_gemm",
+            "blocks.*.mlp.experts.down_proj": "grouped_gemm",
         }
 
     def pipeline_blocks(self) -> nn.Sequential:
         """The same network as ``nn.Sequential(embedding, block, ..., head)`` for ``strategy: pipeline``.
 
         Pipeline stages cannot share a parameter, so the head gets its own copy of the tied embedding weight
-        (from here on the two train separately, as in GPipe-style pipelines without tied-layer exchange).
+        (from here on the two train separately, as in GPipe-style pipelines without tied-layer exchange). MoE blocks
+        run as they are; the demo trains them without the load-balancing loss there, as a stage's router logits do
+        not reach the last stage, where the loss is computed.
         """
         head = nn.Linear(self.cfg.n_embd, self.cfg.vocab_size, bias=False)
         with torch.no_grad():
@@ -165,10 +334,13 @@ def generate(
     return idx
 
 
-def _gpt_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def _gpt_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], aux_loss_coef: float = 0.0) -> torch.Tensor:
+    """Cross-entropy, plus ``aux_loss_coef`` times the MoE layers' load-balancing loss on this rank's tokens."""
     x, y = batch
     logits = model(x)
-    return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+    loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+    aux = _router_aux_loss(model) if aux_loss_coef else None
+    return loss if aux is None else loss + aux_loss_coef * aux.to(loss.dtype)
 
 
 def load_stdlib_bytes(max_bytes: int = 4_000_000) -> torch.Tensor:
@@ -223,6 +395,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=d.n_layer)
     p.add_argument("--heads", type=int, default=d.n_head)
     p.add_argument("--d-model", type=int, default=d.n_embd, help="embedding width")
+    p.add_argument("--moe", action="store_true", help="a mixture-of-experts MLP in every block (Qwen3-MoE's layout)")
+    p.add_argument("--experts", type=int, default=d.n_experts, help="experts per MoE layer (with --moe)")
+    p.add_argument("--top-k", type=int, default=d.top_k, help="experts each token is routed to (with --moe)")
+    p.add_argument(
+        "--aux-loss-coef",
+        type=float,
+        default=0.01,
+        help="weight of the MoE load-balancing loss added to the cross-entropy (0: off; not under pipeline)",
+    )
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (linear warmup, then cosine to 10%%)")
     p.add_argument("--warmup", type=int, default=None, help="warmup steps (None: 10%% of --steps, at most 100)")
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -253,6 +434,12 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
             p.error(f"--{name.replace('_', '-')} must be >= 0; got {getattr(a, name)}")
     if a.d_model % a.heads:
         p.error(f"--d-model ({a.d_model}) must be divisible by --heads ({a.heads})")
+    if a.experts < 1:
+        p.error(f"--experts must be >= 1; got {a.experts}")
+    if not 1 <= a.top_k <= a.experts:
+        p.error(f"--top-k must be in 1..--experts ({a.experts}); got {a.top_k}")
+    if a.aux_loss_coef < 0:
+        p.error(f"--aux-loss-coef must be >= 0 (0: off); got {a.aux_loss_coef}")
     if not 0.0 <= a.eval_fraction < 1.0:
         p.error(f"--eval-fraction must be in [0, 1); got {a.eval_fraction}")
     if a.lr <= 0:
@@ -319,8 +506,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True)
 
     # ---- model, optimizer, schedule
-    gpt_cfg = GPTConfig(block_size=args.block_size, n_layer=args.layers, n_head=args.heads, n_embd=args.d_model)
+    gpt_cfg = GPTConfig(
+        block_size=args.block_size,
+        n_layer=args.layers,
+        n_head=args.heads,
+        n_embd=args.d_model,
+        moe=args.moe,
+        n_experts=args.experts,
+        top_k=args.top_k,
+    )
     pipelined = engine.strategy.drives_backward  # the schedule runs forward and backward: train with train_step
+    aux_loss_coef = args.aux_loss_coef if args.moe else 0.0
+    if pipelined and aux_loss_coef:
+        warn_once("--aux-loss-coef: the MoE load-balancing loss is not supported under pipeline; training without it")
+        aux_loss_coef = 0.0
+    loss_fn = functools.partial(_gpt_loss, aux_loss_coef=aux_loss_coef)
     model: nn.Module = TinyGPT(gpt_cfg).pipeline_blocks() if pipelined else TinyGPT(gpt_cfg)
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -341,9 +541,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{resumed_from} is at step {engine.global_step}, not before --steps {args.steps}: nothing to train"
             )
 
+    moe_desc = f"moe {args.experts} experts top-{args.top_k}, aux loss coef {aux_loss_coef:g}" if args.moe else ""
     engine.print(
         f"phalanx demo: TinyGPT {format_count(n_params)} params ({args.layers} layers, {args.heads} heads, d_model "
-        f"{args.d_model}, context {args.block_size} bytes) on {format_count(len(train_bytes))}B of stdlib source "
+        f"{args.d_model}, {moe_desc + ', ' if moe_desc else ''}context {args.block_size} bytes) on "
+        f"{format_count(len(train_bytes))}B of stdlib source "
         f"({format_count(len(eval_bytes))}B held out)\n"
         f"  {cfg.strategy} x {engine.world_size} rank(s) on {engine.device.type}, {cfg.precision}, global batch "
         f"{args.batch_size} x {dp} x {accum} accum = {format_count(args.batch_size * dp * accum * args.block_size)} "
@@ -365,10 +567,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg.max_grad_norm = 1.0  # train_step clips to this; the loop below clips at 1.0 under the other strategies
     for x, y in _forever(loader):
         if pipelined:
-            loss = engine.train_step((x, y), _gpt_loss)  # forward, backward, clip, step and schedule, all stages
+            loss = engine.train_step((x, y), loss_fn)  # forward, backward, clip, step and schedule, all stages
         else:
             with engine.accumulate():
-                loss = _gpt_loss(model, (x, y))
+                loss = loss_fn(model, (x, y))
                 engine.backward(loss)
                 engine.clip_grad_norm_(1.0)
                 optimizer.step()
@@ -457,6 +659,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         + ")",
         f"  precision           {cfg.precision}",
+        *(
+            [f"  model               {moe_desc}" + (" (in the train loss)" if aux_loss_coef else "")]
+            if moe_desc
+            else []
+        ),
         f"  steps               {steps_done}"
         + (f" of {accum} micro-batches" if accum > 1 else "")
         + (f" ({skipped} skipped: fp16 overflow)" if skipped else ""),
@@ -477,6 +684,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     metrics.log(
         summary=True,
         strategy=cfg.strategy,
+        **({"moe": {"experts": args.experts, "top_k": args.top_k, "aux_loss_coef": aux_loss_coef}} if args.moe else {}),
         world_size=engine.world_size,
         precision=cfg.precision,
         steps=steps_done,

@@ -91,7 +91,8 @@ class EPCheckpointView:
             else:
                 raise ValueError(
                     f"{e.key} has shape {tuple(e.shape)}, and its expert parameter's piece on this ep rank "
-                    f"{info.local_shape}: an expert-parallel checkpoint holds optimizer state shaped like its parameter, "
+                    f"{info.local_shape}: an expert-parallel checkpoint holds optimizer state shaped like its "
+                    "parameter, "
                     "or scalars (an optimizer with factored state cannot be saved under ep_size > 1)"
                 )
         return out
