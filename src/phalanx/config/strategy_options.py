@@ -91,6 +91,15 @@ class ParallelOptions(Options):
         check=lambda v: v >= 1,
         fix="use 1 for no expert parallelism",
     )
+    moe_capacity_factor: float | None = option(
+        None,
+        "Under expert parallelism, the most pairs each expert takes from a rank, as a multiple of the even share "
+        "(tokens x top_k / experts), as Megatron's --moe-expert-capacity-factor; the pairs over it are dropped (they "
+        "add nothing to the token's output) and counted. Default: dropless, every pair is computed, as the model "
+        "computes it in one process.",
+        check=lambda v: v > 0,
+        fix="use a positive factor such as 1.25, or leave it unset for dropless routing",
+    )
     dp_shard_size: int | None = option(
         None,
         "Data-parallel ranks that shard the model (zero1/2/3); default: every data-parallel rank under zero, 1 "
@@ -118,6 +127,11 @@ class ParallelOptions(Options):
     )
 
     def check(self, config: EngineConfig) -> None:
+        if self.ep_size == 1 and "moe_capacity_factor" in self.set_fields():
+            raise ConfigError(
+                f"moe_capacity_factor={self.moe_capacity_factor!r} applies under expert parallelism only; got "
+                "ep_size=1 (set ep_size to 2 or more, or leave moe_capacity_factor unset)"
+            )
         if self.tp_size == 1:
             for key in ("tp_plan", "sequence_parallel"):
                 if key in self.set_fields():

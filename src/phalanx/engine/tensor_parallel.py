@@ -1,5 +1,6 @@
-"""The Engine's side of tensor parallelism: reading the plan setting, splitting a model before the data-parallel
-strategy wraps it, and the one-time check that replicated parameters got equal gradients on every tp rank.
+"""The Engine's side of tensor and expert parallelism: reading the plan setting, splitting a model before the
+data-parallel strategy wraps it (by its tp plan, then its experts by its ep plan), and the one-time check that
+replicated parameters got equal gradients on every tp rank.
 
 The layers, plans, the vocab-parallel loss and the RNG tracker are in ``strategies/tensor_parallel/``; the mesh and
 its tp group in ``runtime/topology.py``.
@@ -65,21 +66,27 @@ class TensorParallelState:
         self._view: Any = None
         self.deferred: set[int] | None = None  # ids of parameters whose tp gradient sum is due (set by the backward)
         self.replaced: dict[int, nn.Parameter] = {}  # id of a parameter before the split -> its local piece
+        self.ep_reports: list[Any] = []
 
     @property
     def active(self) -> bool:
         return self.topology.tp_size > 1
 
     def split(self, model: nn.Module, strategy: Any) -> nn.Module:
-        if not self.active:
+        if not self.active and self.topology.ep_size == 1:
             return model
-        self.defer_sums(strategy)
         before = dict(model.named_parameters(remove_duplicate=False))
-        report = split_model(model, self.config, self.topology, self.device)
-        if report is not None:
-            self.reports.append(report)
-            after = dict(model.named_parameters(remove_duplicate=False))
-            self.replaced.update({id(p): after[n] for n, p in before.items() if after.get(n) is not p})
+        if self.active:
+            self.defer_sums(strategy)
+            report = split_model(model, self.config, self.topology, self.device)
+            if report is not None:
+                self.reports.append(report)
+        if self.topology.ep_size > 1:
+            ep_report = split_experts(model, self.config, self.topology, self.device)
+            if ep_report is not None:
+                self.ep_reports.append(ep_report)
+        after = dict(model.named_parameters(remove_duplicate=False))
+        self.replaced.update({id(p): after[n] for n, p in before.items() if after.get(n) is not p})
         return model
 
     def defer_sums(self, strategy: Any) -> None:
@@ -154,12 +161,20 @@ class TensorParallelState:
     def state_view(self, strategy: Any) -> Any:
         """What the checkpoint code is handed for ``strategy``: under tp, a view that shows its local pieces as
         whole tensors (``TPCheckpointView``), so that a checkpoint loads on any layout; the strategy otherwise."""
-        if not self.active:
+        if not self.active and self.topology.ep_size == 1:
             return strategy
-        if self._view is None or self._view.strategy is not strategy:
-            from phalanx.strategies.tensor_parallel.checkpoint import TPCheckpointView
+        if self._view is None or self._view.wrapped is not strategy:
+            view = strategy
+            if self.topology.ep_size > 1:  # whole experts first; the tp view then sees each tp piece whole
+                from phalanx.strategies.expert_parallel.checkpoint import EPCheckpointView
 
-            self._view = TPCheckpointView(strategy, self.topology)
+                view = EPCheckpointView(view, self.topology)
+            if self.active:
+                from phalanx.strategies.tensor_parallel.checkpoint import TPCheckpointView
+
+                view = TPCheckpointView(view, self.topology)
+            view.wrapped = strategy
+            self._view = view
         return self._view
 
     def trackers(self) -> list[Any]:
@@ -200,4 +215,28 @@ def split_model(model: nn.Module, config: EngineConfig, topology: Topology, devi
         topology.tp_group,
         sequence_parallel=opts.sequence_parallel,
         seed=config.seed,
+    )
+
+
+def split_experts(model: nn.Module, config: EngineConfig, topology: Topology, device: torch.device) -> Any:
+    """Cut ``model``'s experts in place over the ep group by its ep plan; None when it was cut already."""
+    from phalanx.strategies.expert_parallel import apply_ep_plan, ep_param_info
+
+    if any(ep_param_info(p) is not None for p in model.parameters()):
+        return None
+    if any(t.is_meta for t in model.parameters()):
+        raise ValueError(
+            f"ep_size={topology.ep_size}: the model is on the meta device, and expert parallelism cuts its initialised "
+            "expert weights (so that every layout starts from the same values); build the model on the CPU (or load "
+            "its weights) before engine.prepare"
+        )
+    group = topology.ep_group
+    check_same_model(model, group, device)
+
+    def agree(tensors: list[torch.Tensor]) -> None:  # every ep rank cuts the first ep rank's experts
+        broadcast_coalesced(tensors, src=group_rank0(group), group=group, device=device)
+
+    opts = config.options(ParallelOptions)
+    return apply_ep_plan(
+        model, group, topology.ep_size, topology.ep_rank, capacity_factor=opts.moe_capacity_factor, agree=agree
     )

@@ -43,16 +43,18 @@ from phalanx.strategies._grads import (
 from phalanx.strategies._memory import memory_report_dict, nbytes, state_bytes_per_element, state_tensors
 from phalanx.strategies._replicas import check_prepared_once, check_trainable, optimizer_list, replicate_from_first
 from phalanx.strategies.base import Strategy
+from phalanx.strategies.expert_parallel.params import is_expert, split_dense_experts
 
 __all__ = ["DDPStrategy", "GradReducer"]
 
 
 class _Bucket:
-    __slots__ = ("index", "params", "views", "flat", "pending", "ready", "work")
+    __slots__ = ("index", "params", "views", "flat", "pending", "ready", "work", "group", "size")
 
-    def __init__(self, index: int, params: list[nn.Parameter]) -> None:
+    def __init__(self, index: int, params: list[nn.Parameter], group: Any = None, size: int = 1) -> None:
         self.index = index
         self.params = params
+        self.group, self.size = group, size  # the ranks this bucket is summed over
         first = params[0]
         self.flat = LEDGER.record(
             torch.zeros(sum(p.numel() for p in params), dtype=first.dtype, device=first.device), "ddp gradient bucket"
@@ -72,7 +74,11 @@ class _Bucket:
 
 
 class GradReducer:
-    """Owns the gradient buckets of one model and reduces them over ``group``."""
+    """Owns the gradient buckets of one model and reduces them over ``group``.
+
+    ``experts``: (group, size) of the ranks that hold the same experts (expert parallelism): expert parameters get
+    buckets of their own, summed over that group instead; every gradient is still divided by ``world_size``, the
+    ranks whose tokens reached it."""
 
     def __init__(
         self,
@@ -82,13 +88,25 @@ class GradReducer:
         world_size: int,
         stats: CommStats,
         find_unused_parameters: bool = False,
+        experts: tuple[Any, int] | None = None,
     ) -> None:
         self.group, self.world_size, self.stats = group, world_size, stats
         self.find_unused_parameters = find_unused_parameters
         self.names: dict[torch.Tensor, str] = {p: n for n, p in module.named_parameters()}
         check_trainable(module, "reduce")
         params = [p for p in module.parameters() if p.requires_grad]
-        self.buckets = [_Bucket(i, b) for i, b in enumerate(build_buckets(params[::-1], bucket_bytes))]
+        runs: list[tuple[bool, list[nn.Parameter]]] = []  # reverse order, cut where dense meets experts
+        for p in params[::-1]:
+            kind = experts is not None and is_expert(p)
+            if runs and runs[-1][0] == kind:
+                runs[-1][1].append(p)
+            else:
+                runs.append((kind, [p]))
+        self.buckets = []
+        for kind, run in runs:
+            g, n = experts if kind and experts is not None else (group, world_size)
+            for b in build_buckets(run, bucket_bytes):
+                self.buckets.append(_Bucket(len(self.buckets), b, g, n))
         self._bucket_of: dict[nn.Parameter, tuple[_Bucket, int]] = {}
         for b in self.buckets:
             for i, p in enumerate(b.params):
@@ -140,10 +158,10 @@ class GradReducer:
 
     def _launch(self, bucket: _Bucket) -> None:
         self.scale.apply_(bucket.flat)
-        if self.world_size > 1:
-            self.stats.record("all_reduce", bucket.flat, self.world_size)
+        if bucket.size > 1:
+            self.stats.record("all_reduce", bucket.flat, bucket.size)
             bucket.work = watched(
-                dist.all_reduce, bucket.flat, group=self.group, async_op=True, label=f"ddp bucket {bucket.index}"
+                dist.all_reduce, bucket.flat, group=bucket.group, async_op=True, label=f"ddp bucket {bucket.index}"
             )
 
     def _finalize_backward(self) -> None:
@@ -193,9 +211,11 @@ class GradReducer:
         (Accelerate's ``join_uneven_inputs``, torch's ``Join``) in the reduction its peers' backward runs. The peers
         still divide by the whole group, as torch DDP does under ``Join`` by default."""
         for b in self.buckets:
+            if b.size == 1:
+                continue
             zeros = torch.zeros_like(b.flat)
-            self.stats.record("all_reduce", zeros, self.world_size)
-            watched(dist.all_reduce, zeros, group=self.group, label=f"ddp bucket {b.index}")
+            self.stats.record("all_reduce", zeros, b.size)
+            watched(dist.all_reduce, zeros, group=b.group, label=f"ddp bucket {b.index}")
 
     def wait(self) -> None:
         for b in self.buckets:
@@ -230,6 +250,15 @@ class GradReducer:
             h.remove()
 
 
+def broadcast_experts(experts: list[torch.Tensor], topo: Any, stats: CommStats) -> None:
+    """The first expert replica's experts to the others (the dp ranks that hold the same experts)."""
+    from phalanx.runtime.comm import broadcast_coalesced
+    from phalanx.strategies._replicas import group_rank0
+
+    group = topo.expert_dp_group
+    broadcast_coalesced([p.data for p in experts], src=group_rank0(group), group=group, stats=stats)
+
+
 class DDPStrategy(Strategy):
     """``strategy="ddp"``: replicate the model, average gradients with :class:`GradReducer`."""
 
@@ -251,9 +280,15 @@ class DDPStrategy(Strategy):
     def wrap_model(self, model: nn.Module) -> nn.Module:
         topo = self.topology
         check_prepared_once(model, self._reducers)
+        experts = split_dense_experts(model.parameters())[1] if topo.ep_size > 1 else []
         if topo.dp_size > 1:
-            # Every replica starts from rank 0's weights and buffers, whatever each rank initialised.
-            replicate_from_first(model, topo.dp_group, self.device, self.stats, self.opts.broadcast_buffers)
+            # Every replica starts from rank 0's weights and buffers, whatever each rank initialised; experts from
+            # the first rank that holds the same ones.
+            replicate_from_first(
+                model, topo.dp_group, self.device, self.stats, self.opts.broadcast_buffers, skip=experts
+            )
+            if experts and topo.expert_dp_size > 1:
+                broadcast_experts(experts, topo, self.stats)
         self._reducers[id(model)] = GradReducer(
             model,
             bucket_bytes=int(self.opts.bucket_mb * 2**20),
@@ -261,6 +296,7 @@ class DDPStrategy(Strategy):
             world_size=topo.dp_size,
             stats=self.stats,
             find_unused_parameters=self.opts.find_unused_parameters,
+            experts=(topo.expert_dp_group, topo.expert_dp_size) if experts else None,
         )
         return model
 
@@ -305,11 +341,15 @@ class DDPStrategy(Strategy):
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
         # After the all-reduce every replica holds the same gradients, so the local norm is the global one; under
         # tensor parallelism the tp ranks hold different pieces, each replicated piece counted once.
+        # Under expert parallelism the ep ranks hold different experts: a dense piece is counted 1/ep times on each.
         params = [p for p in parameters if p.grad is not None]
         grads = [p.grad for p in params if p.grad is not None]
-        if self.topology.tp_size > 1:
-            pieces = [(g, tp_replicas(p)) for p, g in zip(params, grads)]
-            total = mesh_norm(pieces, float(norm_type), self.device, [self.topology.tp_group])
+        topo = self.topology
+        if topo.tp_size > 1 or topo.ep_size > 1:
+            ep = topo.ep_size
+            pieces = [(g, tp_replicas(p) * (1 if is_expert(p) else ep)) for p, g in zip(params, grads)]
+            groups = [g for g, n in ((topo.tp_group, topo.tp_size), (topo.ep_group, ep)) if n > 1]
+            total = mesh_norm(pieces, float(norm_type), self.device, groups)
             total = total.to(grads[0].dtype if grads else torch.float32)
             clip_to_norm_(grads, max_norm, total)
             return total
@@ -330,7 +370,9 @@ class DDPStrategy(Strategy):
     def sharded_state(self, model: nn.Module, optimizers: Any = None) -> list[ShardEntry]:
         # Every replica holds everything. So that a save writes in parallel, the replicas split the bytes evenly:
         # rank r of the data-parallel group gives the r-th of dp_size equal runs of the tensors laid end to end.
+        # Under expert parallelism, expert tensors are split the same way over the ranks that hold the same experts.
         self.finish_gradient_sync()
+        experts = {n for n, p in model.named_parameters() if is_expert(p)}
         tensors = [(f"model/{k}", v) for k, v in named_tensors(model)]
         names: dict[Any, str] = {p: n for n, p in model.named_parameters()}
         for opt in optimizer_list(optimizers):
@@ -339,7 +381,14 @@ class DDPStrategy(Strategy):
                     if p in names:
                         state = opt.state.get(p, {}).items()
                         tensors += [(f"optim/{names[p]}/{k}", v) for k, v in state if isinstance(v, torch.Tensor)]
-        return balanced_slices(tensors, self.topology.dp_rank, self.topology.dp_size)
+        topo = self.topology
+        if not experts:
+            return balanced_slices(tensors, topo.dp_rank, topo.dp_size)
+        expert_tensors = [(k, v) for k, v in tensors if k.split("/")[1] in experts]
+        dense = [(k, v) for k, v in tensors if k.split("/")[1] not in experts]
+        return balanced_slices(dense, topo.dp_rank, topo.dp_size) + balanced_slices(
+            expert_tensors, topo.expert_dp_rank, topo.expert_dp_size
+        )
 
     def load_sharded_state(self, model: nn.Module, optimizers: Any, reader: StateReader) -> None:
         load_whole_tensors(model, reader)

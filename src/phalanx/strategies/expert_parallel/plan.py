@@ -120,10 +120,12 @@ def apply_ep_plan(
     *,
     plan: dict[str, str] | None = None,
     capacity_factor: float | None = None,
+    agree: Any = None,
 ) -> EPReport:
     """Cut ``model``'s experts in place over the ep process ``group`` (``ep`` ranks; this is ``rank``), as ``plan``
     (default: the model's own) says. Every rank of the group must hold the same whole experts before the call.
-    Nothing changes until every entry has been checked."""
+    Nothing changes until every entry has been checked; then ``agree(tensors)``, when given, makes the whole expert
+    weights equal on the group's ranks (the Engine broadcasts the first ep rank's) before each keeps its piece."""
     plan = resolve_ep_plan(model) if plan is None else dict(plan)
     for key, value in plan.items():
         if value not in EP_STYLES:
@@ -180,6 +182,8 @@ def apply_ep_plan(
         cuts.append((name, module, count, stacked_names))
 
     # ---- from here on the model changes
+    if agree is not None:
+        agree([module._parameters[n].data for _, module, _, names in cuts for n in names])  # type: ignore[union-attr]
     report = EPReport(ep, rank)
     for name, module, count, names in cuts:
         local = count // ep

@@ -49,6 +49,7 @@ from phalanx.strategies._replicas import (
     replicate_from_first,
 )
 from phalanx.strategies.base import Strategy
+from phalanx.strategies.expert_parallel.params import is_expert
 from phalanx.strategies.zero import state
 from phalanx.strategies.zero.collectives import DTYPES, Done, SegmentComm, resolve_collectives
 from phalanx.strategies.zero.layout import Segment, merge_runs
@@ -127,6 +128,21 @@ class ZeroStrategy(Strategy):
             accumulates=not self.grads_whole,
             replicas=(self.rep_group, self.rep_world),
         )
+        # Expert parallelism: expert segments shard over the shard ranks that hold the same experts.
+        self.expert_world, self.expert_rank = self.world, self.rank
+        if topo.ep_size > 1:
+            if self.within_stage or self.world % topo.ep_size:
+                raise ValueError(
+                    f"ep_size={topo.ep_size} with {self.name} needs the experts' ranks inside the {self.world} ranks "
+                    f"that {self.name} shards over"
+                    + (" (not under the pipeline's zero1)" if self.within_stage else "")
+                    + f": use an ep_size that divides {self.world}, or strategy='ddp'"
+                )
+            self.expert_world, self.expert_rank = topo.expert_shard_size, topo.expert_shard_rank
+            self.comm.add_experts(
+                topo.expert_shard_group,
+                self.expert_world,
+            )
         if cfg.offload != "none" and self.device.type == "cuda" and self.precision.scaler is not None:
             raise ValueError(
                 f"offload={cfg.offload!r} with precision='fp16-mixed' on CUDA is not supported: the loss scaler checks "
@@ -172,11 +188,18 @@ class ZeroStrategy(Strategy):
         check_trainable(model, "shard")
         return list(model.parameters())
 
+    def _segment(self, params: list[nn.Parameter], what: str, device: torch.device | None = None) -> Segment:
+        """A segment of ``params`` (all experts or none), laid out over the ranks that shard them."""
+        if self.topology.ep_size > 1 and is_expert(params[0]):
+            return Segment(0, params, self.expert_world, self.expert_rank, device, what, expert=True)
+        return Segment(0, params, self.world, self.rank, device, what)
+
     def _add_segments(self, segments: list[Segment]) -> None:
         for s in segments:
-            if self.topology.dp_size > 1:  # every replica starts from rank 0's values: one broadcast per flat buffer
+            topo = self.topology
+            size, dp = (topo.expert_dp_size, topo.expert_dp_group) if s.expert else (topo.dp_size, topo.dp_group)
+            if size > 1:  # every replica starts from the first one's values: one broadcast per flat buffer
                 self.stats.record("broadcast", s.full)
-                dp = self.topology.dp_group
                 watched(dist.broadcast, s.full, src=group_rank0(dp), group=dp)
             s.index = len(self.segments)
             self.segments.append(s)

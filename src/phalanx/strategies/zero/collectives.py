@@ -134,6 +134,21 @@ class SegmentComm:
         self.peers = [
             (j, dist.get_global_rank(group, j) if group is not None else j) for j in range(world) if j != self.rank
         ]
+        self.experts: SegmentComm | None = None
+
+    def add_experts(self, group: Any, world: int) -> SegmentComm:
+        """A sibling for the expert segments (``seg.expert``; expert parallelism): the same settings over the ranks
+        that hold the same experts, one queue of reductions in flight with this one. Every call with an expert
+        segment goes to it."""
+        sib = SegmentComm(
+            group, world, self.mode, self.comm_dtype, self.stats, self.accumulates, (self.rep_group, self.rep_world)
+        )
+        sib.inflight, sib._staging = self.inflight, self._staging
+        self.experts = sib
+        return sib
+
+    def _for(self, seg: Segment) -> SegmentComm | None:
+        return self.experts if seg.expert and self.experts is not None and self.experts is not self else None
 
     def _exchange(
         self, send: Callable[[int], torch.Tensor], recv: Callable[[int], torch.Tensor], tag: int, label: str
@@ -147,6 +162,9 @@ class SegmentComm:
 
     def reduce_scatter(self, seg: Segment, flat: torch.Tensor) -> None:
         """Start summing ``flat`` (the full padded gradient) over ranks; this rank keeps its slice."""
+        if (other := self._for(seg)) is not None:
+            other.reduce_scatter(seg, flat)
+            return
         if self.comm_dtype is not None and flat.dtype != self.comm_dtype:
             flat = flat.to(self.comm_dtype)
         # zero1 keeps whole gradients (each p.grad a view of them): under p2p it still all-reduces them, so that
@@ -188,6 +206,8 @@ class SegmentComm:
         """Whether :meth:`reduce_scatter_pieces` applies: p2p over several ranks, in the gradients' own dtype, and
         parameters large enough on average that a message per part costs less than copying them all into one buffer
         (a transformer block of biases and norms sends better in one piece)."""
+        if (other := self._for(seg)) is not None:
+            return other.sends_pieces(seg)
         return (
             self.mode == "p2p"
             and self.accumulates
@@ -214,6 +234,9 @@ class SegmentComm:
     def reduce_scatter_pieces(self, seg: Segment, grads: list[torch.Tensor | None]) -> None:
         """:meth:`reduce_scatter` of the gradients where autograd left them: each peer is sent its slice's parts
         of them directly, with no copy into a full-size buffer first (p2p only: see :meth:`sends_pieces`)."""
+        if (other := self._for(seg)) is not None:
+            other.reduce_scatter_pieces(seg, grads)
+            return
         n = seg.shard_numel
         mine_parts = self._pieces(seg, grads, self.rank)
         sizes = [t.numel() for t in mine_parts]
@@ -246,6 +269,9 @@ class SegmentComm:
         self.inflight.append(seg)
 
     def finish_reduce(self, seg: Segment) -> None:
+        if (other := self._for(seg)) is not None:
+            other.finish_reduce(seg)
+            return
         if seg.work is not None:
             seg.work.wait()
         out, seg.work, seg.work_out = seg.work_out, None, None
@@ -278,6 +304,8 @@ class SegmentComm:
         events, self._host_reads = self._host_reads, {}
         for done in events.values():
             done.synchronize()
+        if self.experts is not None and self.experts is not self:
+            self.experts.fence_host_reads()
 
     def wait_inflight(self, keep: int = 0) -> None:
         """Finish reductions, oldest first, until at most ``keep`` are in flight."""
@@ -286,6 +314,8 @@ class SegmentComm:
 
     def gather(self, seg: Segment, async_op: bool = False) -> Done:
         """Fill ``seg.full`` with every rank's slice (this rank's from its at-rest shard or its master)."""
+        if (other := self._for(seg)) is not None:
+            return other.gather(seg, async_op)
         src = seg.shard_param if seg.shard_param is not None else seg.master
         if src is None:
             src = seg.full[seg.lo : seg.hi]  # frozen: nothing changes, but zero3 still needs the whole unit

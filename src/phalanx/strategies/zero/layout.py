@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from phalanx.runtime.placement import LEDGER
+from phalanx.strategies.expert_parallel.params import is_expert
 
 if TYPE_CHECKING:
     from phalanx.strategies.zero.base import ModelState
@@ -34,11 +35,13 @@ class Segment:
         rank: int,
         device: torch.device | None = None,
         what: str = "segment",
+        expert: bool = False,
     ) -> None:
         """``device``: where the segment lives, when not where ``params`` are (zero3 lays out a unit built on the
         host: its flat buffer is made there and placed on ``device`` whole, the only copy of the unit there)."""
         self.index = index
         self.params = params
+        self.expert = expert  # experts (expert parallelism): sharded over the ranks that hold the same experts
         self.dtype = params[0].dtype
         self.device = params[0].device if device is None else device
         self.offsets: list[int] = []
@@ -113,10 +116,10 @@ def padded_empty(seg: Segment) -> torch.Tensor:
 
 
 def by_dtype(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-    """``params`` grouped by (dtype, device), in order: one zero3 segment each."""
-    groups: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+    """``params`` grouped by (dtype, device, expert or not), in order: one zero3 segment each."""
+    groups: dict[tuple[torch.dtype, torch.device, bool], list[nn.Parameter]] = {}
     for p in params:
-        groups.setdefault((p.dtype, p.device), []).append(p)
+        groups.setdefault((p.dtype, p.device, is_expert(p)), []).append(p)
     return list(groups.values())
 
 

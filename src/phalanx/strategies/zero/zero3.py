@@ -185,7 +185,7 @@ class Zero3Strategy(ZeroStrategy):
             if init is not None:
                 init.materialise_through(None if module is model else module, torch.device("cpu"))
             what = f"zero3 unit {name}"
-            segs = [Segment(0, group, self.world, self.rank, self.device, what) for group in by_dtype(ps)]
+            segs = [self._segment(group, what, self.device) for group in by_dtype(ps)]
             self._add_segments(segs)
             for seg in segs:
                 # The at-rest slice is the fp32 master itself when the dtypes agree (on the host with offload);

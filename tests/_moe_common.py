@@ -1,0 +1,92 @@
+"""Tiny mixture-of-experts models for the expert-parallel tests: transformers' Qwen3-MoE and Mixtral (8 experts,
+top-2, fp32, the auxiliary loss off), and their single-process reference runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+VOCAB, HIDDEN, SEQ, BATCH, STEPS = 64, 32, 8, 8, 3
+
+
+def moe_model(kind: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    if kind == "qwen3":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        cfg = Qwen3MoeConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=32, moe_intermediate_size=16,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8,
+            num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.0, output_router_logits=False,
+            max_position_embeddings=64, tie_word_embeddings=False, attention_dropout=0.0,
+        )  # fmt: skip
+        model = Qwen3MoeForCausalLM(cfg)
+    elif kind == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        cfg = MixtralConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.0,
+            output_router_logits=False, max_position_embeddings=64, tie_word_embeddings=False,
+        )  # fmt: skip
+        model = MixtralForCausalLM(cfg)
+    else:
+        raise ValueError(kind)
+    model.config._attn_implementation = "sdpa"
+    with torch.no_grad():  # not the default init: a zero router would route every token alike
+        for p in model.parameters():
+            p.normal_(0, 0.2 if p.dim() > 1 else 0.05).add_(1.0 if p.dim() == 1 else 0.0)
+    return model
+
+
+def batches(seed: int = 7) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
+
+
+def reference(kind: str, optimizer: str = "adamw") -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process on the whole batch: the losses of each step and the final parameters."""
+    model = moe_model(kind)
+    opt = make_optimizer(optimizer, model)
+    losses = []
+    for ids in batches():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.1)
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+
+
+def train_ranks(kind: str, engine: dict[str, Any], optimizer: str = "adamw", save: str | None = None) -> dict[str, Any]:
+    """On each rank: the Engine with ``engine``'s settings, the same steps on this rank's slice of each batch."""
+    import phalanx
+
+    eng = phalanx.Engine(seed=0, **engine)
+    model = moe_model(kind)
+    opt = make_optimizer(optimizer, model)
+    model, opt = eng.prepare(model, opt)
+    topo = eng.topology
+    per = BATCH // topo.data_size
+    losses = []
+    for ids in batches():
+        mine = ids[topo.data_rank * per : (topo.data_rank + 1) * per]
+        loss = model(input_ids=mine, labels=mine).loss
+        eng.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(eng.reduce(loss.detach(), "mean")))
+    if save is not None:
+        eng.save_state(save)
+    state = eng.get_state_dict(model)
+    out = {"losses": losses, "state": {k: v.clone() for k, v in state.items()} if eng.rank == 0 else None}
+    out["memory"] = eng.memory_report()
+    return out
