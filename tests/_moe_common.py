@@ -90,3 +90,86 @@ def train_ranks(kind: str, engine: dict[str, Any], optimizer: str = "adamw", sav
     out = {"losses": losses, "state": {k: v.clone() for k, v in state.items()} if eng.rank == 0 else None}
     out["memory"] = eng.memory_report()
     return out
+
+
+# ---------------------------------------------------------------------------- the pipeline's form of the models
+class _Embed(nn.Module):
+    def __init__(self, embed: nn.Module) -> None:
+        super().__init__()
+        self.embed_tokens = embed
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(ids)
+
+
+class _Layer(nn.Module):
+    """A decoder layer with its own rotary embedding (it has no weights), causal attention with no mask."""
+
+    def __init__(self, layer: nn.Module, rotary: nn.Module) -> None:
+        super().__init__()
+        self.layer, self.rotary = layer, rotary
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(h.shape[1], device=h.device)[None]
+        out = self.layer(h, position_ids=pos, position_embeddings=self.rotary(h, pos))
+        return out[0] if isinstance(out, tuple) else out
+
+
+class _Head(nn.Module):
+    def __init__(self, norm: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.norm, self.lm_head = norm, head
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h))
+
+
+class MoESequential(nn.Sequential):
+    """A transformers MoE causal LM as the blocks the pipeline splits (embedding, each decoder layer, norm and
+    head), with the model's ep plan under the blocks' names."""
+
+    def ep_plan(self) -> dict[str, str]:
+        return {"*.layer.mlp.experts": "ep_dispatch_experts"}
+
+
+def moe_sequential(kind: str, seed: int = 0) -> nn.Module:
+    model = moe_model(kind, seed)
+    base = model.model
+    rotary_cls = type(base.rotary_emb)
+    layers = [_Layer(layer, rotary_cls(model.config)) for layer in base.layers]
+    return MoESequential(_Embed(base.embed_tokens), *layers, _Head(base.norm, model.lm_head))
+
+
+def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(ids)
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def pipeline_reference(kind: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = moe_sequential(kind)
+    opt = make_optimizer("adamw", model)
+    losses = []
+    for ids in batches():
+        loss = lm_loss(model, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train_pipeline(kind: str, engine: dict[str, Any]) -> dict[str, Any]:
+    import phalanx
+
+    eng = phalanx.Engine(strategy="pipeline", seed=0, **engine)
+    model = moe_sequential(kind)
+    opt = make_optimizer("adamw", model)
+    model, opt = eng.prepare(model, opt)
+    topo = eng.topology
+    per = BATCH // topo.data_size
+    losses = []
+    for ids in batches():
+        mine = ids[topo.data_rank * per : (topo.data_rank + 1) * per]
+        losses.append(float(eng.reduce(eng.train_step(mine, lm_loss), "mean")))
+    state = eng.get_state_dict(model)
+    return {"losses": losses, "state": {k: v.clone() for k, v in state.items()} if eng.rank == 0 else None}

@@ -33,3 +33,16 @@ def test_ep2_ddp_on_two_ranks(run_ranks: Any, kind: str) -> None:
 @pytest.mark.parametrize("strategy", ["zero2", "zero3"])
 def test_ep2_under_zero_on_four_ranks(run_ranks: Any, strategy: str) -> None:
     _close(run_ranks(train_ranks, 4, "qwen3", {"strategy": strategy, "ep_size": 2}), reference("qwen3"))
+
+
+def test_ep2_by_tp2_on_four_ranks(run_ranks: Any) -> None:
+    # The model's own tp plan splits every expert (moe_tp_experts), its ep plan cuts the experts over the ep ranks.
+    _close(run_ranks(train_ranks, 4, "qwen3", {"strategy": "ddp", "ep_size": 2, "tp_size": 2}), reference("qwen3"))
+
+
+def test_ep2_by_pp2_on_four_ranks(run_ranks: Any) -> None:
+    # The model as the pipeline's blocks: two stages, each with two ep ranks.
+    from tests._moe_common import pipeline_reference, train_pipeline
+
+    options = {"pp_size": 2, "ep_size": 2, "pp_microbatches": 2}
+    _close(run_ranks(train_pipeline, 4, "qwen3", options), pipeline_reference("qwen3"))

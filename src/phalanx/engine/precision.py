@@ -229,7 +229,8 @@ def agree_found_inf(precision: Precision, strategy: Any, topology: Any) -> None:
     from phalanx.runtime.comm import world_size
 
     shard_group = strategy.grad_shard_group()
-    if topology.tp_size > 1:  # the tp ranks hold different gradients: an overflow anywhere skips everywhere
+    if topology.tp_size > 1 or topology.ep_size > 1:
+        # the tp ranks (and the ep ranks, their experts) hold different gradients: an overflow anywhere skips everywhere
         precision.sync_found_inf, precision.found_inf_group = True, None
     elif strategy.shards_gradients and world_size(shard_group) > 1:
         # An fp16 overflow in any rank's share of the gradients must skip the step on every rank.

@@ -24,6 +24,7 @@ from phalanx.checkpoint.shards import ShardEntry, StateReader, balanced_slices, 
 from phalanx.config.strategy_options import PipelineOptions
 from phalanx.runtime.collective_log import watched
 from phalanx.strategies._grads import clip_to_norm_, mesh_norm, tp_replicas
+from phalanx.strategies.expert_parallel.params import is_expert
 from phalanx.strategies.base import Strategy
 from phalanx.strategies.ddp import DDPStrategy
 from phalanx.strategies.zero.bucketed import Zero1Strategy
@@ -87,9 +88,13 @@ class WholeStageSync(StageSync):
         grads = [p.grad for p in params if p.grad is not None]
         norm_type = float(norm_type)
         topo = self.topology
-        if topo.tp_size > 1:  # stages and tp ranks hold different pieces; a tp-replicated one counts once
-            pieces = [(g, tp_replicas(p)) for p, g in zip(params, grads)]
-            groups = ([topo.pp_group] if topo.pp_size > 1 else []) + [topo.tp_group]
+        if topo.tp_size > 1 or topo.ep_size > 1:
+            # stages, tp ranks and ep ranks hold different pieces; a tp-replicated one counts once, a dense one (the
+            # same on every ep rank) 1/ep times on each
+            ep = topo.ep_size
+            pieces = [(g, tp_replicas(p) * (1 if is_expert(p) else ep)) for p, g in zip(params, grads)]
+            sizes = ((topo.pp_group, topo.pp_size), (topo.tp_group, topo.tp_size), (topo.ep_group, ep))
+            groups = [g for g, n in sizes if n > 1]
             total = mesh_norm(pieces, norm_type, self.device, groups).to(grads[0].dtype if grads else torch.float32)
             clip_to_norm_(grads, max_norm, total)
             return total

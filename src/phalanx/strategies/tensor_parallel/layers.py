@@ -227,7 +227,19 @@ class _MlaKvAProj(_TPLayer):
         return torch.cat([passed, copy_to_tp(rotary, self._tp_group)], dim=-1)
 
 
+class _MoeTPExperts(_TPLayer):
+    """An experts module whose every expert holds this rank's piece of each weight (``moe_tp_experts``): the tokens
+    and their routing weights enter the split region (identity forward, gradients summed over tp backward, so the
+    router's gradient is whole), and the mixture of partial expert outputs is all-reduced."""
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Any:
+        x = copy_to_tp(hidden_states, self._tp_group)
+        w = copy_to_tp(top_k_weights, self._tp_group)
+        return reduce_from_tp(super().forward(x, top_k_index, w), self._tp_group)
+
+
 MIXINS = {
+    "moe_experts": _MoeTPExperts,
     "colwise": _ColwiseLinear,
     "rowwise": _RowwiseLinear,
     "vocab": _VocabEmbedding,

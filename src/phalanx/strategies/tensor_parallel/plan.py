@@ -119,13 +119,17 @@ def _matches(pattern: str, name: str) -> bool:
 
 
 def _expand(
-    plan: dict[str, str], modules: dict[str, nn.Module], params: dict[str, nn.Parameter]
+    plan: dict[str, str], modules: dict[str, nn.Module], params: dict[str, nn.Parameter], strict: bool = True
 ) -> tuple[dict[str, Style], dict[str, Style]]:
-    """Each module and parameter name with its style (the most specific pattern wins)."""
+    """Each module and parameter name with its style (the most specific pattern wins). ``strict``: an entry that
+    matches nothing is an error (a plan the user gave); the model's own plan may name layers this configuration
+    lacks (Qwen3-MoE's plan names the dense MLP of its mlp_only_layers), as transformers allows."""
     chosen: dict[str, tuple[int, str, Style]] = {}
     for pattern, value in plan.items():
         style = parse_style(value, pattern)
         hits = [n for n in list(modules) + list(params) if n and _matches(pattern, n)]
+        if not hits and not strict:
+            continue
         if not hits:
             import difflib
 
@@ -292,10 +296,11 @@ def apply_tp_plan(
     if group is None:
         raise TypeError("apply_tp_plan needs the tp process group (got None): phalanx never uses the world implicitly")
     tp, rank = int(dist.get_world_size(group)), int(dist.get_rank(group))
+    own = plan is None
     plan = resolve_plan(model, plan)
     modules = dict(model.named_modules())
     params = dict(model.named_parameters(remove_duplicate=False))
-    module_styles, param_styles = _expand(plan, modules, params)
+    module_styles, param_styles = _expand(plan, modules, params, strict=not own)
     heads = _heads_from_config(model)
     if sequence_parallel and _transformers_model(model):
         raise TPPlanError(
@@ -321,6 +326,12 @@ def apply_tp_plan(
             splits.append(_embedding_split(name, module, style, tp))
         elif s == "sequence_parallel" and isinstance(module, nn.Embedding):
             _check(_plain_forward(module, nn.Embedding), f"{name}: 'sequence_parallel' on a custom embedding")
+        elif s == "moe_tp_experts":
+            _check(
+                not sequence_parallel,
+                f"{name}: style 'moe_tp_experts' takes whole tokens (routing is per token), and sequence parallelism "
+                "leaves each rank a shard of them; set sequence_parallel=False",
+            )
         elif s == "mla_kv_a_proj":
             cfg = _text_config(model)
             _check(
@@ -329,7 +340,7 @@ def apply_tp_plan(
                 f"{type(model).__name__} has none",
             )
             _check(not sequence_parallel, f"{name}: style 'mla_kv_a_proj' does not support sequence parallelism")
-    owners_local = {n for n, st in module_styles.items() if st.name == "local_params"}
+    owners_local = {n for n, st in module_styles.items() if st.name in ("local_params", "moe_tp_experts")}
     for pname, style in param_styles.items():
         owner = pname.rpartition(".")[0]
         _check(
@@ -343,7 +354,7 @@ def apply_tp_plan(
                 f"planned 'local_params' (its forward must compute on the local piece)",
             )
     for name in modules:
-        if name in module_styles and module_styles[name].name not in ("replicate", "local_params"):
+        if name in module_styles and module_styles[name].name not in ("replicate", "local_params", "moe_tp_experts"):
             if any(name.startswith(p + ".") for p in module_styles if module_styles[p].name == "replicate"):
                 raise TPPlanError(f"{name} is planned {module_styles[name]} inside a module planned 'replicate'")
 
@@ -514,6 +525,8 @@ def apply_tp_plan(
             set_layer(m, "gather")
         elif s == "mla_kv_a_proj":
             set_layer(m, "mla", _tp_rope=int(_text_config(model).qk_rope_head_dim))
+        elif s == "moe_tp_experts":
+            set_layer(m, "moe_experts")
     for pname, style in param_styles.items():
         report.styles[pname] = str(style)
         if style.name == "replicated_with_grad_allreduce":

@@ -32,6 +32,9 @@ STYLES: dict[str, str] = {
     "all_reduce": "the module's output (a partial sum) all-reduced over tp",
     "mla_kv_a_proj": "MLA's kv_a_proj_with_mqa: replicated, the rope part of its output gets its gradient all-reduced",
     "local_params": "the module computes on its parameters' local pieces (its parameter entries split them)",
+    "moe_tp_experts": "an experts module (transformers' form) whose every expert is split by its parameter entries "
+    "(packed_colwise gate_up_proj, rowwise down_proj): its input and routing weights enter the split region, its "
+    "routed mixture (a partial sum) is all-reduced",
     "replicate": "every rank holds the whole module; nothing is split or reduced",
     "local_colwise": "transformers 4.5x: colwise weights with no collective of its own (inside a 'gather' module)",
     "local_rowwise": "transformers 4.5x: rowwise weights with no collective of its own (inside a 'gather' module)",
@@ -42,7 +45,6 @@ STYLES: dict[str, str] = {
 EXPERT_STYLES: dict[str, str] = {
     "grouped_gemm": "shards experts' stacked weights by expert",
     "ep_dispatch_experts": "routes tokens to the ranks that hold their experts",
-    "moe_tp_experts": "splits every expert and all-reduces the routed mixture",
     "moe_identity_expert": "pre-divides an identity expert for moe_tp_experts' sum",
     "ep_router": "transformers' removed router style",
     "local": "transformers 4.5x IsolatedParallel: experts kept per rank",
@@ -89,9 +91,9 @@ def parse_style(value: object, where: str) -> Style:
     name, inner = m.group(1), m.group(2)
     if name in EXPERT_STYLES:
         raise TPPlanError(
-            f"tp plan entry {where!r}: style {name!r} ({EXPERT_STYLES[name]}) is expert parallelism, which phalanx "
-            "does not implement; drop the entry (the experts then stay whole on every rank: plan them 'replicate') "
-            "or run the model without tensor parallelism"
+            f"tp plan entry {where!r}: style {name!r} ({EXPERT_STYLES[name]}) is expert parallelism, which belongs "
+            "in the model's ep plan (base_model_ep_plan, applied with ep_size > 1), not its tp plan; drop the entry "
+            "(plan the experts 'moe_tp_experts' to split each expert over tp, or 'replicate' to keep them whole)"
         )
     if name not in STYLES:
         close = difflib.get_close_matches(name, list(STYLES), n=3, cutoff=0.5)
