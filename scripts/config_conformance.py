@@ -11,6 +11,9 @@ are put in a folder outside this repository.
 files (``tests/deepspeed/ds_config_zero*.json`` at the named commit) under ``<folder>/huggingface+transformers/``
 by hand.
 
+An entry with ``local`` instead of ``repo``, ``commit`` and ``path`` is a file of this repository (a fixture written
+from a peer's documentation where no peer repository holds such a file); it is read from here, not extracted.
+
 Each manifest entry says what the file means in its own tool (``means``) and the outcome that is right for phalanx:
 ``{"maps": {setting: value, ...}}`` (the file is read, and those settings come out), or ``{"refuses": "text"}`` (a
 clear error naming the feature phalanx lacks, which must contain the text). A file "mishandled" is one whose outcome
@@ -32,9 +35,10 @@ from pathlib import Path
 from typing import Any
 
 MANIFEST = Path(__file__).with_name("config_manifest.json")
+ROOT = Path(__file__).resolve().parents[1]
 # The settings a manifest entry may expect.
 SETTINGS = ("strategy", "precision", "offload", "grad_accum_steps", "max_grad_norm", "launch.nproc_per_node",
-            "launch.nnodes", "tp_size", "dp_shard_size", "dp_replicate_size")  # fmt: skip
+            "launch.nnodes", "tp_size", "dp_shard_size", "dp_replicate_size", "ep_size")  # fmt: skip
 # What Accelerate's DummyOptim / DummyScheduler and the HF Trainer fill a block's "auto" values with.
 AUTO = {"lr": 1e-3, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8, "warmup_num_steps": 10,
         "total_num_steps": 100, "warmup_min_lr": 0.0, "warmup_max_lr": 1e-3}  # fmt: skip
@@ -42,6 +46,7 @@ AUTO = {"lr": 1e-3, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8, "wa
 
 def _extract(entries: list[dict[str, Any]], folder: Path, mirrors: Path) -> int:
     missing = 0
+    entries = [e for e in entries if "local" not in e]  # read from this repository, never extracted
     for e in entries:
         owner_name = e["repo"].replace("/", "+")
         target = folder / owner_name / e["path"]
@@ -117,8 +122,11 @@ def main() -> int:
     counts = {"right": 0, "mishandled": 0, "absent": 0}
     by_kind = {"maps": 0, "refuses": 0}
     for e in entries:
-        path = args.folder.resolve() / e["repo"].replace("/", "+") / e["path"]
-        name = f"{e['repo']}:{e['path']}"
+        if "local" in e:
+            path, name = ROOT / e["local"], f"phalanx:{e['local']}"
+        else:
+            path = args.folder.resolve() / e["repo"].replace("/", "+") / e["path"]
+            name = f"{e['repo']}:{e['path']}"
         if not path.is_file():
             counts["absent"] += 1
             print(f"ABSENT      {name}")

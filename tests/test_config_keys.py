@@ -90,8 +90,11 @@ def _row(title_part: str, key: str, value):
 
 def test_the_rows_say_what_the_issue_asked_for():
     # A feature phalanx lacks is named as DeepSpeed names it, never as a typo.
+    row = _row("DeepSpeed JSON: top", "hybrid_engine", {"enabled": True})
+    assert row.kind == "refuses" and "the Hybrid Engine for RLHF generation (hybrid_engine)" in row.outcome
+    # AutoEP's size is the mesh's ep_size, with what differs from AutoEP.
     row = _row("DeepSpeed JSON: top", "expert_parallel", {"enabled": True, "autoep_size": 2})
-    assert row.kind == "refuses" and "expert parallelism (expert_parallel)" in row.outcome
+    assert row.kind == "maps" and "`ep_size` = `2`" in row.outcome and "base_model_ep_plan" in row.outcome
     # AutoTP's size is the mesh's tp_size, and hpZ's group is hybrid zero3's shard group, each with what differs.
     row = _row("DeepSpeed JSON: top", "tensor_parallel", {"autotp_size": 2})
     assert row.kind == "maps" and "`tp_size` = `2`" in row.outcome and "the model's own plan" in row.outcome

@@ -336,7 +336,7 @@ def test_a_key_outside_deepspeed_s_schema_is_ignored_as_deepspeed_ignores_it_but
         ({"sparse_attention": {"enabled": True}}, "sparse_attention is enabled"),
         ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "does not quantise"),
         # Features DeepSpeed has and phalanx lacks are named as DeepSpeed names them, not called typos.
-        ({"expert_parallel": {"enabled": True, "autoep_size": 2}}, r"expert parallelism \(expert_parallel\)"),
+        ({"hybrid_engine": {"enabled": True}}, r"the Hybrid Engine for RLHF generation \(hybrid_engine\)"),
         # AutoTP's options that choose another split than the model's plan are refused, with the way to say it.
         ({"tensor_parallel": {"autotp_size": 2, "preset_model": "llama"}}, "preset_model='llama'.*model's own plan"),
         ({"tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": []}}}, "as tp_plan"),

@@ -52,12 +52,13 @@ _OWNED = {
     "tp_size": "tp_size (or parallelism_config)", "dp_shard_size": "dp_shard_size (or parallelism_config)",
     "dp_replicate_size": "dp_replicate_size (or parallelism_config)",
     "cp_size": "parallelism_config (its cp_size)", "sp_size": "parallelism_config (its sp_size)",
+    "ep_size": "ep_size",
 }  # fmt: skip
 # transformers' fsdp words: the strategy each sharding word is, and whether it is FSDP's hybrid (shards within a
 # machine, replicas across machines); "offload" and "auto_wrap" go with one of them.
 _FSDP_WORDS = {"full_shard": ("zero3", False), "shard_grad_op": ("zero2", False), "no_shard": ("ddp", False),
                "hybrid_shard": ("zero3", True), "hybrid_shard_zero2": ("zero2", True)}  # fmt: skip
-_MESH = ("tp_size", "dp_shard_size", "dp_replicate_size")
+_MESH = ("tp_size", "dp_shard_size", "dp_replicate_size", "ep_size")
 # transformers fields that phalanx does not take, with what to do instead.
 _HF_ELSEWHERE = {
     "fsdp_config": "use fsdp (or strategy='zero3') and strategy_options",
@@ -279,6 +280,11 @@ class TrainingArguments:
     tp_size: int | None = None
     """Tensor-parallel degree (transformers 4.5x's tp_size; the Engine's tp_size): the model's own plan is split over
     this many ranks. The plan and sequence_parallel go in strategy_options."""
+    ep_size: int | None = None
+    """Expert-parallel degree (the Engine's ep_size): the experts of every mixture-of-experts layer, as the model's
+    base_model_ep_plan names them, are split over this many ranks carved out of the data-parallel ranks. phalanx's own
+    field: transformers' TrainingArguments has none, and Accelerate's ParallelismConfig has no expert size (DeepSpeed's
+    expert_parallel.autoep_size says the same, and must agree)."""
     dp_shard_size: int | None = None
     """Data-parallel ranks that shard the model under zero (the Engine's dp_shard_size)."""
     dp_replicate_size: int | None = None

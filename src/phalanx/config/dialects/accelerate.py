@@ -16,7 +16,7 @@ from typing import Any
 from phalanx.config.dialects.mapping import Mapped, offload_for
 from phalanx.config.dialects.names import precision_from_accelerate, strategy_from_zero_stage
 from phalanx.config.dialects.parallelism import NAMES as PC_NAMES
-from phalanx.config.dialects.parallelism import read_parallelism
+from phalanx.config.dialects.parallelism import NOT_ACCELERATE, read_parallelism
 from phalanx.config.options import ConfigError
 
 __all__ = ["is_accelerate_config", "from_accelerate", "KNOWN_KEYS"]
@@ -221,8 +221,10 @@ _DS_IGNORED = {
     "zero3_init_flag": "phalanx's zero3 shards the parameters at engine.prepare; "
     "the model is built whole on the host first",
     "zero3_save_16bit_model": "engine.save_model always writes the full gathered weights, in the parameters' dtype",
-    "deepspeed_moe_layer_cls_names": "phalanx has no mixture-of-experts handling; "
-    "such layers shard as any other module",
+    "deepspeed_moe_layer_cls_names": "Accelerate marks these classes as DeepSpeed ZeRO-3 leaf modules "
+    "(set_z3_leaf_modules), so that a MoE block is gathered whole whichever experts a step routes to; phalanx's zero3 "
+    "always gathers a unit whole, experts included (units: zero3_unit_classes), and under expert parallelism "
+    "(ep_size) phalanx finds the experts from the model's base_model_ep_plan, not from class names",
 }
 
 
@@ -293,6 +295,8 @@ def _map_parallelism(section: Any, out: Mapped) -> None:
                 f"reads '{_PC}{renamed}' (with {_PC}sp_size and {_PC}sp_backend: deepspeed for ALST/Ulysses, which "
                 "is phalanx's sp_size)"
             )
+        if str(key).removeprefix(_PC) in NOT_ACCELERATE:
+            raise ConfigError(f"accelerate config: parallelism_config.{key}: {NOT_ACCELERATE[key.removeprefix(_PC)]}")
         if key not in KNOWN_KEYS["parallelism_config"]:
             raise _unknown("parallelism_config", key)
     values = {key.removeprefix(_PC): value for key, value in section.items() if value is not None}

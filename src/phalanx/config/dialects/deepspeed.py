@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from phalanx.config.dialects.deepspeed_moe import EP_KEYS, map_expert_parallel
 from phalanx.config.dialects.mapping import Mapped, offload_for
 from phalanx.config.dialects.names import strategy_from_zero_stage
 from phalanx.config.options import ConfigError
@@ -64,7 +65,6 @@ _IGNORED = {
     "graph_harvesting": "an HPU graph-capture option; phalanx runs on CPUs and CUDA GPUs",
     "sparse_gradients": "phalanx reduces embedding gradients as dense tensors; the update is the same",
     "vocabulary_size": "read by DeepSpeed's sparse embedding gradients only",
-    "use_data_before_expert_parallelism": "an expert-parallel layout, and phalanx has no expert parallelism",
 }
 # Keys outside DeepSpeed's config schema too: DeepSpeed ignores them, and so does phalanx, saying so. A key close to a
 # known one is taken for a typo instead, and refused.
@@ -73,13 +73,13 @@ _FEATURES = {
     "quantize_training": ("quantization-aware training (quantize_training)", "enabled"),
     "hybrid_engine": ("the Hybrid Engine for RLHF generation (hybrid_engine)", "enabled"),
     "compile": ("DeepCompile (compile.deepcompile)", "deepcompile"),
-    "expert_parallel": ("expert parallelism (expert_parallel)", "enabled"),
 }
 _MAPPED = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping", "fp16",
     "bf16", "bfloat16", "zero_optimization", "optimizer", "scheduler", "zero_allow_untested_optimizer",
     "communication_data_type", "amp", "fp8", "torch_autocast", "gradient_allreduce_op",
-    "managed_gradient_accumulation", "tensor_parallel", "sequence_parallel_size", *_FEATURES,
+    "managed_gradient_accumulation", "tensor_parallel", "sequence_parallel_size", "expert_parallel",
+    "use_data_before_expert_parallelism", *_FEATURES,
 }  # fmt: skip
 _ZERO_IGNORED = {
     "allgather_bucket_size": "phalanx gathers per bucket (zero1/2) or per unit (zero3)",
@@ -187,6 +187,7 @@ KNOWN_KEYS: dict[str, frozenset[str]] = {
     "bf16": frozenset({"enabled", *_BF16_REFUSED, *_BF16_NOTED}),
     "tensor_parallel": frozenset({"autotp_size", "tensor_parallel", "tp", *_TP_NOTED, *_TP_REFUSED}),
     "tensor_parallel.tp": frozenset({"tp_size", *_TP_GROUP}),
+    "expert_parallel": EP_KEYS,
 }
 
 
@@ -243,6 +244,7 @@ def from_deepspeed(data: dict[str, Any], where: str) -> Mapped:
         _map_tensor_parallel(data["tensor_parallel"], out, where)
     if "sequence_parallel_size" in data:
         _map_sequence_parallel(data["sequence_parallel_size"], out, where)
+    map_expert_parallel(data, out, where)
     for key, why in _IGNORED.items():
         if key in data:
             block = data[key]

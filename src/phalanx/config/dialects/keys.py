@@ -61,6 +61,8 @@ class Section:
         return doc
 
 
+# DeepSpeed's AutoEP block, on: the base its keys are read in.
+_EP = {"zero_optimization": {"stage": 2}, "expert_parallel": {"enabled": True, "autoep_size": 2}}
 # The bases of the options of the two sequence splits: read with their size above 1.
 _PC_CP = {"distributed_type": "FSDP", "num_processes": 2, "parallelism_config": {"parallelism_config_cp_size": 2}}
 _PC_SP = {"distributed_type": "DEEPSPEED", "num_processes": 2, "deepspeed_config": {"zero_stage": 3},
@@ -127,14 +129,15 @@ SECTIONS: list[Section] = [
         "graph_harvesting": [True],
         "sparse_gradients": [True],
         "vocabulary_size": [50257],
-        "use_data_before_expert_parallelism": [True],
+        "use_data_before_expert_parallelism": [True, False],
         "hybrid_engine": [{"enabled": True}, {"enabled": False}],
         "compile": [{"deepcompile": True}, {"deepcompile": False}],
-        "expert_parallel": [{"enabled": True, "autoep_size": 2}, {"enabled": False}],
+        "expert_parallel": [{"enabled": True, "autoep_size": 2}, {"enabled": True, "autoep_size": 1},
+                            {"enabled": False, "autoep_size": 2}, {"enabled": "auto"}],
         "gradient_allreduce_op": ["mean", "sum"],
         "managed_gradient_accumulation": [True, False],
         "sequence_parallel_size": [4, 1, "auto"],
-    }),
+    }, bases={"use_data_before_expert_parallelism": _EP}),
     Section("deepspeed", "zero_optimization", {"zero_optimization": {"stage": 2}}, ("zero_optimization",), {
         "stage": [0, 1, 2, 3, "auto"],
         "offload_optimizer": [{"device": "cpu"}, {"device": "nvme", "nvme_path": "/local_nvme"}, {"device": "auto"},
@@ -225,6 +228,36 @@ SECTIONS: list[Section] = [
         "tp_grain_size": [64],
         "mpu": [None],
         "tp_group": [None],
+    }),
+    Section("deepspeed", "expert_parallel", _EP, ("expert_parallel",), {
+        "enabled": [True, False, "auto"],
+        "autoep_size": [4, 1],
+        "expert_tensor_parallel_size": [1, 2],
+        "preset_model": ["mixtral"],
+        "use_grouped_mm": [True],
+        "disable_triton_grouped_mm": [False],
+        "combine_impl": ["auto"],
+        "validate_folding_routing": [False],
+        "score_func": ["auto", "sigmoid"],
+        "score_apply": ["auto", "pre"],
+        "route_norm": [None, True],
+        "route_scale": [1.0, 2.5],
+        "routed_scaling_factor": ["auto", 2.5],
+        "top_k": ["auto", 2],
+        "num_expert_groups": [None, 8],
+        "num_limited_groups": [None, 4],
+        "load_balance_coeff": [None, 0.001],
+        "moe_layer_pattern": [None, "model\\.layers\\.\\d+\\.moe"],
+        "router_pattern": ["router"],
+        "expert_pattern": ["experts"],
+        "expert_w1": ["w1"],
+        "expert_w2": ["w2"],
+        "expert_w3": [None, "w3"],
+        "num_experts_attr": ["num_local_experts"],
+        "top_k_attr": ["num_experts_per_tok"],
+        "has_shared_experts": [None, False],
+        "shared_experts_pattern": ["shared_expert"],
+        "shared_experts_gate_pattern": ["shared_expert_gate"],
     }),
     Section("deepspeed", "fp16", {"fp16": {"enabled": True}}, ("fp16",), {
         "enabled": [True, "auto", False],

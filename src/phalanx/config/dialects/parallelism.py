@@ -9,6 +9,13 @@ writes a name as that front spells it, so that every message names the key the u
 The sizes are phalanx's mesh settings of the same names (``cp_size`` is ring attention, ``sp_size`` Ulysses). The
 options of the two sequence splits are Accelerate's backends and handlers (``TorchContextParallelConfig``,
 ``DeepSpeedSequenceParallelConfig``); each is taken for what phalanx does, said in a note, or refused with why.
+
+Expert parallelism is not among them: Accelerate 1.15's ParallelismConfig has no expert-parallel size (nor does
+transformers' TrainingArguments; transformers' own ``DistributedConfig(ep_size=...)`` is a from_pretrained argument,
+not a training one), so there is nothing to map. phalanx's ``ep_size`` is set as its own setting (``--ep-size``, a
+phalanx YAML, ``TrainingArguments(ep_size=...)``) or by DeepSpeed's ``expert_parallel.autoep_size``; an ``ep_size``
+written into a ParallelismConfig is refused with that pointer (:data:`NOT_ACCELERATE`) rather than taken for a typo
+of ``sp_size``.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ from typing import Any
 from phalanx.config.options import ConfigError
 
 __all__ = [
-    "SIZES", "OPTIONS", "NAMES", "Parallelism", "read_parallelism", "values_of", "check_option", "object_spelling",
+    "SIZES", "OPTIONS", "NAMES", "NOT_ACCELERATE", "Parallelism", "read_parallelism", "values_of", "check_option",
+    "object_spelling",
 ]  # fmt: skip
 
 SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
@@ -32,6 +40,11 @@ OPTIONS = (
 )  # fmt: skip
 """The options of the two sequence splits (ParallelismConfig's backends and its handlers' fields)."""
 NAMES = SIZES + OPTIONS
+NOT_ACCELERATE = {
+    "ep_size": "Accelerate's ParallelismConfig has no expert-parallel size; set phalanx's ep_size instead (--ep-size, "
+    "ep_size in a phalanx YAML, TrainingArguments(ep_size=...), or DeepSpeed's expert_parallel.autoep_size)",
+}
+"""Sizes that phalanx has and ParallelismConfig does not, and where to set them."""
 
 _CP_OPTIONS = ("cp_backend", "cp_comm_strategy")
 _SP_OPTIONS = ("sp_backend", "sp_seq_length", "sp_seq_length_is_variable", "sp_attn_implementation")
@@ -68,6 +81,9 @@ def values_of(config: Any, who: str = "parallelism_config") -> dict[str, Any]:
         return {}
     if isinstance(config, Mapping):
         unknown = sorted(set(config) - set(NAMES))
+        for key in unknown:
+            if key in NOT_ACCELERATE:
+                raise ConfigError(f"{who}[{key!r}]: {NOT_ACCELERATE[key]}")
         if unknown:
             close = difflib.get_close_matches(str(unknown[0]), NAMES, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
