@@ -1,48 +1,141 @@
 """Expert parallelism through the Engine against one process from the same init (fp32, aux loss off, 1e-5):
-transformers' Qwen3-MoE and Mixtral, 8 experts, top-2, trained three AdamW steps."""
+transformers' Qwen3-MoE and Mixtral, 8 experts, top-2, three AdamW steps with the gradient norm clipped below its
+value at every step (so the norm must count each expert once). Layouts: ep2 on 2 ranks, ep4 on 4; ep2 x zero2,
+ep2 x zero3, ep2 x tp2 (the model's own tp plan: every expert split by moe_tp_experts) and ep2 x pp2 (the models
+as the pipeline's blocks) on 4. A checkpoint saved at ep2 x zero2 loads on one process bit for bit, and the reverse.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests._moe_common import reference, train_ranks
+from phalanx.checkpoint.read import Checkpoint
+from tests._moe_common import (
+    moe_model,
+    pipeline_reference,
+    reference,
+    train_many,
+    train_pipeline,
+    train_ranks,
+)
 
 TOL = 1e-5
+KINDS = ("qwen3", "mixtral")
+_REFS: dict[tuple[str, str], Any] = {}
 
 
-def _close(results: list[dict[str, Any]], ref: tuple[list[float], dict[str, torch.Tensor]]) -> None:
+def _reference(kind: str, form: str = "model") -> Any:
+    if (kind, form) not in _REFS:
+        _REFS[kind, form] = reference(kind) if form == "model" else pipeline_reference(kind)
+    return _REFS[kind, form]
+
+
+def _close(per_rank: list[dict[str, Any]], ref: tuple[list[float], dict[str, torch.Tensor]], what: str) -> None:
     ref_losses, ref_state = ref
-    for r, res in enumerate(results):
-        assert res["losses"] == pytest.approx(ref_losses, abs=TOL), r
-    state = results[0]["state"]
-    assert set(state) == set(ref_state)
-    worst = max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
-    assert worst < TOL, worst
+    for r, res in enumerate(per_rank):
+        assert res["losses"] == pytest.approx(ref_losses, abs=TOL), (what, r, res["losses"], ref_losses)
+    state = per_rank[0]["state"]
+    assert set(state) == set(ref_state), what
     for k in ref_state:
-        assert state[k].shape == ref_state[k].shape, k
+        assert state[k].shape == ref_state[k].shape, (what, k)
+    worst = max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
+    assert worst < TOL, (what, worst)
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "mixtral"])
-def test_ep2_ddp_on_two_ranks(run_ranks: Any, kind: str) -> None:
-    _close(run_ranks(train_ranks, 2, kind, {"strategy": "ddp", "ep_size": 2}), reference(kind))
+def _whole_experts(kind: str) -> int:
+    return sum(p.numel() for n, p in moe_model(kind).named_parameters() if ".experts." in n)
 
 
-@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
-def test_ep2_under_zero_on_four_ranks(run_ranks: Any, strategy: str) -> None:
-    _close(run_ranks(train_ranks, 4, "qwen3", {"strategy": strategy, "ep_size": 2}), reference("qwen3"))
+def test_ep2_on_two_ranks(run_ranks: Any) -> None:
+    runs = [(kind, {"strategy": "ddp", "ep_size": 2}) for kind in KINDS]
+    results = run_ranks(train_many, 2, runs)
+    for i, (kind, options) in enumerate(runs):
+        _close([r[i] for r in results], _reference(kind), f"{kind} {options}")
+        assert all(r[i]["expert_numel"] * 2 == _whole_experts(kind) for r in results)  # 1/ep of the experts
 
 
-def test_ep2_by_tp2_on_four_ranks(run_ranks: Any) -> None:
-    # The model's own tp plan splits every expert (moe_tp_experts), its ep plan cuts the experts over the ep ranks.
-    _close(run_ranks(train_ranks, 4, "qwen3", {"strategy": "ddp", "ep_size": 2, "tp_size": 2}), reference("qwen3"))
+def test_ep4_and_ep2_under_zero2_and_zero3_on_four_ranks(run_ranks: Any) -> None:
+    runs = [
+        (kind, options)
+        for kind in KINDS
+        for options in (
+            {"strategy": "ddp", "ep_size": 4},
+            {"strategy": "zero2", "ep_size": 2},
+            {"strategy": "zero3", "ep_size": 2},
+        )
+    ]
+    results = run_ranks(train_many, 4, runs)
+    for i, (kind, options) in enumerate(runs):
+        _close([r[i] for r in results], _reference(kind), f"{kind} {options}")
 
 
-def test_ep2_by_pp2_on_four_ranks(run_ranks: Any) -> None:
-    # The model as the pipeline's blocks: two stages, each with two ep ranks.
-    from tests._moe_common import pipeline_reference, train_pipeline
+def _tp_and_pipeline(kinds: tuple[str, ...]) -> list[dict[str, Any]]:
+    out = [train_ranks(kind, {"strategy": "ddp", "ep_size": 2, "tp_size": 2}) for kind in kinds]
+    return out + [train_pipeline(kind, {"pp_size": 2, "ep_size": 2, "pp_microbatches": 2}) for kind in kinds]
 
-    options = {"pp_size": 2, "ep_size": 2, "pp_microbatches": 2}
-    _close(run_ranks(train_pipeline, 4, "qwen3", options), pipeline_reference("qwen3"))
+
+def test_ep2_by_tp2_and_by_pp2_on_four_ranks(run_ranks: Any) -> None:
+    results = run_ranks(_tp_and_pipeline, 4, KINDS)
+    for i, kind in enumerate(KINDS):
+        _close([r[i] for r in results], _reference(kind), f"{kind} ep2 x tp2")
+        _close([r[len(KINDS) + i] for r in results], _reference(kind, "pipeline"), f"{kind} ep2 x pp2")
+
+
+# ------------------------------------------------------------------------------------------- checkpoints
+def _saved(path: Path) -> dict[str, torch.Tensor]:
+    reader = Checkpoint(path).reader(0)
+    out = {}
+    for key in reader.keys():
+        n = 1
+        for s in reader.shape(key):
+            n *= s
+        out[key] = reader.read(key, 0, n).clone().view(reader.shape(key))
+    return out
+
+
+def _save_load(save: str | None, load: str | None) -> dict[str, Any]:
+    import phalanx
+
+    eng = phalanx.Engine(strategy="zero2", ep_size=2, seed=0)
+    model = moe_model("qwen3")
+    model, opt = eng.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    if load is not None:
+        eng.load_state(load)
+    else:
+        ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(eng.topology.data_rank))
+        eng.backward(model(input_ids=ids, labels=ids).loss)
+        opt.step()
+        opt.zero_grad()
+    if save is not None:
+        eng.save_state(save)
+    state = eng.get_state_dict(model)  # a collective: every rank
+    return {"state": state if eng.rank == 0 else None}
+
+
+def test_checkpoint_at_ep2_zero2_loads_on_one_process_bit_for_bit_and_back(run_ranks: Any, tmp_path: Path) -> None:
+    import phalanx
+
+    run_ranks(_save_load, 2, str(tmp_path / "ep"), None)
+    saved = _saved(tmp_path / "ep")
+    assert any("experts" in k for k in saved)
+    # One process loads it whole and saves it again: the same tensors, bit for bit (optimizer moments included).
+    eng = phalanx.Engine(seed=0)
+    model = moe_model("qwen3", seed=1)  # other values: all of them must come from the checkpoint
+    model, opt = eng.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    eng.load_state(tmp_path / "ep")
+    eng.save_state(tmp_path / "one")
+    again = _saved(tmp_path / "one")
+    assert set(again) == set(saved)
+    for k in saved:
+        assert torch.equal(again[k], saved[k]), k
+    # ... and the reverse: ep2 x zero2 loads the one-process checkpoint and gives back the same whole model.
+    back = run_ranks(_save_load, 2, str(tmp_path / "back"), str(tmp_path / "one"))[0]["state"]
+    reloaded = _saved(tmp_path / "back")
+    for k in saved:
+        assert torch.equal(reloaded[k], saved[k]), k
+    for k, v in model.state_dict().items():
+        assert torch.equal(back[k], v), k

@@ -655,7 +655,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"  strategy            {cfg.strategy}",
         f"  world size          {engine.world_size} ({engine.device.type}, {dp} data-parallel"
         + "".join(
-            f", {n} {s}" for n, s in engine.topology.mesh.as_dict().items() if n in ("pp", "cp", "sp", "tp") and s > 1
+            f", {n} {s}"
+            for n, s in engine.topology.mesh.as_dict().items()
+            if n in ("pp", "cp", "sp", "tp", "ep") and s > 1
         )
         + ")",
         f"  precision           {cfg.precision}",
