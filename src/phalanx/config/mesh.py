@@ -96,7 +96,8 @@ class Mesh:
             )
         if self.dp_replicate > 1 and shards > 1 and shards % self.ep:
             raise MeshError(
-                f"ep_size={self.ep} does not divide dp_shard x cp = {shards} under hybrid sharding ({self.describe()}): "
+                f"ep_size={self.ep} does not divide dp_shard x cp = {shards} under hybrid sharding "
+                f"({self.describe()}): "
                 "the experts' ranks must lie within one replica's shard group; use an ep_size that divides "
                 f"{shards}, or shard over more ranks"
             )

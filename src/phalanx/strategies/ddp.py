@@ -43,7 +43,7 @@ from phalanx.strategies._grads import (
 from phalanx.strategies._memory import memory_report_dict, nbytes, state_bytes_per_element, state_tensors
 from phalanx.strategies._replicas import check_prepared_once, check_trainable, optimizer_list, replicate_from_first
 from phalanx.strategies.base import Strategy
-from phalanx.strategies.expert_parallel.params import is_expert, split_dense_experts
+from phalanx.strategies.expert_parallel.params import expert_report, is_expert, split_dense_experts
 
 __all__ = ["DDPStrategy", "GradReducer"]
 
@@ -102,11 +102,11 @@ class GradReducer:
                 runs[-1][1].append(p)
             else:
                 runs.append((kind, [p]))
-        self.buckets = []
+        self.buckets: list[_Bucket] = []
         for kind, run in runs:
             g, n = experts if kind and experts is not None else (group, world_size)
-            for b in build_buckets(run, bucket_bytes):
-                self.buckets.append(_Bucket(len(self.buckets), b, g, n))
+            for chunk in build_buckets(run, bucket_bytes):
+                self.buckets.append(_Bucket(len(self.buckets), chunk, g, n))
         self._bucket_of: dict[nn.Parameter, tuple[_Bucket, int]] = {}
         for b in self.buckets:
             for i, p in enumerate(b.params):
@@ -425,7 +425,10 @@ class DDPStrategy(Strategy):
             "offloaded_to_disk": 0,
         }
         predicted = {"params": p_bytes * psi, "grads": p_bytes * psi, "optimizer_state": k * psi}
-        return memory_report_dict(self.name, psi, self.topology.dp_size, p_bytes, k, held, predicted, "none")
+        report = memory_report_dict(self.name, psi, self.topology.dp_size, p_bytes, k, held, predicted, "none")
+        if self.topology.ep_size > 1:
+            report["experts"] = expert_report([p for p in params if is_expert(p)], self.topology)
+        return report
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ATTR", "EPParam", "ep_param_info", "is_expert", "split_dense_experts"]
+__all__ = ["ATTR", "EPParam", "ep_param_info", "expert_report", "is_expert", "split_dense_experts"]
 
 ATTR = "_phalanx_ep"
 
@@ -56,7 +56,30 @@ def is_expert(p: torch.Tensor) -> bool:
 
 def split_dense_experts(params: Iterable[torch.Tensor]) -> tuple[list[Any], list[Any]]:
     """``params`` in order, as (dense, experts)."""
-    dense, experts = [], []
+    dense: list[Any] = []
+    experts: list[Any] = []
     for p in params:
         (experts if is_expert(p) else dense).append(p)
     return dense, experts
+
+
+def expert_report(params: Iterable[Any], topology: Any) -> dict[str, Any]:
+    """``memory_report()["experts"]``: the expert elements this rank's experts have against the whole layers' (a
+    fraction ``1/ep``), before any zero sharding of them (which the report's held bytes include)."""
+    infos = [i for i in (ep_param_info(p) for p in params) if i is not None]
+    held = sum(_numel(i.local_shape) for i in infos)
+    whole = sum(_numel(i.full_shape) for i in infos)
+    return {
+        "ep_size": topology.ep_size,
+        "expert_dp_size": topology.expert_dp_size,
+        "expert_params_held": held,
+        "expert_params_whole": whole,
+        "fraction": held / whole if whole else 0.0,
+    }
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -195,12 +195,12 @@ def apply_ep_plan(
             new = nn.Parameter(piece, requires_grad=p.requires_grad)
             tp_info = getattr(p, "_phalanx_tp", None)
             if tp_info is not None:
-                new._phalanx_tp = tp_info
+                new._phalanx_tp = tp_info  # type: ignore[attr-defined]
             setattr(new, ATTR, info)
             module._parameters[pname] = new
             report.params[f"{name}.{pname}"] = info
         if isinstance(getattr(module, "num_experts", None), int):
-            module.num_experts = local
+            module.num_experts = local  # type: ignore[assignment]
         _swap_class(module)
         module._phalanx_ep_group = ExpertGroup(  # type: ignore[assignment]
             group, ep, rank, count, capacity_factor, report.stats, label=f"ep {name}"

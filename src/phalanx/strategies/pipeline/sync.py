@@ -24,9 +24,9 @@ from phalanx.checkpoint.shards import ShardEntry, StateReader, balanced_slices, 
 from phalanx.config.strategy_options import PipelineOptions
 from phalanx.runtime.collective_log import watched
 from phalanx.strategies._grads import clip_to_norm_, mesh_norm, tp_replicas
-from phalanx.strategies.expert_parallel.params import is_expert
 from phalanx.strategies.base import Strategy
 from phalanx.strategies.ddp import DDPStrategy
+from phalanx.strategies.expert_parallel.params import is_expert
 from phalanx.strategies.zero.bucketed import Zero1Strategy
 from phalanx.strategies.zero.optimizers import check_optimizer
 

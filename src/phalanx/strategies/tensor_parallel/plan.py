@@ -296,11 +296,11 @@ def apply_tp_plan(
     if group is None:
         raise TypeError("apply_tp_plan needs the tp process group (got None): phalanx never uses the world implicitly")
     tp, rank = int(dist.get_world_size(group)), int(dist.get_rank(group))
-    own = plan is None
+    own_plan = plan is None
     plan = resolve_plan(model, plan)
     modules = dict(model.named_modules())
     params = dict(model.named_parameters(remove_duplicate=False))
-    module_styles, param_styles = _expand(plan, modules, params, strict=not own)
+    module_styles, param_styles = _expand(plan, modules, params, strict=not own_plan)
     heads = _heads_from_config(model)
     if sequence_parallel and _transformers_model(model):
         raise TPPlanError(

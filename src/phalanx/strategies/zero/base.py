@@ -49,7 +49,7 @@ from phalanx.strategies._replicas import (
     replicate_from_first,
 )
 from phalanx.strategies.base import Strategy
-from phalanx.strategies.expert_parallel.params import is_expert
+from phalanx.strategies.expert_parallel.params import expert_report, is_expert
 from phalanx.strategies.zero import state
 from phalanx.strategies.zero.collectives import DTYPES, Done, SegmentComm, resolve_collectives
 from phalanx.strategies.zero.layout import Segment, merge_runs
@@ -585,9 +585,18 @@ class ZeroStrategy(Strategy):
         # Reduced gradient slices are kept in fp32 (g = 4) even for bf16/fp16 parameters, so that accumulation
         # over micro-batches does not round; the paper counts them at the parameters' width (2Ψ/N).
         g = max(p, 4)
-        predicted = self._predicted(p, g, trainable, n)
-        predicted["optimizer_state"] = k * trainable / n
+        # Under expert parallelism the experts' segments are sharded over the ranks that hold the same experts.
+        experts = sum(
+            s.shapes[i].numel() for s in self.segments if s.expert for i in range(len(s.params)) if s.trainable[i]
+        )
+        dense, ne = trainable - experts, self.expert_world
+        predicted = self._predicted(p, g, dense, n)
+        if experts:
+            predicted = {key: v + self._predicted(p, g, experts, ne)[key] for key, v in predicted.items()}
+        predicted["optimizer_state"] = k * (dense / n + experts / ne)
         report = memory_report_dict(self.name, trainable, n, p, k, held, predicted, self.store.mode)
+        if self.topology.ep_size > 1:
+            report["experts"] = expert_report([q for s in self.segments if s.expert for q in s.params], self.topology)
         pieces = [b - a for _, layout, _ in self._optimizers for ps in layout for _, a, b in ps]
         grads = max((s.shapes[i].numel() * p for s in self.segments for i in range(len(s.params))), default=0)
         chunk = (
