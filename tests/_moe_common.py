@@ -13,6 +13,12 @@ VOCAB, HIDDEN, SEQ, BATCH, STEPS = 64, 32, 8, 8, 3
 
 def moe_model(kind: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
+    if kind == "demo":  # phalanx demo --moe: Qwen3-MoE's experts and router in the demo GPT
+        from phalanx.demo import GPTConfig, TinyGPT
+
+        return _Logits(
+            TinyGPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=HIDDEN, moe=True))
+        )
     if kind == "qwen3":
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -39,6 +45,25 @@ def moe_model(kind: str, seed: int = 0) -> nn.Module:
         for p in model.parameters():
             p.normal_(0, 0.2 if p.dim() > 1 else 0.05).add_(1.0 if p.dim() == 1 else 0.0)
     return model
+
+
+class _Logits(nn.Module):
+    """The demo GPT with transformers' call: ``model(input_ids=, labels=).loss`` (the next-token loss)."""
+
+    def __init__(self, gpt: nn.Module) -> None:
+        super().__init__()
+        self.gpt = gpt
+
+    def ep_plan(self) -> dict[str, str]:
+        return {f"gpt.{k}": v for k, v in self.gpt.ep_plan().items()}
+
+    def tp_plan(self) -> dict[str, str]:
+        return {f"gpt.{k}": v for k, v in self.gpt.tp_plan().items()}
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        logits = self.gpt(input_ids)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        return type("Out", (), {"loss": loss})()
 
 
 def batches(seed: int = 7) -> list[torch.Tensor]:
@@ -147,6 +172,8 @@ class MoESequential(nn.Sequential):
 
 def moe_sequential(kind: str, seed: int = 0) -> nn.Module:
     model = moe_model(kind, seed)
+    if kind == "demo":
+        return model.gpt.pipeline_blocks()  # type: ignore[operator]
     base = model.model
     rotary_cls = type(base.rotary_emb)
     layers = [_Layer(layer, rotary_cls(model.config)) for layer in base.layers]

@@ -291,7 +291,10 @@ class TinyGPT(nn.Module):
         head = nn.Linear(self.cfg.n_embd, self.cfg.vocab_size, bias=False)
         with torch.no_grad():
             head.weight.copy_(self.tok.weight)
-        return nn.Sequential(_Embed(self.tok, self.pos), *self.blocks, _Head(self.ln_f, head))
+        seq = nn.Sequential(_Embed(self.tok, self.pos), *self.blocks, _Head(self.ln_f, head))
+        if self.cfg.moe:  # the blocks are the Sequential's children "1".."n": the same plan under those names
+            seq._ep_plan = {k.replace("blocks.*.", "*."): v for k, v in self.ep_plan().items()}  # type: ignore[assignment]
+        return seq
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.8, top_k: int = 40) -> torch.Tensor:
