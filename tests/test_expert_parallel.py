@@ -1,8 +1,9 @@
 """Expert parallelism through the Engine against one process from the same init (fp32, aux loss off, 1e-5):
-transformers' Qwen3-MoE and Mixtral and the demo's MoE GPT, 8 experts, top-2, three AdamW steps with the gradient norm clipped below its
-value at every step (so the norm must count each expert once). Layouts: ep2 on 2 ranks, ep4 on 4; ep2 x zero2,
-ep2 x zero3, ep2 x tp2 (the model's own tp plan: every expert split by moe_tp_experts) and ep2 x pp2 (the models
-as the pipeline's blocks) on 4. A checkpoint saved at ep2 x zero2 loads on one process bit for bit, and the reverse.
+transformers' Qwen3-MoE and Mixtral, and the demo's MoE GPT (phalanx demo --moe), 8 experts, top-2, three SGD
+steps with momentum (tests/_moe_common.py says why not Adam) and the gradient norm clipped below its value at every
+step (so the norm must count each expert once). Layouts: ep2 on 2 ranks, ep4 on 4; ep2 x zero2, ep2 x zero3,
+ep2 x tp2 (each model's own tp plan: every expert split by moe_tp_experts) and ep2 x pp2 (the models as the
+pipeline's blocks) on 4. A checkpoint saved at ep2 x zero2 loads on one process bit for bit, and the reverse.
 """
 
 from __future__ import annotations
