@@ -12,6 +12,8 @@ VOCAB, HIDDEN, SEQ, BATCH, STEPS = 64, 32, 8, 8, 3
 
 
 def moe_model(kind: str, seed: int = 0) -> nn.Module:
+    """``kind``: qwen3, mixtral or demo; ``qwen3+aux`` is Qwen3-MoE with its load-balancing loss on (coef 0.1)."""
+    kind, aux = kind.removesuffix("+aux"), kind.endswith("+aux")
     torch.manual_seed(seed)
     if kind == "demo":  # phalanx demo --moe: Qwen3-MoE's experts and router in the demo GPT
         from phalanx.demo import GPTConfig, TinyGPT
@@ -25,7 +27,8 @@ def moe_model(kind: str, seed: int = 0) -> nn.Module:
         cfg = Qwen3MoeConfig(
             vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=32, moe_intermediate_size=16,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8,
-            num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.0, output_router_logits=False,
+            num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.1 if aux else 0.0,
+            output_router_logits=aux,
             max_position_embeddings=64, tie_word_embeddings=False, attention_dropout=0.0,
         )  # fmt: skip
         model = Qwen3MoeForCausalLM(cfg)

@@ -51,12 +51,18 @@ def _whole_experts(kind: str) -> int:
     return sum(p.numel() for n, p in moe_model(kind).named_parameters() if ".experts." in n)
 
 
-def test_ep2_on_two_ranks(run_ranks: Any) -> None:
+def test_ep2_on_two_ranks_and_the_global_aux_loss(run_ranks: Any) -> None:
     runs = [(kind, {"strategy": "ddp", "ep_size": 2}) for kind in KINDS]
-    results = run_ranks(train_many, 2, runs)
-    for i, (kind, options) in enumerate(runs):
+    # The load-balancing loss on: over every rank's tokens (moe_aux_loss="global") it is one process's on the whole
+    # batch, loss and gradients; per rank (the default, the model's own code) it is each rank's own statistic.
+    aux = [("qwen3+aux", {"strategy": "ddp", "ep_size": 2, "moe_aux_loss": "global"}), ("qwen3+aux", {"ep_size": 2})]
+    results = run_ranks(train_many, 2, runs + aux)
+    for i, (kind, options) in enumerate(runs + aux[:1]):
         _close([r[i] for r in results], _reference(kind), f"{kind} {options}")
+    for i, (kind, _) in enumerate(runs):
         assert all(r[i]["expert_numel"] * 2 == _whole_experts(kind) for r in results)  # 1/ep of the experts
+    per_rank = results[0][len(runs) + 1]["losses"]
+    assert abs(per_rank[0] - _reference("qwen3+aux")[0][0]) > 1e-4  # the mean of per-rank statistics differs
 
 
 def test_ep4_and_ep2_under_zero2_and_zero3_on_four_ranks(run_ranks: Any) -> None:

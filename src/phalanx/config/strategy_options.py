@@ -100,6 +100,14 @@ class ParallelOptions(Options):
         check=lambda v: v > 0,
         fix="use a positive factor such as 1.25, or leave it unset for dropless routing",
     )
+    moe_aux_loss: str = option(
+        "rank",
+        "A mixture-of-experts model's load-balancing loss: 'rank' computes it on each rank's tokens (a per-rank "
+        "statistic, as Megatron's aux_loss; the model's own code, unchanged), 'global' over the tokens of every "
+        "data-parallel and context-parallel rank (Megatron's global_aux_loss), equal to one process's on the whole "
+        "batch. 'global' applies to transformers MoE models (their load_balancing_loss_func). See docs/moe.md.",
+        choices=("rank", "global"),
+    )
     dp_shard_size: int | None = option(
         None,
         "Data-parallel ranks that shard the model (zero1/2/3); default: every data-parallel rank under zero, 1 "

@@ -73,6 +73,8 @@ class TensorParallelState:
         return self.topology.tp_size > 1
 
     def split(self, model: nn.Module, strategy: Any) -> nn.Module:
+        if self.config.options(ParallelOptions).moe_aux_loss == "global":
+            global_aux_loss(model, self.topology)
         if not self.active and self.topology.ep_size == 1:
             return model
         before = dict(model.named_parameters(remove_duplicate=False))
@@ -240,3 +242,18 @@ def split_experts(model: nn.Module, config: EngineConfig, topology: Topology, de
     return apply_ep_plan(
         model, group, topology.ep_size, topology.ep_rank, capacity_factor=opts.moe_capacity_factor, agree=agree
     )
+
+
+def global_aux_loss(model: nn.Module, topology: Topology) -> None:
+    """``moe_aux_loss="global"``: the model's load-balancing loss over the tokens of every dp (and cp) rank."""
+    from phalanx.strategies.expert_parallel.aux_loss import use_global_aux_loss
+
+    if topology.dp_size == 1:
+        return  # one rank's tokens are the whole batch's
+    if not use_global_aux_loss(model, topology.dp_group):
+        raise ConfigError(
+            f"moe_aux_loss='global' applies to a transformers mixture-of-experts model (it replaces its modeling "
+            f"module's load_balancing_loss_func), and {type(model).__name__} has none; compute your model's loss "
+            "with phalanx.strategies.expert_parallel.global_load_balancing_loss(router_logits, num_experts, top_k, "
+            "group=engine.topology.dp_group), or leave moe_aux_loss at 'rank'"
+        )
