@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -149,3 +150,31 @@ def test_dispatch_on_four_ranks_one_group_and_two(run_ranks: Any) -> None:
 def test_traffic_formula() -> None:
     assert dispatch_elements(100, 2, 16, 4) == 100 * 2 * 16 * 3 / 4
     assert dispatch_elements(100, 2, 16, 1) == 0
+
+
+# ------------------------------------------------------------------------------------------- bad input
+def test_the_plan_refuses_what_it_cannot_split() -> None:
+    from phalanx.config.options import ConfigError
+    from phalanx.config.settings import EngineConfig
+    from phalanx.strategies.expert_parallel import EPPlanError
+
+    # A dense model has no ep plan: named, with the fix.
+    with pytest.raises(EPPlanError, match=r"Linear has no expert-parallel plan.*ep_plan\(\).*ep_size=1"):
+        apply_ep_plan(torch.nn.Linear(2, 2), None, 2, 0)
+    # 8 experts do not divide over 3 ranks.
+    with pytest.raises(EPPlanError, match=r"experts has 8 experts, which do not divide over ep_size=3"):
+        apply_ep_plan(_Holder(_experts()), None, 3, 0, plan={"experts": "ep_dispatch_experts"})
+    # A style that is not expert parallelism, and an entry that matches nothing.
+    with pytest.raises(EPPlanError, match=r"style 'colwise' is not an expert-parallel style"):
+        apply_ep_plan(_Holder(_experts()), None, 2, 0, plan={"experts": "colwise"})
+    with pytest.raises(EPPlanError, match=r"'mlp\.experts' \(ep_dispatch_experts\) matches no module"):
+        apply_ep_plan(_Holder(_experts()), None, 2, 0, plan={"mlp.experts": "ep_dispatch_experts"})
+    # An experts module whose weights are not stacked by expert.
+    holder = _Holder(torch.nn.Linear(4, 4))
+    with pytest.raises(EPPlanError, match=r"no num_experts and no stacked expert weights"):
+        apply_ep_plan(holder, None, 2, 0, plan={"experts": "ep_dispatch_experts"})
+    # Nothing changed on a refusal.
+    assert isinstance(holder.experts, torch.nn.Linear) and holder.experts.weight.shape == (4, 4)
+    # The capacity factor without expert parallelism is a setting that would be ignored: refused.
+    with pytest.raises(ConfigError, match=r"moe_capacity_factor=1.25 applies under expert parallelism only"):
+        EngineConfig(moe_capacity_factor=1.25)

@@ -13,12 +13,12 @@ The data-parallel strategies reduce (and zero shards) expert parameters over the
 """
 
 from .aux_loss import global_load_balancing_loss, use_global_aux_loss
-from .dispatch import DispatchStats, ExpertGroup, dispatch_combine, dispatch_elements
+from .dispatch import DispatchStats, ExpertGroup, dispatch_combine, dispatch_elements, dispatch_stats
 from .params import EPParam, ep_param_info, is_expert, split_dense_experts
 from .plan import EPPlanError, EPReport, apply_ep_plan, resolve_ep_plan
 
 __all__ = [
     "DispatchStats", "EPParam", "EPPlanError", "EPReport", "ExpertGroup", "apply_ep_plan", "dispatch_combine",
-    "dispatch_elements", "ep_param_info", "global_load_balancing_loss", "is_expert", "resolve_ep_plan",
-    "split_dense_experts", "use_global_aux_loss",
+    "dispatch_elements", "dispatch_stats", "ep_param_info", "global_load_balancing_loss", "is_expert",
+    "resolve_ep_plan", "split_dense_experts", "use_global_aux_loss",
 ]  # fmt: skip

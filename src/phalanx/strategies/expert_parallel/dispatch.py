@@ -16,7 +16,7 @@ wrapped so that each (token, expert) pair travels to the rank that holds the exp
 
 Dropless by default: every pair is computed. With a capacity factor ``c``, each expert takes at most
 ``ceil(c * tokens * top_k / E)`` pairs from each rank (the first ones, in token order); the rest add nothing, and
-are counted (``DispatchStats``).
+are counted (``dispatch_stats(model)``) and the first drop is logged, with the fix.
 
 Every all-to-all has its backward (the reverse exchange), and every rank of the ep group runs each one in the same
 order: a rank with no tokens for anyone still takes part, with empty tensors, in the forward and in the backward.
@@ -32,31 +32,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.logging import warn_once
 from phalanx.runtime.collective_log import watched
 
-__all__ = ["DispatchStats", "ExpertGroup", "dispatch_combine", "dispatch_elements"]
+__all__ = ["DispatchStats", "ExpertGroup", "dispatch_combine", "dispatch_elements", "dispatch_stats"]
 
 
 @dataclass
 class DispatchStats:
-    """What dispatch moved and dropped, counted on the device (read without a sync only when asked)."""
+    """What this rank's dispatches routed and dropped, summed over layers and steps. The counts reach the host with
+    the split sizes, which the all-to-alls need there anyway: no sync of their own."""
 
-    dropped: torch.Tensor | None = None  # pairs dropped by the capacity factor, summed over layers and steps
-    routed: torch.Tensor | None = None  # pairs routed
+    routed: int = 0  # (token, expert) pairs computed
+    dropped: int = 0  # pairs over an expert's capacity (moe_capacity_factor), which add nothing
+    sent: int = 0  # pairs sent to another rank
     calls: int = 0
 
-    def add(self, routed: torch.Tensor, dropped: torch.Tensor | None) -> None:
-        self.calls += 1
-        self.routed = routed if self.routed is None else self.routed + routed
-        if dropped is not None:
-            self.dropped = dropped if self.dropped is None else self.dropped + dropped
-
     def read(self) -> dict[str, int]:
-        return {
-            "routed": int(self.routed) if self.routed is not None else 0,
-            "dropped": int(self.dropped) if self.dropped is not None else 0,
-            "calls": self.calls,
-        }
+        return {"routed": self.routed, "dropped": self.dropped, "sent": self.sent, "calls": self.calls}
 
 
 @dataclass
@@ -141,11 +134,12 @@ def dispatch_combine(
         position = torch.arange(order.numel(), device=flat.device) - starts[sorted_key.clamp(max=n_exp - 1)]
         order = order[in_range & (position < capacity)]
         counts = kept
-    eg.stats.add(counts.sum(), dropped)
     recv_counts = torch.empty_like(counts)
     watched(dist.all_to_all_single, recv_counts, counts, group=eg.group, label=f"{eg.label}: counts")
-    sizes = torch.cat([counts.view(ep, local).sum(1), recv_counts.view(ep, local).sum(1)]).tolist()  # the host sync
-    send_splits, recv_splits = sizes[:ep], sizes[ep:]
+    lost = (dropped if dropped is not None else counts.new_zeros(()))[None]
+    sizes = torch.cat([counts.view(ep, local).sum(1), recv_counts.view(ep, local).sum(1), lost]).tolist()  # the sync
+    send_splits, recv_splits = sizes[:ep], sizes[ep : 2 * ep]
+    _count(eg, send_splits, int(sizes[-1]))
     pairs = order[: sum(send_splits)]
     token_of = torch.div(pairs, k, rounding_mode="floor")
     label = f"{eg.label}: tokens"
@@ -159,6 +153,35 @@ def dispatch_combine(
     back = _AllToAll.apply(y, send_splits, recv_splits, eg.group, f"{eg.label}: outputs")
     out = torch.zeros_like(hidden)
     return out.index_add(0, token_of, back.to(out.dtype))
+
+
+def _count(eg: ExpertGroup, send_splits: list[int], dropped: int) -> None:
+    st = eg.stats
+    st.calls += 1
+    st.routed += sum(send_splits)
+    st.sent += sum(send_splits) - send_splits[eg.rank]
+    st.dropped += dropped
+    if dropped:
+        warn_once(
+            f"moe_capacity_factor={eg.capacity_factor:g}: {dropped} of the {dropped + sum(send_splits)} (token, "
+            f"expert) pairs of this rank went over their expert's capacity in {eg.label} and were dropped (they add "
+            "nothing to their tokens' outputs), and more may follow; dispatch_stats(model) counts them. Raise "
+            "moe_capacity_factor, or leave it unset to compute every pair (dropless)"
+        )
+
+
+def dispatch_stats(model: Any) -> dict[str, int]:
+    """This rank's dispatch counts over every experts module of ``model`` (summed over layers and steps): pairs
+    routed, dropped by the capacity factor, sent to other ranks, and dispatch calls."""
+    out = {"routed": 0, "dropped": 0, "sent": 0, "calls": 0}
+    seen: set[int] = set()
+    for m in model.modules():
+        eg = getattr(m, "_phalanx_ep_group", None)
+        if isinstance(eg, ExpertGroup) and id(eg.stats) not in seen:
+            seen.add(id(eg.stats))
+            for k, v in eg.stats.read().items():
+                out[k] += v
+    return out
 
 
 def dispatch_elements(tokens: int, top_k: int, hidden: int, ep: int) -> float:

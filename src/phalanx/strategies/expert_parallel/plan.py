@@ -150,7 +150,7 @@ def apply_ep_plan(
         own = dict(module.named_parameters(recurse=False))
         count = getattr(module, "num_experts", None)
         if not isinstance(count, int):
-            stacked = [p.shape[0] for p in own.values() if p.dim() >= 2]
+            stacked = [p.shape[0] for p in own.values() if p.dim() >= 3]  # [E, out, in]: a Linear's are 2-D
             count = stacked[0] if stacked and len(set(stacked)) == 1 else None
         if count is None:
             raise EPPlanError(
