@@ -63,7 +63,7 @@ class _Logits(nn.Module):
     def tp_plan(self) -> dict[str, str]:
         return {f"gpt.{k}": v for k, v in self.gpt.tp_plan().items()}
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:  # type: ignore[override]
         logits = self.gpt(input_ids)
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
         return type("Out", (), {"loss": loss})()
@@ -103,23 +103,25 @@ def make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
 
 
 def train_ranks(kind: str, engine: dict[str, Any], optimizer: str = "sgd", save: str | None = None) -> dict[str, Any]:
-    """On each rank: the Engine with ``engine``'s settings, the same steps on this rank's slice of each batch."""
+    """On each rank: the Engine with ``engine``'s settings, the same steps on this rank's slice of each global batch
+    (a prepared DataLoader: under context parallelism it also cuts each sequence)."""
     import phalanx
 
     eng = phalanx.Engine(seed=0, max_grad_norm=CLIP, **engine)
     model = moe_model(kind)
     opt = make_optimizer(optimizer, model)
-    model, opt = eng.prepare(model, opt)
-    topo = eng.topology
-    per = BATCH // topo.data_size
+    samples = [{"input_ids": row, "labels": row} for ids in batches() for row in ids]
+    loader = torch.utils.data.DataLoader(samples, batch_size=BATCH // eng.topology.data_size)
+    model, opt, loader = eng.prepare(model, opt, loader)
     losses = []
-    for ids in batches():
-        mine = ids[topo.data_rank * per : (topo.data_rank + 1) * per]
-        loss = model(input_ids=mine, labels=mine).loss
+    for batch in loader:
+        loss = model(**batch).loss
         eng.backward(loss)
         opt.step()
         opt.zero_grad()
-        losses.append(float(eng.reduce(loss.detach(), "mean")))
+        cp = eng.context_parallel
+        weight = cp.weight() if cp is not None else None  # this rank's share of the sequence's targets
+        losses.append(float(eng.reduce(loss.detach() * (weight if weight is not None else 1.0), "mean")))
     if save is not None:
         eng.save_state(save)
     state = eng.get_state_dict(model)

@@ -2,7 +2,8 @@
 transformers' Qwen3-MoE and Mixtral, and the demo's MoE GPT (phalanx demo --moe), 8 experts, top-2, three SGD
 steps with momentum (tests/_moe_common.py says why not Adam) and the gradient norm clipped below its value at every
 step (so the norm must count each expert once). Layouts: ep2 on 2 ranks, ep4 on 4; ep2 x zero2, ep2 x zero3,
-ep2 x tp2 (each model's own tp plan: every expert split by moe_tp_experts) and ep2 x pp2 (the models as the
+(Qwen3-MoE also ep2 x zero1, ep2 under hybrid zero2, ep2 x cp2 with ring attention), ep2 x tp2 (each model's
+own tp plan: every expert split by moe_tp_experts) and ep2 x pp2 (the models as the
 pipeline's blocks) on 4. A checkpoint saved at ep2 x zero2 loads on one process bit for bit, and the reverse.
 """
 
@@ -65,7 +66,7 @@ def test_ep2_on_two_ranks_and_the_global_aux_loss(run_ranks: Any) -> None:
     assert abs(per_rank[0] - _reference("qwen3+aux")[0][0]) > 1e-4  # the mean of per-rank statistics differs
 
 
-def test_ep4_and_ep2_under_zero2_and_zero3_on_four_ranks(run_ranks: Any) -> None:
+def test_ep4_and_ep2_under_zero_and_context_parallelism_on_four_ranks(run_ranks: Any) -> None:
     runs = [
         (kind, options)
         for kind in KINDS
@@ -74,6 +75,11 @@ def test_ep4_and_ep2_under_zero2_and_zero3_on_four_ranks(run_ranks: Any) -> None
             {"strategy": "zero2", "ep_size": 2},
             {"strategy": "zero3", "ep_size": 2},
         )
+    ]
+    runs += [
+        ("qwen3", {"strategy": "zero1", "ep_size": 2}),
+        ("qwen3", {"strategy": "zero2", "ep_size": 2, "dp_replicate_size": 2}),  # hybrid: ep within a replica
+        ("qwen3", {"strategy": "ddp", "ep_size": 2, "cp_size": 2}),  # ring attention; ep over dp x cp
     ]
     results = run_ranks(train_many, 4, runs)
     for i, (kind, options) in enumerate(runs):
