@@ -125,6 +125,7 @@ def _save_load(save: str | None, load: str | None) -> dict[str, Any]:
         opt.zero_grad()
     if save is not None:
         eng.save_state(save)
+        eng.save_model(model, save + "-hf")  # whole experts, in transformers' own files
     state = eng.get_state_dict(model)  # a collective: every rank
     return {"state": state if eng.rank == 0 else None}
 
@@ -132,9 +133,15 @@ def _save_load(save: str | None, load: str | None) -> dict[str, Any]:
 def test_checkpoint_at_ep2_zero2_loads_on_one_process_bit_for_bit_and_back(run_ranks: Any, tmp_path: Path) -> None:
     import phalanx
 
-    run_ranks(_save_load, 2, str(tmp_path / "ep"), None)
+    trained = run_ranks(_save_load, 2, str(tmp_path / "ep"), None)[0]["state"]
     saved = _saved(tmp_path / "ep")
     assert any("experts" in k for k in saved)
+    # save_model's directory loads with from_pretrained, every expert in place.
+    from transformers import Qwen3MoeForCausalLM
+
+    hf = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "ep-hf").state_dict()
+    assert set(hf) == set(trained) and all(torch.equal(hf[k], trained[k]) for k in trained)
+    assert hf["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 8
     # One process loads it whole and saves it again: the same tensors, bit for bit (optimizer moments included).
     eng = phalanx.Engine(seed=0)
     model = moe_model("qwen3", seed=1)  # other values: all of them must come from the checkpoint
