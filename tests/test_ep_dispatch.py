@@ -178,3 +178,57 @@ def test_the_plan_refuses_what_it_cannot_split() -> None:
     # The capacity factor without expert parallelism is a setting that would be ignored: refused.
     with pytest.raises(ConfigError, match=r"moe_capacity_factor=1.25 applies under expert parallelism only"):
         EngineConfig(moe_capacity_factor=1.25)
+
+
+# ------------------------------------------------------------------------------------------- idle experts
+class _OneExpert(torch.nn.Module):
+    """Every token to expert 0: under ep2, ep rank 1's experts get no token at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from phalanx.demo import Experts
+
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(H, H)
+        self.experts = Experts(H, INTER, E)
+        with torch.no_grad():
+            self.experts.gate_up_proj.normal_(0, 0.3)
+            self.experts.down_proj.normal_(0, 0.3)
+
+    def ep_plan(self) -> dict[str, str]:
+        return {"experts": "ep_dispatch_experts"}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        ones = torch.ones(h.shape[0], 1)
+        return self.experts(h, torch.zeros(h.shape[0], 1, dtype=torch.long), ones)
+
+
+def _idle_experts(strategy: str) -> dict[str, Any]:
+    import phalanx
+
+    eng = phalanx.Engine(strategy=strategy, ep_size=2, seed=0)
+    model = _OneExpert()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.1)
+    model, opt = eng.prepare(model, opt)
+    x = torch.randn(8, H, generator=torch.Generator().manual_seed(3))
+    for _ in range(2):
+        eng.backward(model(x[eng.rank * 4 : (eng.rank + 1) * 4]).square().mean())
+        opt.step()
+        opt.zero_grad()
+    return {k: v.clone() for k, v in eng.get_state_dict(model).items()}
+
+
+def test_experts_no_token_reaches_still_train_as_in_one_process(run_ranks: Any) -> None:
+    # One process: the stacked weights get a gradient (zeros on experts 1..7) and weight decay, as on every rank.
+    model = _OneExpert()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.1)
+    x = torch.randn(8, H, generator=torch.Generator().manual_seed(3))
+    for _ in range(2):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    for strategy in ("ddp", "zero2"):
+        state = run_ranks(_idle_experts, 2, strategy)[0]
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(state[k], v, rtol=0, atol=TOL, msg=f"{strategy} {k}")

@@ -8,7 +8,7 @@ wrapped so that each (token, expert) pair travels to the rank that holds the exp
    every other how many pairs it sends to each of its experts (one small all-to-all);
 2. one host sync reads those counts: ``all_to_all_single`` needs its split sizes on the host, as Megatron's
    dispatcher does (one per layer and step);
-3. the tokens and their routing weights go out by ``all_to_all_single`` with variable splits;
+3. the tokens and their routing weights (one more column) go out by ``all_to_all_single`` with variable splits;
 4. the receiving rank runs the model's own experts forward on them, each row with its one local expert and its
    weight, so the weight is applied exactly where and how the model applies it;
 5. the outputs come back by the reverse all-to-all and are summed per token with ``index_add_``, in expert order,
@@ -112,10 +112,12 @@ def dispatch_combine(
     hidden: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
+    params: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The experts' output for ``hidden`` ([T, H]) routed by ``top_k_index``/``top_k_weights`` ([T, k]), with the
     experts spread over ``eg``'s ranks; ``local_forward(x, index, weights)`` is the model's own experts forward on
-    this rank's experts (``index`` in ``0 .. E/ep - 1``)."""
+    this rank's experts (``index`` in ``0 .. E/ep - 1``); ``params``, the experts' weights, get a zero gradient when no
+    token reaches them."""
     tokens, k = top_k_index.shape
     n_exp, ep, local = eg.num_experts, eg.size, eg.local
     flat = top_k_index.reshape(-1)
@@ -142,14 +144,25 @@ def dispatch_combine(
     _count(eg, send_splits, int(sizes[-1]))
     pairs = order[: sum(send_splits)]
     token_of = torch.div(pairs, k, rounding_mode="floor")
-    label = f"{eg.label}: tokens"
-    x = _AllToAll.apply(hidden[token_of], recv_splits, send_splits, eg.group, label)
-    w = _AllToAll.apply(top_k_weights.reshape(-1)[pairs], recv_splits, send_splits, eg.group, f"{eg.label}: weights")
+    # The tokens and their weights travel together, as one more column in the wider of their dtypes (exact both
+    # ways): one all-to-all, whose backward every rank runs at the same point.
+    wire = torch.promote_types(hidden.dtype, top_k_weights.dtype)
+    send = torch.cat([hidden[token_of].to(wire), top_k_weights.reshape(-1)[pairs].to(wire)[:, None]], dim=1)
+    got = _AllToAll.apply(send, recv_splits, send_splits, eg.group, f"{eg.label}: tokens")
+    x, w = got[:, :-1].to(hidden.dtype), got[:, -1].to(top_k_weights.dtype)
     local_ids = torch.arange(local, device=flat.device).repeat(ep)
     ids = torch.repeat_interleave(local_ids, recv_counts, output_size=sum(recv_splits))
     y = local_forward(x, ids[:, None], w[:, None])
-    if torch.is_grad_enabled() and not y.requires_grad and (x.requires_grad or w.requires_grad):
-        y = _Join.apply(y, x, w)
+    if not sum(recv_splits) and torch.is_grad_enabled():
+        # No token reached this rank's experts. Their weights still get a gradient (zeros), as the whole stacked
+        # weight of one process does when any of its experts is used, so that the strategies see every expert weight
+        # in every backward (an unused parameter is an error there); and the received (empty) tokens and weights
+        # stay in the graph, so that their all-to-alls' backwards run here when the peers run theirs.
+        trainable = [p for p in params or [] if p.requires_grad]
+        if trainable:
+            y = y + sum(p.reshape(-1)[:1].sum() for p in trainable) * 0.0
+        if x.requires_grad or w.requires_grad:
+            y = _Join.apply(y, x, w)
     back = _AllToAll.apply(y, send_splits, recv_splits, eg.group, f"{eg.label}: outputs")
     out = torch.zeros_like(hidden)
     return out.index_add(0, token_of, back.to(out.dtype))
@@ -185,6 +198,7 @@ def dispatch_stats(model: Any) -> dict[str, int]:
 
 
 def dispatch_elements(tokens: int, top_k: int, hidden: int, ep: int) -> float:
-    """Elements of activations one rank sends per direction per layer with uniform routing: each of its
-    ``tokens * top_k`` pairs leaves the rank with probability ``(ep - 1) / ep``."""
+    """Elements of activations one rank sends to other ranks per direction per layer with uniform routing: each of
+    its ``tokens * top_k`` pairs leaves the rank with probability ``(ep - 1) / ep``. (The dispatch adds one column,
+    the routing weight, to each token it sends: ``hidden + 1`` there, ``hidden`` for the outputs that come back.)"""
     return tokens * top_k * hidden * (ep - 1) / ep

@@ -98,7 +98,10 @@ class _EPExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Any:
         local_forward = super().forward  # the model's own, on this rank's experts
-        return dispatch_combine(self._phalanx_ep_group, local_forward, hidden_states, top_k_index, top_k_weights)
+        params: list[torch.Tensor] = list(self.parameters(recurse=False))
+        return dispatch_combine(
+            self._phalanx_ep_group, local_forward, hidden_states, top_k_index, top_k_weights, params
+        )
 
 
 _CLASSES: dict[type, type] = {}
