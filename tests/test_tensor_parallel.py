@@ -415,9 +415,11 @@ def test_bad_plans_are_refused_with_the_numbers(run_ranks):
     assert "layers.0.mlp.gate_proj" in errors["hidden"] and "out_features=66 over tp=4" in errors["hidden"]
     assert "0: style 'colwise' splits an nn.Linear" in errors["conv"] and "Conv2d" in errors["conv"]
     assert "unknown style 'colwize'" in errors["unknown"] and "did you mean 'colwise'" in errors["unknown"]
-    for key in ("expert", "grouped"):
-        assert "expert parallelism" in errors[key] and "not implement" in errors[key]
-    assert "moe_tp_experts" in errors["expert"] and "grouped_gemm" in errors["grouped"]
+    # moe_tp_experts is for an experts module (weights stacked by expert), not an MLP of Linear layers; grouped_gemm
+    # belongs in the ep plan.
+    assert "'moe_tp_experts' applies to an experts module" in errors["expert"] and "(gate_proj" in errors["expert"]
+    assert "expert parallelism" in errors["grouped"] and "ep plan" in errors["grouped"]
+    assert "grouped_gemm" in errors["grouped"]
     assert "lm_head.weight is the same parameter as embed_tokens.weight" in errors["tied"]
     assert "Linear has no tensor-parallel plan" in errors["noplan"] and "pass tp_plan=" in errors["noplan"]
     assert "layers.1.mlp.up_proj" in errors["untouched"] and "packed blocks" in errors["untouched"]

@@ -327,6 +327,16 @@ def apply_tp_plan(
         elif s == "sequence_parallel" and isinstance(module, nn.Embedding):
             _check(_plain_forward(module, nn.Embedding), f"{name}: 'sequence_parallel' on a custom embedding")
         elif s == "moe_tp_experts":
+            stacked = [p for p in module.parameters(recurse=False) if p.dim() >= 3]
+            inner = [n for n, c in module.named_children() if any(True for _ in c.parameters())]
+            _check(
+                bool(stacked) and not inner,
+                f"{name}: style 'moe_tp_experts' applies to an experts module in transformers' form, whose weights are "
+                "its own parameters stacked by expert (gate_up_proj [E, 2I, H], down_proj [E, H, I]); "
+                f"{type(module).__name__} has "
+                + (f"submodules with weights ({', '.join(inner)})" if inner else "no 3-D weights")
+                + ": plan its layers one by one (colwise/rowwise) instead",
+            )
             _check(
                 not sequence_parallel,
                 f"{name}: style 'moe_tp_experts' takes whole tokens (routing is per token), and sequence parallelism "

@@ -90,6 +90,12 @@ def parse_style(value: object, where: str) -> Style:
         raise TPPlanError(f"tp plan entry {where!r}: cannot read style {value!r} (write 'name' or 'name(key=int)')")
     name, inner = m.group(1), m.group(2)
     if name in EXPERT_STYLES:
+        if name == "moe_identity_expert":
+            raise TPPlanError(
+                f"tp plan entry {where!r}: style 'moe_identity_expert' ({EXPERT_STYLES[name]}) is not implemented: "
+                "phalanx's moe_tp_experts sums the experts it splits, and has no identity (null) expert to pre-divide; "
+                "plan that module 'replicate', or run the model without tensor parallelism"
+            )
         raise TPPlanError(
             f"tp plan entry {where!r}: style {name!r} ({EXPERT_STYLES[name]}) is expert parallelism, which belongs "
             "in the model's ep plan (base_model_ep_plan, applied with ep_size > 1), not its tp plan; drop the entry "
