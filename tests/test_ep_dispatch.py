@@ -232,3 +232,18 @@ def test_experts_no_token_reaches_still_train_as_in_one_process(run_ranks: Any) 
         state = run_ranks(_idle_experts, 2, strategy)[0]
         for k, v in model.state_dict().items():
             torch.testing.assert_close(state[k], v, rtol=0, atol=TOL, msg=f"{strategy} {k}")
+
+
+def test_fp16_overflow_is_agreed_over_every_rank_under_ep() -> None:
+    # The ep ranks hold different experts' gradients: an overflow in any of them must skip the step everywhere.
+    from types import SimpleNamespace
+
+    from phalanx.engine.precision import agree_found_inf
+
+    precision = SimpleNamespace(sync_found_inf=False, found_inf_group="unset")
+    strategy = SimpleNamespace(grad_shard_group=lambda: None, shards_gradients=False)
+    agree_found_inf(precision, strategy, SimpleNamespace(tp_size=1, ep_size=2))  # type: ignore[arg-type]
+    assert precision.sync_found_inf is True and precision.found_inf_group is None  # None: the whole world
+    precision = SimpleNamespace(sync_found_inf=False, found_inf_group="unset")
+    agree_found_inf(precision, strategy, SimpleNamespace(tp_size=1, ep_size=1))  # type: ignore[arg-type]
+    assert precision.sync_found_inf is False  # ddp without ep: every rank holds the same reduced gradients
