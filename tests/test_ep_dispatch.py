@@ -184,11 +184,11 @@ def test_the_plan_refuses_what_it_cannot_split() -> None:
 class _OneExpert(torch.nn.Module):
     """Every token to expert 0: under ep2, ep rank 1's experts get no token at all."""
 
-    def __init__(self) -> None:
+    def __init__(self, seed: int = 0) -> None:
         super().__init__()
         from phalanx.demo import Experts
 
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         self.inp = torch.nn.Linear(H, H)
         self.experts = Experts(H, INTER, E)
         with torch.no_grad():
@@ -204,34 +204,53 @@ class _OneExpert(torch.nn.Module):
         return self.experts(h, torch.zeros(h.shape[0], 1, dtype=torch.long), ones)
 
 
-def _idle_experts(strategy: str) -> dict[str, Any]:
+def _idle_experts(strategy: str, frozen: bool = False, save: str | None = None) -> dict[str, Any]:
     import phalanx
 
     eng = phalanx.Engine(strategy=strategy, ep_size=2, seed=0)
-    model = _OneExpert()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.1)
+    model = _OneExpert(seed=eng.rank)  # seeded apart: every rank must start from the first rank's weights
+    model.experts.requires_grad_(not frozen)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, weight_decay=0.1)
     model, opt = eng.prepare(model, opt)
     x = torch.randn(8, H, generator=torch.Generator().manual_seed(3))
     for _ in range(2):
         eng.backward(model(x[eng.rank * 4 : (eng.rank + 1) * 4]).square().mean())
         opt.step()
         opt.zero_grad()
+    if save is not None:
+        eng.save_state(save)
     return {k: v.clone() for k, v in eng.get_state_dict(model).items()}
 
 
-def test_experts_no_token_reaches_still_train_as_in_one_process(run_ranks: Any) -> None:
-    # One process: the stacked weights get a gradient (zeros on experts 1..7) and weight decay, as on every rank.
+def _one_process(frozen: bool) -> dict[str, torch.Tensor]:
     model = _OneExpert()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.1)
+    model.experts.requires_grad_(not frozen)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, weight_decay=0.1)
     x = torch.randn(8, H, generator=torch.Generator().manual_seed(3))
     for _ in range(2):
         model(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
-    for strategy in ("ddp", "zero2"):
-        state = run_ranks(_idle_experts, 2, strategy)[0]
-        for k, v in model.state_dict().items():
-            torch.testing.assert_close(state[k], v, rtol=0, atol=TOL, msg=f"{strategy} {k}")
+    return model.state_dict()
+
+
+def test_experts_no_token_reaches_still_train_as_in_one_process(run_ranks: Any, tmp_path: Any) -> None:
+    # One process: the stacked weights get a gradient (zeros on experts 1..7) and weight decay, as on every rank.
+    # The ranks are seeded apart: each ep rank keeps its piece of the first rank's experts.
+    from phalanx.checkpoint.read import Checkpoint
+
+    for frozen in (False, True):
+        ref = _one_process(frozen)
+        for strategy in ("ddp", "zero2", "zero3"):
+            save = str(tmp_path / f"{strategy}-{frozen}")
+            state = run_ranks(_idle_experts, 2, strategy, frozen, save)[0]
+            for k, v in ref.items():
+                torch.testing.assert_close(state[k], v, rtol=0, atol=TOL, msg=f"{strategy} frozen={frozen} {k}")
+            # Frozen experts too are saved whole, each ep rank's run once.
+            reader = Checkpoint(save).reader(0)
+            for k in ("experts.gate_up_proj", "experts.down_proj"):
+                whole = reader.read(f"model/{k}", 0, ref[k].numel()).view(ref[k].shape)
+                torch.testing.assert_close(whole, ref[k], rtol=0, atol=TOL, msg=f"saved {strategy} {frozen} {k}")
 
 
 def test_fp16_overflow_is_agreed_over_every_rank_under_ep() -> None:

@@ -235,8 +235,16 @@ def split_experts(model: nn.Module, config: EngineConfig, topology: Topology, de
     group = topology.ep_group
     check_same_model(model, group, device)
 
-    def agree(tensors: list[torch.Tensor]) -> None:  # every ep rank cuts the first ep rank's experts
-        broadcast_coalesced(tensors, src=group_rank0(group), group=group, device=device)
+    def agree(tensors: list[torch.Tensor]) -> None:
+        # Every ep rank keeps its piece of the first ep rank's experts: one scatter per weight, so that a rank
+        # receives only its piece (on the device, as NCCL needs it) and the first sends one weight at a time.
+        ep, rank, src = topology.ep_size, topology.ep_rank, group_rank0(group)
+        for t in tensors:
+            mine = t.detach()[rank * (t.shape[0] // ep) : (rank + 1) * (t.shape[0] // ep)]
+            out = torch.empty(mine.shape, dtype=t.dtype, device=device)
+            parts = [c.to(device).contiguous() for c in t.detach().chunk(ep)] if rank == 0 else None
+            watched(dist.scatter, out, parts, src=src, group=group, label="ep: experts from the first ep rank")
+            mine.copy_(out)
 
     opts = config.options(ParallelOptions)
     return apply_ep_plan(

@@ -375,6 +375,13 @@ class Accelerator(Engine):
                 yield  # every process has the same number of batches: nothing to join, as in Accelerate
                 return
             models = joined_models(joinables, self._models, self._optimizers)
+            if self.topology.ep_size > 1:
+                raise ValueError(
+                    f"join_uneven_inputs cannot stand in for a finished process under expert parallelism (ep_size="
+                    f"{self.topology.ep_size}): its peers' next MoE layer waits for its tokens in an all-to-all, "
+                    "and its experts are not the others'; keep even_batches=True (every process the same number of "
+                    "batches), or train with ep_size=1"
+                )
             if not isinstance(self.strategy, DDPStrategy):
                 warn_once(
                     f"join_uneven_inputs stands in for finished processes under strategy='ddp' only; this run is "

@@ -124,17 +124,21 @@ def dispatch_combine(
     valid = (flat >= 0) & (flat < n_exp)  # some models route padding to a slot past the last expert
     key = torch.where(valid, flat, torch.full_like(flat, n_exp))
     order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=n_exp + 1)[:n_exp]
+    # Counted by scatter_add, not bincount, which reads its max on the host (a sync on CUDA).
+    counts = torch.zeros(n_exp + 1, dtype=torch.long, device=flat.device).scatter_add_(0, key, torch.ones_like(key))
+    counts = counts[:n_exp]
     dropped = None
     if eg.capacity_factor is not None:
         capacity = max(1, math.ceil(eg.capacity_factor * tokens * k / n_exp))
         kept = counts.clamp(max=capacity)
         dropped = (counts - kept).sum()
+        # A pair past its expert's capacity moves to the end with the invalid ones (a second stable sort, no
+        # boolean indexing, which would sync): the kept pairs stay first, in expert and then token order.
         starts = torch.cumsum(counts, 0) - counts
         sorted_key = key[order]
-        in_range = sorted_key < n_exp
         position = torch.arange(order.numel(), device=flat.device) - starts[sorted_key.clamp(max=n_exp - 1)]
-        order = order[in_range & (position < capacity)]
+        over = (sorted_key >= n_exp) | (position >= capacity)
+        order = order[torch.argsort(over.to(torch.uint8), stable=True)]
         counts = kept
     recv_counts = torch.empty_like(counts)
     watched(dist.all_to_all_single, recv_counts, counts, group=eg.group, label=f"{eg.label}: counts")

@@ -24,6 +24,7 @@ from torch.autograd import Variable
 from phalanx.checkpoint.shards import ShardEntry, StateReader, named_tensors
 from phalanx.config.strategy_options import DataParallelOptions, ZeroOptions, ZeroShardOptions
 from phalanx.runtime.collective_log import watched
+from phalanx.runtime.comm import broadcast_coalesced
 from phalanx.runtime.placement import LEDGER
 from phalanx.strategies._grads import (
     GradScale,
@@ -179,10 +180,18 @@ class ZeroStrategy(Strategy):
     ) -> list[nn.Parameter]:
         """Checks, and rank 0's buffers and unsharded parameters; sharded ones are broadcast flat, in place."""
         check_prepared_once(model, self._models)
-        if self.topology.dp_size > 1 and replicate:
+        topo = self.topology
+        experts = [p for p in model.parameters() if p not in sharded and is_expert(p)]  # frozen experts (zero1/2)
+        if topo.dp_size > 1 and replicate:
+            skip = sharded | set(experts)
             replicate_from_first(
-                model, self.topology.dp_group, self.device, self.stats, self.dp_opts.broadcast_buffers, skip=sharded
+                model, topo.dp_group, self.device, self.stats, self.dp_opts.broadcast_buffers, skip=skip
             )
+            if experts and topo.expert_dp_size > 1:  # each ep rank's experts from the first rank that holds them
+                broadcast_coalesced(
+                    [p.data for p in experts], src=group_rank0(topo.expert_dp_group), group=topo.expert_dp_group,
+                    stats=self.stats,
+                )  # fmt: skip
         for name, p in model.named_parameters():
             self._names.setdefault(p, name)
         check_trainable(model, "shard")

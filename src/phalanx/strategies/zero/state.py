@@ -18,6 +18,7 @@ from phalanx.checkpoint.shards import (
     read_optimizer_state,
     whole_entry,
 )
+from phalanx.strategies.expert_parallel.params import is_expert
 
 if TYPE_CHECKING:
     from phalanx.strategies.zero.base import ZeroStrategy
@@ -39,9 +40,12 @@ def sharded_state(zs: ZeroStrategy, model: nn.Module, optimizers: Any = None) ->
             entries.append(ShardEntry(f"model/{name}", shape, pa, pb, at_rest[xa:xb].detach()))
             if s.master is not None and s.master.dtype != s.dtype and s.trainable[i]:
                 entries.append(ShardEntry(f"optim/{name}/master", shape, pa, pb, s.master[xa:xb].detach()))
-    if zs.rank == 0:
-        ours = {p for s in segments for p in s.params}
-        entries += [whole_entry(f"model/{k}", v) for k, v in named_tensors(model) if v not in ours]
+    ours = {p for s in segments for p in s.params}
+    # The rest (buffers, frozen parameters of zero1/2) is whole on every rank: the first shard rank writes it, and
+    # each ep rank's frozen experts the first rank that holds them (the ep view places them in the whole tensor).
+    for k, v in named_tensors(model):
+        if v not in ours and (zs.expert_rank if is_expert(v) else zs.rank) == 0:
+            entries.append(whole_entry(f"model/{k}", v))
     for opt, _group, piece, (seg, a, b) in zs._pieces_of(model, optimizers):
         state = opt.state.get(piece, {})
         for i, pa, pb, xa, xb in seg.param_runs(a, b):
