@@ -27,7 +27,8 @@ mixture-of-experts layer are split over those ranks, and the dense parameters st
 - the *expert replica* ranks (Megatron's expert-data-parallel group): the replica ranks at the same place in their
   ep group, which hold the same experts, so expert gradients are reduced over them;
 - the *expert shard* ranks: the shard ranks at the same place in their ep group; zero shards expert state over
-  them (so ``ep`` divides ``dp_shard x cp`` under hybrid sharding).
+  them (so ``ep`` divides ``dp_shard x cp`` under hybrid sharding, checked in :meth:`Mesh.of`, which knows the
+  strategy).
 
 The settings are Accelerate's ``ParallelismConfig`` names (``tp_size``, ``cp_size``, ``sp_size``,
 ``dp_shard_size``, ``dp_replicate_size``) plus the pipeline's ``pp_size``. :meth:`Mesh.of` fills in what was left
@@ -87,19 +88,11 @@ class Mesh:
             )
         if not isinstance(self.ep, int) or self.ep < 1:
             raise MeshError(f"ep_size must be a whole number >= 1; got {self.ep!r}")
-        replicas, shards = self.dp * self.cp, self.dp_shard * self.cp
-        if replicas % self.ep:
+        if (self.dp * self.cp) % self.ep:
             raise MeshError(
-                f"ep_size={self.ep} does not divide the {replicas} data-parallel ranks of {self.describe()} (expert "
-                "parallelism splits the experts over data-parallel ranks; use an ep_size that divides "
-                f"dp_replicate x dp_shard x cp = {replicas}, or launch more processes)"
-            )
-        if self.dp_replicate > 1 and shards > 1 and shards % self.ep:
-            raise MeshError(
-                f"ep_size={self.ep} does not divide dp_shard x cp = {shards} under hybrid sharding "
-                f"({self.describe()}): "
-                "the experts' ranks must lie within one replica's shard group; use an ep_size that divides "
-                f"{shards}, or shard over more ranks"
+                f"ep_size={self.ep} does not divide the {self.dp * self.cp} data-parallel ranks of {self.describe()} "
+                "(expert parallelism splits the experts over data-parallel ranks; use an ep_size that divides "
+                "dp_replicate x dp_shard x cp, or launch more processes)"
             )
 
     # ------------------------------------------------------------------ sizes
@@ -295,7 +288,7 @@ class Mesh:
                 "data-parallel ranks (dp_replicate x dp_shard x cp), out of which expert parallelism is carved",
                 f"launch a multiple of {ep} data-parallel ranks, or use an ep_size that divides {rep * shard * cp}",
             )
-        if ep > 1 and rep > 1 and shard * cp > 1 and (shard * cp) % ep:
+        if ep > 1 and sharding and rep > 1 and (shard * cp) % ep:
             raise error(
                 f"ep_size={ep} ({origins.get('ep_size', 'default')}) does not divide dp_shard x cp = {shard * cp}: "
                 "under hybrid sharding the experts' ranks lie within one replica",

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.runtime.collective_log import watched
+from phalanx.strategies.expert_parallel.params import is_expert
 
 __all__ = ["GradScale", "build_buckets", "clip_to_norm_", "mesh_norm", "tp_replicas", "second_backward_error",
            "unused_parameters_error", "frozen_after_prepare_error"]  # fmt: skip
@@ -99,6 +100,20 @@ def mesh_norm(
     for group in groups:
         watched(dist.all_reduce, total, group=group)
     return total ** (1.0 / norm_type)
+
+
+def mesh_pieces(
+    params: list[Any], grads: list[torch.Tensor], topology: Any, stages: bool = False
+) -> tuple[list[tuple[torch.Tensor, int]], list[Any]]:
+    """:func:`mesh_norm`'s pieces and groups for whole gradients under tensor and expert parallelism (and, with
+    ``stages``, the pipeline): a tp-replicated piece counts once over tp; a dense piece is the same on every ep rank,
+    so it counts ``1/ep`` on each, while the ep ranks' experts differ."""
+    ep = topology.ep_size
+    pieces = [(g, tp_replicas(p) * (1 if is_expert(p) else ep)) for p, g in zip(params, grads)]
+    sizes = [(topology.tp_group, topology.tp_size), (topology.ep_group, ep)]
+    if stages:
+        sizes.insert(0, (topology.pp_group, topology.pp_size))
+    return pieces, [g for g, n in sizes if n > 1]
 
 
 def clip_to_norm_(grads: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:

@@ -28,7 +28,7 @@ from phalanx.checkpoint.shards import (
 )
 from phalanx.config.strategy_options import DataParallelOptions
 from phalanx.runtime.collective_log import watched
-from phalanx.runtime.comm import CommStats
+from phalanx.runtime.comm import CommStats, broadcast_coalesced
 from phalanx.runtime.placement import LEDGER
 from phalanx.strategies._grads import (
     GradScale,
@@ -36,14 +36,20 @@ from phalanx.strategies._grads import (
     clip_to_norm_,
     frozen_after_prepare_error,
     mesh_norm,
+    mesh_pieces,
     second_backward_error,
-    tp_replicas,
     unused_parameters_error,
 )
 from phalanx.strategies._memory import memory_report_dict, nbytes, state_bytes_per_element, state_tensors
-from phalanx.strategies._replicas import check_prepared_once, check_trainable, optimizer_list, replicate_from_first
+from phalanx.strategies._replicas import (
+    check_prepared_once,
+    check_trainable,
+    group_rank0,
+    optimizer_list,
+    replicate_from_first,
+)
 from phalanx.strategies.base import Strategy
-from phalanx.strategies.expert_parallel.params import expert_report, is_expert, split_dense_experts
+from phalanx.strategies.expert_parallel.params import expert_report, is_expert, kind_runs, split_dense_experts
 
 __all__ = ["DDPStrategy", "GradReducer"]
 
@@ -95,13 +101,7 @@ class GradReducer:
         self.names: dict[torch.Tensor, str] = {p: n for n, p in module.named_parameters()}
         check_trainable(module, "reduce")
         params = [p for p in module.parameters() if p.requires_grad]
-        runs: list[tuple[bool, list[nn.Parameter]]] = []  # reverse order, cut where dense meets experts
-        for p in params[::-1]:
-            kind = experts is not None and is_expert(p)
-            if runs and runs[-1][0] == kind:
-                runs[-1][1].append(p)
-            else:
-                runs.append((kind, [p]))
+        runs = kind_runs(params[::-1]) if experts is not None else [(False, params[::-1])]  # reverse order
         self.buckets: list[_Bucket] = []
         for kind, run in runs:
             g, n = experts if kind and experts is not None else (group, world_size)
@@ -252,9 +252,6 @@ class GradReducer:
 
 def broadcast_experts(experts: list[torch.Tensor], topo: Any, stats: CommStats) -> None:
     """The first expert replica's experts to the others (the dp ranks that hold the same experts)."""
-    from phalanx.runtime.comm import broadcast_coalesced
-    from phalanx.strategies._replicas import group_rank0
-
     group = topo.expert_dp_group
     broadcast_coalesced([p.data for p in experts], src=group_rank0(group), group=group, stats=stats)
 
@@ -346,9 +343,7 @@ class DDPStrategy(Strategy):
         grads = [p.grad for p in params if p.grad is not None]
         topo = self.topology
         if topo.tp_size > 1 or topo.ep_size > 1:
-            ep = topo.ep_size
-            pieces = [(g, tp_replicas(p) * (1 if is_expert(p) else ep)) for p, g in zip(params, grads)]
-            groups = [g for g, n in ((topo.tp_group, topo.tp_size), (topo.ep_group, ep)) if n > 1]
+            pieces, groups = mesh_pieces(params, grads, topo)
             total = mesh_norm(pieces, float(norm_type), self.device, groups)
             total = total.to(grads[0].dtype if grads else torch.float32)
             clip_to_norm_(grads, max_norm, total)

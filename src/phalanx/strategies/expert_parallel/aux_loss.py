@@ -33,7 +33,7 @@ from torch import nn
 
 from phalanx.runtime.collective_log import watched
 
-__all__ = ["global_load_balancing_loss", "use_global_aux_loss"]
+__all__ = ["global_load_balancing_loss", "has_aux_loss", "use_global_aux_loss"]
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -84,6 +84,11 @@ def global_load_balancing_loss(
     probs = _SumOverRanks.apply(probs, group)
     total = counted[-1]
     return torch.sum((counted[:-1] / total) * (probs / total)) * num_experts
+
+
+def has_aux_loss(model: nn.Module) -> bool:
+    """Whether ``model``'s modeling module has transformers' ``load_balancing_loss_func`` (a transformers MoE)."""
+    return getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None) is not None
 
 
 _GROUP: contextvars.ContextVar[tuple[Any] | None] = contextvars.ContextVar("phalanx_global_aux", default=None)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ATTR", "EPParam", "ep_param_info", "expert_report", "is_expert", "split_dense_experts"]
+__all__ = ["ATTR", "EPParam", "ep_param_info", "expert_report", "is_expert", "kind_runs", "split_dense_experts"]
 
 ATTR = "_phalanx_ep"
 
@@ -52,6 +52,19 @@ def ep_param_info(p: Any) -> EPParam | None:
 def is_expert(p: torch.Tensor) -> bool:
     """Whether ``p`` is one ep rank's experts (reduced over the expert-replica ranks, not every dp rank)."""
     return ep_param_info(p) is not None
+
+
+def kind_runs(params: Iterable[Any]) -> list[tuple[bool, list[Any]]]:
+    """``params`` cut, in order, into runs of experts (True) or dense parameters (False): a gradient bucket or zero
+    segment never mixes the two, which reduce over different ranks."""
+    runs: list[tuple[bool, list[Any]]] = []
+    for p in params:
+        kind = is_expert(p)
+        if runs and runs[-1][0] == kind:
+            runs[-1][1].append(p)
+        else:
+            runs.append((kind, [p]))
+    return runs
 
 
 def split_dense_experts(params: Iterable[torch.Tensor]) -> tuple[list[Any], list[Any]]:

@@ -26,6 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from phalanx.checkpoint.pretrained import is_transformers_model as transformers_model
+from phalanx.logging import warn_once
+from phalanx.strategies._plans import matches
+
 from .dispatch import DispatchStats, ExpertGroup, dispatch_combine
 from .params import ATTR, EPParam
 
@@ -36,6 +40,10 @@ EP_STYLES = {
     "grouped_gemm": "an experts module's stacked weight, cut along dim 0 (the experts) over the ep ranks",
     "ep_router": "the router: kept whole on every rank, which routes its own tokens (nothing to split)",
 }
+
+
+_TP_STYLES_IN_EP_PLANS = {"colwise", "rowwise", "packed_colwise", "replicated_with_grad_allreduce"}
+"""Tensor-parallel styles that transformers' own ep plans hold for dense layers (Gemma 4, Muse Spark)."""
 
 
 class EPPlanError(ValueError):
@@ -53,15 +61,11 @@ class EPReport:
     stats: DispatchStats = field(default_factory=DispatchStats)
 
 
-def _transformers_model(model: nn.Module) -> bool:
-    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers") for c in type(model).__mro__)
-
-
 def resolve_ep_plan(model: nn.Module) -> dict[str, str]:
     """The model's own expert-parallel plan: a transformers model's ``config.base_model_ep_plan`` under its base
     model's name; any other module's ``ep_plan()`` or ``_ep_plan``."""
     name = type(model).__name__
-    if _transformers_model(model):
+    if transformers_model(model):
         config = getattr(model, "config", None)
         text = getattr(config, "get_text_config", lambda: config)() if config is not None else None
         base_plan = getattr(config, "base_model_ep_plan", None) or getattr(text, "base_model_ep_plan", None) or {}
@@ -84,11 +88,6 @@ def resolve_ep_plan(model: nn.Module) -> dict[str, str]:
             "naming its experts modules, e.g. {'blocks.*.mlp.experts': 'ep_dispatch_experts'}, or train with ep_size=1"
         )
     return plan
-
-
-def _matches(pattern: str, name: str) -> bool:
-    p, n = pattern.split("."), name.split(".")
-    return len(p) == len(n) and all(a == "*" or a == b for a, b in zip(p, n, strict=True))
 
 
 class _EPExperts(nn.Module):
@@ -129,7 +128,21 @@ def apply_ep_plan(
     (default: the model's own) says. Every rank of the group must hold the same whole experts before the call.
     Nothing changes until every entry has been checked; then ``agree(tensors)``, when given, makes the whole expert
     weights equal on the group's ranks (the Engine broadcasts the first ep rank's) before each keeps its piece."""
+    own_plan = plan is None
     plan = resolve_ep_plan(model) if plan is None else dict(plan)
+    if own_plan:
+        # transformers' ep mode spans the whole world, so some models' ep plans also split dense layers over it
+        # (Gemma 4's MLP: colwise/rowwise). Here the ep ranks are data-parallel ranks and the dense layers stay
+        # replicated over them: those entries are tensor parallelism, which tp_size does.
+        dense = {k: v for k, v in plan.items() if v not in EP_STYLES and v in _TP_STYLES_IN_EP_PLANS}
+        if dense:
+            entries = ", ".join(f"{k}: {v}" for k, v in dense.items())
+            warn_once(
+                f"the ep plan of {type(model).__name__} also splits dense layers ({entries}); phalanx's ep ranks are "
+                "data-parallel ranks, over which the dense layers stay replicated, so those entries are left out "
+                "(split dense layers with tp_size)"
+            )
+            plan = {k: v for k, v in plan.items() if k not in dense}
     for key, value in plan.items():
         if value not in EP_STYLES:
             raise EPPlanError(
@@ -139,9 +152,9 @@ def apply_ep_plan(
             )
     modules = dict(model.named_modules())
     params = dict(model.named_parameters(remove_duplicate=False))
-    experts = [n for n in modules if n and any(_matches(k, n) for k, v in plan.items() if v == "ep_dispatch_experts")]
+    experts = [n for n in modules if n and any(matches(k, n) for k, v in plan.items() if v == "ep_dispatch_experts")]
     for key, value in plan.items():
-        if not any(_matches(key, n) for n in [*modules, *params] if n):
+        if not any(matches(key, n) for n in [*modules, *params] if n):
             raise EPPlanError(
                 f"ep plan entry {key!r} ({value}) matches no module or parameter of {type(model).__name__}"
             )
@@ -165,7 +178,7 @@ def apply_ep_plan(
                 f"{name} has {count} experts, which do not divide over ep_size={ep}: use an ep_size that divides "
                 f"{count}"
             )
-        named = [p for p in own if any(_matches(k, f"{name}.{p}") for k, v in plan.items() if v == "grouped_gemm")]
+        named = [p for p in own if any(matches(k, f"{name}.{p}") for k, v in plan.items() if v == "grouped_gemm")]
         stacked_names = [p for p, t in own.items() if t.dim() >= 1 and t.shape[0] == count]
         odd = [p for p in own if p not in stacked_names]
         if odd:

@@ -23,10 +23,9 @@ from torch import nn
 from phalanx.checkpoint.shards import ShardEntry, StateReader, balanced_slices, load_whole_tensors, named_tensors
 from phalanx.config.strategy_options import PipelineOptions
 from phalanx.runtime.collective_log import watched
-from phalanx.strategies._grads import clip_to_norm_, mesh_norm, tp_replicas
+from phalanx.strategies._grads import clip_to_norm_, mesh_norm, mesh_pieces
 from phalanx.strategies.base import Strategy
 from phalanx.strategies.ddp import DDPStrategy
-from phalanx.strategies.expert_parallel.params import is_expert
 from phalanx.strategies.zero.bucketed import Zero1Strategy
 from phalanx.strategies.zero.optimizers import check_optimizer
 
@@ -91,10 +90,7 @@ class WholeStageSync(StageSync):
         if topo.tp_size > 1 or topo.ep_size > 1:
             # stages, tp ranks and ep ranks hold different pieces; a tp-replicated one counts once, a dense one (the
             # same on every ep rank) 1/ep times on each
-            ep = topo.ep_size
-            pieces = [(g, tp_replicas(p) * (1 if is_expert(p) else ep)) for p, g in zip(params, grads)]
-            sizes = ((topo.pp_group, topo.pp_size), (topo.tp_group, topo.tp_size), (topo.ep_group, ep))
-            groups = [g for g, n in sizes if n > 1]
+            pieces, groups = mesh_pieces(params, grads, topo, stages=topo.pp_size > 1)
             total = mesh_norm(pieces, norm_type, self.device, groups).to(grads[0].dtype if grads else torch.float32)
             clip_to_norm_(grads, max_norm, total)
             return total

@@ -19,6 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx.checkpoint.pretrained import is_transformers_model as transformers_model
+from phalanx.strategies._plans import matches
+
 from .layers import MIXINS, InputCache, swap_class
 from .params import ATTR, TPParam, tp_slice_of
 from .rng import TPRngTracker
@@ -70,10 +73,6 @@ def last_planned() -> TPReport | None:
 
 
 # ------------------------------------------------------------------------------------------ the plan
-def _transformers_model(model: nn.Module) -> bool:
-    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers") for c in type(model).__mro__)
-
-
 def resolve_plan(model: nn.Module, plan: dict[str, str] | None) -> dict[str, str]:
     """The plan to apply: ``plan`` itself, or (``None``) the model's own. A transformers model's own plan is its
     ``tp_plan`` (transformers 5 composes the class's ``_tp_plan``, e.g. ``{"lm_head": "colwise_gather_output"}``,
@@ -90,7 +89,7 @@ def resolve_plan(model: nn.Module, plan: dict[str, str] | None) -> dict[str, str
 
 def _own_plan(model: nn.Module) -> dict[str, str]:
     name = type(model).__name__
-    if _transformers_model(model):
+    if transformers_model(model):
         own = getattr(model, "tp_plan", None)
         if isinstance(own, dict) and own:
             return dict(own)
@@ -113,11 +112,6 @@ def _own_plan(model: nn.Module) -> dict[str, str]:
     raise TPPlanError(f"{name} has no tensor-parallel plan (no tp_plan() method or _tp_plan); pass tp_plan={{...}}")
 
 
-def _matches(pattern: str, name: str) -> bool:
-    p, n = pattern.split("."), name.split(".")
-    return len(p) == len(n) and all(a == "*" or a == b for a, b in zip(p, n, strict=True))
-
-
 def _expand(
     plan: dict[str, str], modules: dict[str, nn.Module], params: dict[str, nn.Parameter], strict: bool = True
 ) -> tuple[dict[str, Style], dict[str, Style]]:
@@ -127,7 +121,7 @@ def _expand(
     chosen: dict[str, tuple[int, str, Style]] = {}
     for pattern, value in plan.items():
         style = parse_style(value, pattern)
-        hits = [n for n in list(modules) + list(params) if n and _matches(pattern, n)]
+        hits = [n for n in list(modules) + list(params) if n and matches(pattern, n)]
         if not hits and not strict:
             continue
         if not hits:
@@ -302,7 +296,7 @@ def apply_tp_plan(
     params = dict(model.named_parameters(remove_duplicate=False))
     module_styles, param_styles = _expand(plan, modules, params, strict=not own_plan)
     heads = _heads_from_config(model)
-    if sequence_parallel and _transformers_model(model):
+    if sequence_parallel and transformers_model(model):
         raise TPPlanError(
             f"sequence_parallel=True: {type(model).__name__} is a transformers model, whose forward reads positions "
             "and the attention mask from the embedding output's length, which sequence parallelism shortens to "

@@ -132,13 +132,13 @@ class ZeroStrategy(Strategy):
         # Expert parallelism: expert segments shard over the shard ranks that hold the same experts.
         self.expert_world, self.expert_rank = self.world, self.rank
         if topo.ep_size > 1:
-            if self.within_stage or self.world % topo.ep_size:
+            if self.within_stage:
                 raise ValueError(
-                    f"ep_size={topo.ep_size} with {self.name} needs the experts' ranks inside the {self.world} ranks "
-                    f"that {self.name} shards over"
-                    + (" (not under the pipeline's zero1)" if self.within_stage else "")
-                    + f": use an ep_size that divides {self.world}, or strategy='ddp'"
+                    f"ep_size={topo.ep_size} with the pipeline's zero1 (pp_zero_stage=1) is not supported: its stages "
+                    "shard over their own replicas, not the expert-parallel groups; use pp_zero_stage=0 (each stage's "
+                    "replicas hold whole state, experts reduced over the ranks that hold them)"
                 )
+            assert self.world % topo.ep_size == 0, "the mesh keeps the ep groups within zero's shard ranks"
             self.expert_world, self.expert_rank = topo.expert_shard_size, topo.expert_shard_rank
             self.comm.add_experts(
                 topo.expert_shard_group,

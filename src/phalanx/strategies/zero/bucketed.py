@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from phalanx.strategies._grads import build_buckets
-from phalanx.strategies.expert_parallel.params import is_expert
+from phalanx.strategies.expert_parallel.params import kind_runs
 from phalanx.strategies.zero.base import ModelState, ZeroStrategy
 from phalanx.strategies.zero.layout import Segment, padded_empty
 from phalanx.strategies.zero.stepping import pipeline_steps
@@ -64,13 +64,7 @@ class BucketedZero(ZeroStrategy):
         trainable = [p for p in model.parameters() if p.requires_grad]
         params = self._prepare_common(model, set(trainable))
         segments: list[Segment] = []
-        runs: list[list[nn.Parameter]] = []  # reverse order, cut where dense parameters meet experts
-        for p in trainable[::-1]:
-            if runs and is_expert(runs[-1][-1]) == is_expert(p):
-                runs[-1].append(p)
-            else:
-                runs.append([p])
-        for run in runs:
+        for _, run in kind_runs(trainable[::-1]):  # reverse order, cut where dense parameters meet experts
             for bucket in build_buckets(run, int(self.dp_opts.bucket_mb * 2**20)):
                 segments.append(self._segment(bucket, f"{self.name} bucket {len(segments)}"))
                 self._add_segments(segments[-1:])
