@@ -1,12 +1,14 @@
 """Expert-parallel dispatch and combine (phalanx/strategies/expert_parallel/dispatch.py and plan.py) against the
 model's own experts module in one process.
 
-Every rank builds the same transformers Qwen3-MoE experts module (8 experts, fp32) and the same tokens and routing;
-rank r's tokens are its slice. The experts are cut over ep ranks by ``apply_ep_plan``'s cut, and each rank's output
-and the gradients of its tokens, its routing weights and its experts' weights are compared with the whole module's
-within 1e-5 (the dense module's expert gradients are summed over all ranks' tokens: each ep rank's local experts
-receive every rank's tokens). Cases: ep2 and ep4, top-1 and top-2, an expert no token picks, a rank with no tokens
-at all, two ep groups of 2 in a 4-rank world, the capacity factor's drops counted, and the traffic from the log.
+Every rank builds the same experts module (the demo's: transformers' Qwen3MoeExperts line for line; 8 experts,
+fp32) and the same tokens and routing; rank r's tokens are its slice. The experts are cut over ep ranks by
+``apply_ep_plan``'s cut, and each rank's output and the gradients of its tokens, its routing weights and its
+experts' weights are compared with the whole module's within 1e-5 (the dense module's expert gradients are summed
+over the ep group's tokens: each ep rank's local experts receive every rank's tokens). Cases: ep2 and ep4, top-1
+and top-2, an expert no token picks, a rank with no tokens at all, two ep groups of 2 in a 4-rank world, the
+capacity factor's drops counted; experts no token reaches (ddp, zero2, zero3, frozen or not, ranks seeded apart);
+the plan's refusals.
 """
 
 from __future__ import annotations
@@ -39,12 +41,12 @@ class _Holder(torch.nn.Module):
 
 
 def _experts() -> torch.nn.Module:
-    from transformers import Qwen3MoeConfig
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+    # The demo's experts module: transformers' Qwen3MoeExperts line for line (tests/test_demo_moe.py checks they
+    # agree), without importing transformers in every rank.
+    from phalanx.demo import Experts
 
-    cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=INTER, num_experts=E, num_experts_per_tok=2)
     torch.manual_seed(0)
-    m = Qwen3MoeExperts(cfg)
+    m = Experts(H, INTER, E)
     with torch.no_grad():
         m.gate_up_proj.normal_(0, 0.3)
         m.down_proj.normal_(0, 0.3)
@@ -234,23 +236,26 @@ def _one_process(frozen: bool) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
+def _idle_runs(runs: list[tuple[str, bool, str]]) -> list[dict[str, Any]]:
+    return [_idle_experts(*run) for run in runs]  # one spawn for every case
+
+
 def test_experts_no_token_reaches_still_train_as_in_one_process(run_ranks: Any, tmp_path: Any) -> None:
     # One process: the stacked weights get a gradient (zeros on experts 1..7) and weight decay, as on every rank.
     # The ranks are seeded apart: each ep rank keeps its piece of the first rank's experts.
     from phalanx.checkpoint.read import Checkpoint
 
-    for frozen in (False, True):
+    runs = [(s, frozen, str(tmp_path / f"{s}-{frozen}")) for frozen in (False, True) for s in ("ddp", "zero2", "zero3")]
+    results = run_ranks(_idle_runs, 2, runs)[0]
+    for (strategy, frozen, save), state in zip(runs, results):
         ref = _one_process(frozen)
-        for strategy in ("ddp", "zero2", "zero3"):
-            save = str(tmp_path / f"{strategy}-{frozen}")
-            state = run_ranks(_idle_experts, 2, strategy, frozen, save)[0]
-            for k, v in ref.items():
-                torch.testing.assert_close(state[k], v, rtol=0, atol=TOL, msg=f"{strategy} frozen={frozen} {k}")
-            # Frozen experts too are saved whole, each ep rank's run once.
-            reader = Checkpoint(save).reader(0)
-            for k in ("experts.gate_up_proj", "experts.down_proj"):
-                whole = reader.read(f"model/{k}", 0, ref[k].numel()).view(ref[k].shape)
-                torch.testing.assert_close(whole, ref[k], rtol=0, atol=TOL, msg=f"saved {strategy} {frozen} {k}")
+        for k, v in ref.items():
+            torch.testing.assert_close(state[k], v, rtol=0, atol=TOL, msg=f"{strategy} frozen={frozen} {k}")
+        # Frozen experts too are saved whole, each ep rank's run once.
+        reader = Checkpoint(save).reader(0)
+        for k in ("experts.gate_up_proj", "experts.down_proj"):
+            whole = reader.read(f"model/{k}", 0, ref[k].numel()).view(ref[k].shape)
+            torch.testing.assert_close(whole, ref[k], rtol=0, atol=TOL, msg=f"saved {strategy} {frozen} {k}")
 
 
 def test_fp16_overflow_is_agreed_over_every_rank_under_ep() -> None:
