@@ -159,3 +159,16 @@ def test_checkpoint_at_ep2_zero2_loads_on_one_process_bit_for_bit_and_back(run_r
         assert torch.equal(reloaded[k], saved[k]), k
     for k, v in model.state_dict().items():
         assert torch.equal(back[k], v), k
+
+
+def test_zero3_gathers_a_transformers_model_layer_by_layer_by_default() -> None:
+    # Its _no_split_modules, as Accelerate's transformer-based wrap: not the whole base model (every expert) at once.
+    from phalanx.strategies.zero.zero3 import unit_modules_of
+
+    for kind in ("qwen3", "mixtral"):
+        names = [name for name, _ in unit_modules_of(moe_model(kind), None)]
+        assert names == ["model.layers.0", "model.layers.1"], names
+    assert [n for n, _ in unit_modules_of(moe_model("qwen3"), "Qwen3MoeSparseMoeBlock")] == [
+        "model.layers.0.mlp",
+        "model.layers.1.mlp",
+    ]

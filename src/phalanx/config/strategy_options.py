@@ -209,7 +209,8 @@ class Zero3Options(Options):
     zero3_unit_classes: str | None = option(
         None,
         "Comma-separated module class names gathered as one unit (like Accelerate's "
-        "fsdp_transformer_layer_cls_to_wrap); default: each child module with parameters.",
+        "fsdp_transformer_layer_cls_to_wrap); default: a transformers model's _no_split_modules (its decoder layers, "
+        "as Accelerate's transformer-based wrap takes them), else each child module with parameters.",
     )
     zero3_prefetch: bool = option(
         True, "All-gather the next unit while the current one computes (forward and backward)."

@@ -551,7 +551,15 @@ _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
 def unit_modules_of(model: nn.Module, classes: str | None) -> list[tuple[str, nn.Module]]:
-    """The modules zero3 gathers one at a time, outermost first, in registration order."""
+    """The modules zero3 gathers one at a time, outermost first, in registration order. Without ``classes``, a
+    transformers model's ``_no_split_modules`` (its decoder layers: Accelerate's transformer-based wrap takes them
+    the same way) that it has; otherwise each child module with parameters (a transformers causal LM's only such
+    child is its whole base model, which would be gathered at once)."""
+    if not classes:
+        own = getattr(uncompiled(model), "_no_split_modules", None) or []
+        present = {type(m).__name__ for m in model.modules()}
+        if isinstance(own, (list, tuple, set)) and [c for c in own if c in present]:
+            classes = ",".join(c for c in own if c in present)
     if classes:
         wanted = {c.strip() for c in classes.split(",") if c.strip()}
         found: list[tuple[str, nn.Module]] = []
