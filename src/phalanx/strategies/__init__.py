@@ -7,8 +7,10 @@ named in ``phalanx/config/registry.py`` with the settings it reads; the Engine l
 - ``pipeline/``         GPipe and 1F1B over stages, with data parallelism inside each stage
 - ``context_parallel/`` long sequences over the cp ranks: ring attention, Ulysses, the batch cut, attention routing
 - ``tensor_parallel/``  Megatron-style layers split in place by a plan
+- ``expert_parallel/``  mixture-of-experts layers' experts over the ep ranks: the plan, the all-to-all dispatch
 - ``_grads.py``         the gradient scale contract, the bucket builder, the gradient errors
 - ``_replicas.py``      replica checks and broadcast from the first replica
 - ``_memory.py``        memory_report helpers
+- ``_plans.py``         the plans' name patterns (tensor- and expert-parallel)
 - ``deferred_init.py``  a model built on the meta device, given its values at prepare (zero3: unit by unit)
 """

@@ -5,6 +5,7 @@ instead; a key that has no meaning here is accepted and reported as ignored, wit
 
 - ``accelerate.py``                  an ``accelerate config`` YAML
 - ``deepspeed.py``, ``deepspeed_blocks.py``  a DeepSpeed JSON: its keys, and its optimizer, scheduler and fp16 blocks
+- ``deepspeed_moe.py``               its AutoEP block (expert parallelism), read as ep_size
 - ``batch.py``                       DeepSpeed's batch rule, checked against the world size the job will have
 - ``flags.py``                       torchrun's and Accelerate's command-line spellings
 - ``names.py``, ``mapping.py``       the names they share, and the record of where each value came from
