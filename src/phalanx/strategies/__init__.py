@@ -12,5 +12,6 @@ named in ``phalanx/config/registry.py`` with the settings it reads; the Engine l
 - ``_replicas.py``      replica checks and broadcast from the first replica
 - ``_memory.py``        memory_report helpers
 - ``_plans.py``         the plans' name patterns (tensor- and expert-parallel)
+- ``_views.py``         the checkpoint view both use: whole tensors from each parameter's placement
 - ``deferred_init.py``  a model built on the meta device, given its values at prepare (zero3: unit by unit)
 """

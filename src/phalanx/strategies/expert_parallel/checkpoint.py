@@ -13,8 +13,6 @@ Under tensor parallelism the tp view wraps this one (the tp piece of an expert w
 
 from __future__ import annotations
 
-import json
-import weakref
 from typing import Any
 
 import torch
@@ -23,55 +21,33 @@ from torch import nn
 
 from phalanx.checkpoint.shards import ShardEntry, StateReader, read_into
 from phalanx.runtime.collective_log import watched
-from phalanx.runtime.comm import all_gather_bytes
-from phalanx.runtime.topology import Topology
+from phalanx.strategies._views import PieceView, param_name
 
 from .params import EPParam, ep_param_info
 
 __all__ = ["EPCheckpointView", "EPReader"]
 
 
-def _param_name(key: str) -> str | None:
-    kind, _, rest = key.partition("/")
-    if kind == "model":
-        return rest
-    if kind == "optim":
-        return rest.rpartition("/")[0]
-    return None
-
-
-class EPCheckpointView:
+class EPCheckpointView(PieceView):
     """``strategy``'s checkpoint methods with whole expert tensors (see the module's docstring)."""
 
-    def __init__(self, strategy: Any, topology: Topology) -> None:
-        self.strategy = strategy
-        self.topology = topology
-        self._layouts: weakref.WeakKeyDictionary[nn.Module, dict[str, EPParam]] = weakref.WeakKeyDictionary()
+    def info_of(self, p: torch.Tensor) -> EPParam | None:
+        return ep_param_info(p)
 
-    def __getattr__(self, name: str) -> Any:
-        if name == "strategy":
-            raise AttributeError(name)
-        return getattr(self.strategy, name)
+    def encode(self, info: EPParam) -> list[Any]:
+        return [list(info.full_shape), info.parts]
 
-    def layouts(self, model: nn.Module) -> dict[str, EPParam]:
-        """Every expert parameter's :class:`EPParam` by the name it is saved under; under pipeline parallelism the
-        other stages' too (a collective the first time: call it on every rank)."""
-        known = self._layouts.get(model)
-        if known is not None:
-            return known
-        found: dict[str, EPParam] = {}
-        for module in (model, self.strategy.unwrap_model(model)):
-            for name, p in module.named_parameters():
-                info = ep_param_info(p)
-                if info is not None:
-                    found.setdefault(name, info)
-        if self.topology.pp_size > 1:
-            mine = {n: [list(i.full_shape), i.parts] for n, i in found.items()}
-            for blob in all_gather_bytes(json.dumps(mine).encode(), self.strategy.device, self.topology.pp_group):
-                for name, (shape, parts) in json.loads(blob).items():
-                    found.setdefault(name, EPParam(tuple(shape), parts, self.topology.ep_rank))
-        self._layouts[model] = found
-        return found
+    def decode(self, data: list[Any]) -> EPParam:
+        shape, parts = data
+        return EPParam(tuple(shape), parts, self.topology.ep_rank)
+
+    def gather(self, local: torch.Tensor, info: EPParam, name: str) -> torch.Tensor:
+        whole = local.new_empty(info.full_shape)
+        watched(
+            dist.all_gather_into_tensor, whole, local.contiguous(), group=self.topology.ep_group,
+            label=f"ep gather {name}",
+        )  # fmt: skip
+        return whole
 
     def sharded_state(self, model: nn.Module, optimizers: Any = None) -> list[ShardEntry]:
         entries = self.strategy.sharded_state(model, optimizers)
@@ -79,7 +55,7 @@ class EPCheckpointView:
         first = self.topology.ep_rank == 0
         out = []
         for e in entries:
-            name = _param_name(e.key)
+            name = param_name(e.key)
             info = layouts.get(name) if name is not None else None
             if info is None:
                 out.append(e)
@@ -100,38 +76,6 @@ class EPCheckpointView:
     def load_sharded_state(self, model: nn.Module, optimizers: Any, reader: StateReader) -> None:
         self.strategy.load_sharded_state(model, optimizers, EPReader(reader, self.layouts(model)))
 
-    def state_shapes(self, model: nn.Module) -> dict[str, tuple[int, ...]]:
-        layouts = self.layouts(model)
-        out = {}
-        for name, shape in self.strategy.state_shapes(model).items():
-            info = layouts.get(name)
-            out[name] = info.full_shape if info is not None and tuple(shape) == info.local_shape else tuple(shape)
-        return out
-
-    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The whole state dict on every rank, each expert tensor all-gathered over the ep group. A collective."""
-        state = self.strategy.full_state_dict(model)
-        layouts = self.layouts(model)
-        stored = self.strategy.state_dict_keys(model)
-        device = self.strategy.device
-        gathered: dict[str, torch.Tensor] = {}
-        out = {}
-        for key, value in state.items():
-            name = stored.get(key, key)
-            info = layouts.get(name)
-            if info is None or tuple(value.shape) != info.local_shape:
-                out[key] = value
-                continue
-            if name not in gathered:
-                local = value.to(device).contiguous()
-                whole = local.new_empty(info.full_shape)
-                watched(
-                    dist.all_gather_into_tensor, whole, local, group=self.topology.ep_group, label=f"ep gather {name}"
-                )
-                gathered[name] = whole.to("cpu")
-            out[key] = gathered[name]
-        return out
-
 
 class EPReader:
     """A :class:`StateReader` that shows each whole expert tensor (a parameter, or state shaped like it) at this ep
@@ -141,7 +85,7 @@ class EPReader:
         self.reader = reader
         self.pieces: dict[str, EPParam] = {}
         for key in reader.keys():
-            name = _param_name(key)
+            name = param_name(key)
             info = layouts.get(name) if name is not None else None
             if info is not None and tuple(reader.shape(key)) == info.full_shape:
                 self.pieces[key] = info

@@ -20,30 +20,17 @@ have no ``TPParam`` on this rank: their layouts are exchanged once (a collective
 
 from __future__ import annotations
 
-import json
-import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
 from phalanx.checkpoint.shards import ChunkSpec, ShardEntry, StateReader, read_chunk_into, read_into
-from phalanx.runtime.comm import all_gather_bytes
-from phalanx.runtime.topology import Topology
+from phalanx.strategies._views import PieceView, param_name
 
 from .params import TPParam, tp_gather_full, tp_param_info
 
 __all__ = ["TPCheckpointView", "chunk_of", "param_name"]
-
-
-def param_name(key: str) -> str | None:
-    """The parameter (or buffer) name of a state key: ``model/<name>`` or ``optim/<name>/<state>``."""
-    kind, _, rest = key.partition("/")
-    if kind == "model":
-        return rest
-    if kind == "optim":
-        return rest.rpartition("/")[0]
-    return None
 
 
 def chunk_of(info: TPParam) -> ChunkSpec | None:
@@ -53,44 +40,24 @@ def chunk_of(info: TPParam) -> ChunkSpec | None:
     return ChunkSpec(info.dim, info.parts, info.packed, info.index)
 
 
-class TPCheckpointView:
+class TPCheckpointView(PieceView):
     """``strategy``'s checkpoint methods in whole-tensor coordinates (see the module's docstring); the Engine passes
     it where it passes the strategy to ``save_checkpoint``, ``load_checkpoint``, ``load_weights`` and
     ``get_state_dict`` when ``tp_size > 1``."""
 
-    def __init__(self, strategy: Any, topology: Topology) -> None:
-        self.strategy = strategy
-        self.topology = topology
-        self._layouts: weakref.WeakKeyDictionary[nn.Module, dict[str, TPParam]] = weakref.WeakKeyDictionary()
+    def info_of(self, p: torch.Tensor) -> TPParam | None:
+        return tp_param_info(p)
 
-    def __getattr__(self, name: str) -> Any:
-        if name == "strategy":  # not set yet (unpickling): never recurse
-            raise AttributeError(name)
-        return getattr(self.strategy, name)
+    def encode(self, info: TPParam) -> list[Any]:
+        return [list(info.full_shape), info.dim, info.parts, info.packed, info.replicas]
 
-    # ------------------------------------------------------------------ layouts
-    def layouts(self, model: nn.Module) -> dict[str, TPParam]:
-        """Every parameter's :class:`TPParam` by the name the strategy saves it under. Under pipeline parallelism a
-        collective the first time (the other stages' layouts come from their ranks); call it on every rank."""
-        known = self._layouts.get(model)
-        if known is not None:
-            return known
-        found: dict[str, TPParam] = {}
-        for module in (model, self.strategy.unwrap_model(model)):
-            for name, p in module.named_parameters():
-                info = tp_param_info(p)
-                if info is not None:
-                    found.setdefault(name, info)
-        if self.topology.pp_size > 1:
-            mine = {n: [list(i.full_shape), i.dim, i.parts, i.packed, i.replicas] for n, i in found.items()}
-            group = self.topology.pp_group  # the same tp rank in every stage
-            for blob in all_gather_bytes(json.dumps(mine).encode(), self.strategy.device, group):
-                for name, (shape, dim, parts, packed, replicas) in json.loads(blob).items():
-                    if name not in found:  # another stage's: the chunk this tp rank holds there
-                        index = 0 if dim is None else self.topology.tp_rank // replicas
-                        found[name] = TPParam(tuple(shape), dim, index, parts, replicas, False, packed)
-        self._layouts[model] = found
-        return found
+    def decode(self, data: list[Any]) -> TPParam:
+        shape, dim, parts, packed, replicas = data
+        index = 0 if dim is None else self.topology.tp_rank // replicas  # the chunk this tp rank holds there
+        return TPParam(tuple(shape), dim, index, parts, replicas, False, packed)
+
+    def gather(self, local: torch.Tensor, info: TPParam, name: str) -> torch.Tensor | None:
+        return None if chunk_of(info) is None else tp_gather_full(local, info, self.topology.tp_group)
 
     # ------------------------------------------------------------------ the Strategy checkpoint methods
     def sharded_state(self, model: nn.Module, optimizers: Any = None) -> list[ShardEntry]:
@@ -124,35 +91,6 @@ class TPCheckpointView:
     def load_sharded_state(self, model: nn.Module, optimizers: Any, reader: StateReader) -> None:
         """The strategy loads this tp rank's pieces from ``reader``, whatever layout wrote it."""
         self.strategy.load_sharded_state(model, optimizers, LocalReader(reader, self.layouts(model)))
-
-    def state_shapes(self, model: nn.Module) -> dict[str, tuple[int, ...]]:
-        """Whole shapes. Under pipeline parallelism a collective the first time (see :meth:`layouts`)."""
-        layouts = self.layouts(model)
-        out = {}
-        for name, shape in self.strategy.state_shapes(model).items():
-            info = layouts.get(name)
-            out[name] = info.full_shape if info is not None and tuple(shape) == info.local_shape else tuple(shape)
-        return out
-
-    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The whole state dict on every rank: the strategy's (whole over the data-parallel and pipeline ranks),
-        each split tensor gathered over the tp group. A collective: every rank calls it."""
-        state = self.strategy.full_state_dict(model)
-        layouts = self.layouts(model)
-        stored = self.strategy.state_dict_keys(model)
-        device = self.strategy.device
-        gathered: dict[str, torch.Tensor] = {}
-        out = {}
-        for key, value in state.items():
-            name = stored.get(key, key)
-            info = layouts.get(name)
-            if info is None or chunk_of(info) is None or tuple(value.shape) != info.local_shape:
-                out[key] = value
-                continue
-            if name not in gathered:  # a tied weight's second key: the same tensor, gathered once
-                gathered[name] = tp_gather_full(value.to(device), info, self.topology.tp_group).to("cpu")
-            out[key] = gathered[name]
-        return out
 
 
 class LocalReader:
