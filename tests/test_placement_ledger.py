@@ -86,6 +86,8 @@ def _zero3(offload: str, meta: bool) -> dict:
     out = {"peak": LEDGER.peak_bytes, "live": LEDGER.live_bytes, "moves": list(LEDGER.moves), **expected}
     _train_step(engine, model, optimizer)  # gathers and frees every unit twice: the ledger follows the resizes
     out["live_after_step"] = LEDGER.live_bytes
+    out["pool"] = engine.strategy.comm.pool.nbytes  # the gathered units' and gradients' buffers, kept for reuse
+    out["plan"] = engine.memory_report()["held"]["comm_buffers"]
     return out
 
 
@@ -126,14 +128,18 @@ def test_zero3_of_a_host_built_model_places_shards_and_one_unit(run_ranks):
             # No parameter went to the device whole: only the units' working buffers, shards and gradient slices.
             whole_params = [w for w, _ in r["moves"] if w.endswith((".weight", ".bias"))]
             assert not whole_params, f"{where}: parameters placed whole: {whole_params}"
-            assert r["live_after_step"] == r["live"], f"{where}: a step left {r['live_after_step']} bytes"
+            # After a step the device holds what it held after prepare, and the pool of buffers the step reuses,
+            # within the plan's peak of them.
+            assert r["live_after_step"] == r["live"] + r["pool"], f"{where}: a step left {r['live_after_step']} bytes"
+            assert 0 < r["pool"] <= r["plan"], f"{where}: the pool holds {r['pool']} bytes; the plan, {r['plan']}"
 
         r = res["host_offload"]
         where = f"zero3, offload=cpu, rank {rank} of {world}"
         assert r["peak"] <= r["buffers"] + r["one_unit"], f"{where}: peak {r['peak']} on the device"
         assert r["peak"] > r["buffers"], f"{where}: the working unit goes through the device to take rank 0's values"
         assert r["live"] == r["buffers"], f"{where}: {r['live']} bytes on the device after prepare"
-        assert r["live_after_step"] == r["buffers"], f"{where}: {r['live_after_step']} bytes after a step"
+        assert r["live_after_step"] == r["buffers"] + r["pool"], f"{where}: {r['live_after_step']} bytes after a step"
+        assert 0 < r["pool"] <= r["plan"], f"{where}: the pool holds {r['pool']} bytes; the plan, {r['plan']}"
 
         # ddp holds the whole model and its gradient buckets on every rank: the ledger sees exactly that.
         d = res["ddp"]

@@ -42,7 +42,7 @@ def _steps(keep_casts: bool) -> dict[str, Any]:
     if keep_casts:  # what zero3 did before: autograd and autocast keep the casts
         from phalanx.strategies.zero import zero3
 
-        strategy._casts_not_saved = contextlib.nullcontext  # type: ignore[attr-defined]
+        strategy._saved_by_reference = contextlib.nullcontext  # type: ignore[attr-defined]
         zero3._drop_autocast_casts = lambda device_type: None  # type: ignore[attr-defined]
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(LAYERS)])

@@ -1,39 +1,86 @@
-"""Host memory that follows what the process holds (glibc's ``M_MMAP_THRESHOLD``).
+"""Host memory: glibc's heap, and peak resident memory.
 
 glibc serves a block below its mmap threshold from the heap, and raises that threshold (up to 32 MiB) each time a
-larger mapped block is freed. The zero strategies free and allocate same-sized flat buffers many times a step
-(zero3 gathers each unit twice and frees it twice), so after the first free those buffers come from the heap,
-interleave with small allocations, and the freed room stays in the process. Measured on CPU (2 ranks, 24 x
-Linear(1024), zero3, AdamW): the resident memory grew with every step, to 2.3 x what the process held after ten
-steps; with the threshold fixed at 1 MiB it stayed within 13% of it. ``host_mmap_threshold_mb`` fixes it: blocks of
-at least that size are mapped, and returned to the system when freed. It is off by default, because each such
-allocation then faults its pages in afresh: measured side by side (bench_zero --malloc-rows, mlp, 2 ranks), zero2
-took 1.54 x and zero3 1.71 x as long per step, for 62 and 108 MiB less peak RSS per rank.
+larger mapped block is freed. A freed block in the middle of the heap stays resident, and the next large request
+fits in it only if nothing smaller took part of it first. The zero strategies used to allocate and free same-sized
+flat buffers many times a step (zero3 gathers each unit twice and frees it twice), and the resident memory grew step
+after step: 1.4-1.9 x what the process held, on 24 x Linear(1024) under zero3. They now take those buffers from a
+pool they own (``strategies/zero/pool.py``), and the growth is gone: what the process holds (``host_bytes_allocated``)
+is within 4% of ``memory_report``'s ``expected_peak`` on 2 and 4 ranks.
+
+What remains above it is the free room glibc keeps around torch's own temporaries, which the pool cannot own:
+autograd's gradient of each weight (made by the matmul in backward) and Adam's temporaries. Measured (2 cores,
+gloo, the model above): 1.2-1.4 x the prediction in resident memory, varying from run to run.
+``host_mmap_threshold_mb`` maps those temporaries instead and returns them when freed, and brings resident memory to
+1.07 x, for a page fault on every page of them: 40-50% more CPU time per step on that small-batch model, so it is off
+by default; 1 when host memory is what binds.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import sys
+from typing import Any
 
 import torch
 
-__all__ = ["set_mmap_threshold", "peak_memory_bytes", "peak_memory_mib", "gather_peak_memory"]
+__all__ = [
+    "set_mmap_threshold",
+    "release_free_heap",
+    "host_bytes_allocated",
+    "peak_memory_bytes",
+    "peak_memory_mib",
+    "gather_peak_memory",
+]
 
 _M_MMAP_THRESHOLD = -3
 
 
-def set_mmap_threshold(mb: float) -> bool:
-    """Fix glibc's mmap threshold at ``mb`` MiB; False where there is no glibc (macOS, musl) or it refuses."""
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks")
+    ] + [("keepcost", ctypes.c_size_t)]
+
+
+@functools.cache
+def _glibc() -> Any:
+    """glibc, or None where there is none (macOS, musl, Windows)."""
     if not sys.platform.startswith("linux"):
-        return False
+        return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        libc.mallopt, libc.malloc_trim, libc.mallinfo2  # noqa: B018 -- glibc has all three (2.33 and later)
     except (OSError, AttributeError):
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, int(mb * 2**20)))
+        return None
+    libc.mallinfo2.restype = _Mallinfo2
+    return libc
+
+
+def set_mmap_threshold(mb: float) -> bool:
+    """Fix glibc's mmap threshold at ``mb`` MiB; False where there is no glibc (macOS, musl) or it refuses."""
+    libc = _glibc()
+    return libc is not None and bool(libc.mallopt(_M_MMAP_THRESHOLD, int(mb * 2**20)))
+
+
+def release_free_heap() -> bool:
+    """Give the free pages inside glibc's heap back to the system (``malloc_trim``): once, after a phase that made
+    and freed many large temporaries (a zero3 prepare lays units out one by one). False where there is no glibc."""
+    libc = _glibc()
+    return libc is not None and bool(libc.malloc_trim(0))
+
+
+def host_bytes_allocated() -> int | None:
+    """Bytes that this process's main thread holds from malloc now, in its heap and in mapped blocks (glibc's
+    ``mallinfo2``: ``uordblks + hblkhd``): what the process holds, without the free room the allocator keeps
+    resident. None where there is no glibc."""
+    libc = _glibc()
+    if libc is None:
+        return None
+    info = libc.mallinfo2()
+    return int(info.uordblks + info.hblkhd)
 
 
 def peak_memory_bytes(device: torch.device | None = None) -> dict[str, int]:

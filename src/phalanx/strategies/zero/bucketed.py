@@ -96,7 +96,7 @@ class BucketedZero(ZeroStrategy):
                 return
         else:
             if seg.grad_full is None:
-                seg.grad_full = padded_empty(seg)
+                seg.grad_full = padded_empty(seg, self.comm.pool)
             seg.view_of(i, seg.grad_full).copy_(grad)
             param.grad = None  # only this rank's slice of the reduced gradient is kept
         self._queue_final_callback(ms)
@@ -138,7 +138,7 @@ class BucketedZero(ZeroStrategy):
                         p.grad = view
                 else:
                     if s.grad_full is None:
-                        s.grad_full = padded_empty(s)
+                        s.grad_full = padded_empty(s, self.comm.pool)
                     s.view_of(i, s.grad_full).zero_()
             s.pending = 0
         # Launch and wait even when about to raise: peers that did see these gradients wait in the same collectives.
@@ -169,8 +169,15 @@ class BucketedZero(ZeroStrategy):
     def _comm_buffer_bytes(self) -> int:
         if self.grads_whole or not self.segments:
             return 0
-        sizes = sorted((s.padded * s.full.element_size() for s in self.segments), reverse=True)
-        return sum(sizes[:2])  # up to two full-size bucket gradients are alive during backward
+
+        # Up to two buckets are reduced at once (the one in flight and the next): each a full-size gradient buffer
+        # and, over several ranks, where the peers' slices land (p2p: one per peer; native: the reduced slice).
+        def reducing(seg: Any) -> int:
+            comm = self.comm._for(seg) or self.comm
+            extra = {"p2p": comm.world - 1, "native": 1}.get(comm.mode, 0) if comm.world > 1 else 0
+            return (seg.padded + extra * seg.shard_numel) * seg.full.element_size()
+
+        return sum(sorted((reducing(s) for s in self.segments), reverse=True)[:2])
 
 
 class Zero1Strategy(BucketedZero):

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from phalanx.runtime.collective_log import watched
 from phalanx.runtime.comm import CommStats
 from phalanx.strategies.zero.layout import Segment
+from phalanx.strategies.zero.pool import BufferPool
 
 __all__ = ["SegmentComm", "Done", "resolve_collectives", "DTYPES", "copy_to_host", "wait_for_device"]
 
@@ -135,6 +136,7 @@ class SegmentComm:
             (j, dist.get_global_rank(group, j) if group is not None else j) for j in range(world) if j != self.rank
         ]
         self.experts: SegmentComm | None = None
+        self.pool = BufferPool()  # the flat buffers of gathers and reductions, reused (see pool.py)
 
     def add_experts(self, group: Any, world: int) -> SegmentComm:
         """A sibling for the expert segments (``seg.expert``; expert parallelism): the same settings over the ranks
@@ -143,7 +145,7 @@ class SegmentComm:
         sib = SegmentComm(
             group, world, self.mode, self.comm_dtype, self.stats, self.accumulates, (self.rep_group, self.rep_world)
         )
-        sib.inflight, sib._staging = self.inflight, self._staging
+        sib.inflight, sib._staging, sib.pool = self.inflight, self._staging, self.pool
         self.experts = sib
         return sib
 
@@ -165,6 +167,7 @@ class SegmentComm:
         if (other := self._for(seg)) is not None:
             other.reduce_scatter(seg, flat)
             return
+        seg.lent.append(flat)  # given back to the pool (when it came from it) once the reduction is finished
         if self.comm_dtype is not None and flat.dtype != self.comm_dtype:
             flat = flat.to(self.comm_dtype)
         # zero1 keeps whole gradients (each p.grad a view of them): under p2p it still all-reduces them, so that
@@ -181,7 +184,8 @@ class SegmentComm:
         elif mode == "p2p":
             # Peer j gets its slice of this rank's gradient; this rank's slice gets the peers' shares added in place.
             n = seg.shard_numel
-            got = {j: flat.new_empty(n) for j, _ in self.peers}
+            got = {j: self.pool.take(n, flat.dtype, flat.device) for j, _ in self.peers}
+            seg.lent += got.values()
             self.stats.record("reduce_scatter", flat, self.world)
             mine = flat[seg.lo : seg.hi]
 
@@ -193,7 +197,8 @@ class SegmentComm:
             sent = self._exchange(lambda j: flat[j * n : (j + 1) * n], got.__getitem__, _TAG + 2 * seg.index + 1, label)
             seg.work, seg.work_out = Done(sent, add_shares), mine
         else:
-            out = flat.new_empty(seg.shard_numel)
+            out = self.pool.take(seg.shard_numel, flat.dtype, flat.device)
+            seg.lent.append(out)
             self.stats.record("reduce_scatter", flat, self.world)
             fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
             seg.work = watched(
@@ -243,8 +248,9 @@ class SegmentComm:
         filled = sum(sizes)  # the rest of the slice is padding, which stays zero
 
         def buffer() -> torch.Tensor:
-            t = torch.empty(n, dtype=seg.dtype, device=seg.device)
+            t = self.pool.take(n, seg.dtype, seg.device)
             t[filled:].zero_()
+            seg.lent.append(t)
             return t
 
         mine = buffer()
@@ -288,6 +294,9 @@ class SegmentComm:
                 seg.master_grad.copy_(out)
         if self.accumulates:
             seg.grad_full = None
+        for t in seg.lent:
+            self.pool.give(t)
+        seg.lent = []
 
     def _staging_for(self, src: torch.Tensor) -> torch.Tensor:
         """A host buffer (pinned on CUDA) that a reduced slice lands in before it is added to the host's; one per
@@ -320,7 +329,7 @@ class SegmentComm:
         if src is None:
             src = seg.full[seg.lo : seg.hi]  # frozen: nothing changes, but zero3 still needs the whole unit
         wire = self.comm_dtype or seg.dtype
-        full = seg.full if wire == seg.dtype else torch.empty(seg.padded, dtype=wire, device=seg.device)
+        full = seg.full if wire == seg.dtype else self.pool.take(seg.padded, wire, seg.device)
         if src.device != seg.device:
             # Offloaded: a DMA from the pinned host slice that the host does not wait for (the device's later work is
             # ordered after it on the stream); the dtype is changed on the device, so that it stays one. The host
@@ -359,7 +368,12 @@ class SegmentComm:
             self.stats.record("all_gather", full, self.world)
             fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
             work = watched(fn, full, local, group=self.group, async_op=True, label=f"parameters of segment {seg.index}")
-        done = Done(work, None if full is seg.full else (lambda: seg.full.copy_(full)))
+
+        def arrived() -> None:  # the wire's dtype: into the segment's, and the wire buffer back to the pool
+            seg.full.copy_(full)
+            self.pool.give(full)
+
+        done = Done(work, None if full is seg.full else arrived)
         if not async_op:
             done.wait()
         return done

@@ -17,6 +17,7 @@ from torch import nn
 
 from phalanx.runtime.placement import LEDGER
 from phalanx.strategies.expert_parallel.params import is_expert
+from phalanx.strategies.zero.pool import BufferPool
 
 if TYPE_CHECKING:
     from phalanx.strategies.zero.base import ModelState
@@ -75,6 +76,7 @@ class Segment:
         self.owner: ModelState | None = None
         self.work: Any = None
         self.work_out: torch.Tensor | None = None
+        self.lent: list[torch.Tensor] = []  # pool buffers of the reduction in flight, given back when it is finished
 
     @property
     def has_trainable(self) -> bool:
@@ -108,9 +110,14 @@ class Segment:
         return runs
 
 
-def padded_empty(seg: Segment) -> torch.Tensor:
-    """A full-size gradient buffer whose padding is zero; every parameter's view is written before use."""
-    flat = torch.empty(seg.padded, dtype=seg.dtype, device=seg.device)
+def padded_empty(seg: Segment, pool: BufferPool | None = None) -> torch.Tensor:
+    """A full-size gradient buffer whose padding is zero, from ``pool`` when given; every parameter's view is written
+    before use."""
+    flat = (
+        torch.empty(seg.padded, dtype=seg.dtype, device=seg.device)
+        if pool is None
+        else pool.take(seg.padded, seg.dtype, seg.device)
+    )
     flat[seg.numel :].zero_()
     return flat
 

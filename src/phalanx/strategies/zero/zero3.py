@@ -35,6 +35,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from phalanx.config.strategy_options import Zero3Options
+from phalanx.runtime.memory import release_free_heap
 from phalanx.runtime.placement import LEDGER, place_buffers
 from phalanx.strategies._replicas import replicate_from_first
 from phalanx.strategies.base import uncompiled
@@ -72,9 +73,11 @@ class Unit:
         comm: SegmentComm,
         store: StateStore,
         empty: dict[tuple[torch.dtype, torch.device], torch.Tensor],
+        gathered: dict[int, Segment],
     ) -> None:
+        """``gathered``: the strategy's map from each gathered segment's buffer (its data pointer) to the segment."""
         self.index, self.module, self.name, self.segments, self.is_root = index, module, name, segments, is_root
-        self.comm, self.store, self._empty = comm, store, empty
+        self.comm, self.store, self._empty, self.gathered = comm, store, empty, gathered
         self.state = UnitState.FREE
         self.works: list[Done] = []
         self.touched = False  # backward reached it in the running backward pass
@@ -87,8 +90,8 @@ class Unit:
     def gather(self) -> None:
         if self.state == UnitState.FREE:
             for s in self.segments:
-                s.full.untyped_storage().resize_(s.padded * s.full.element_size())
-                LEDGER.resized(s.full)
+                s.full = self.comm.pool.take(s.padded, s.dtype, s.device)
+                self.gathered[s.full.data_ptr()] = s
                 s.attach_views()
             self.works = [self.comm.gather(s, async_op=True) for s in self.segments]
             self.state = UnitState.GATHERING
@@ -121,8 +124,14 @@ class Unit:
             empty = self._empty.setdefault((s.dtype, s.device), torch.empty(0, dtype=s.dtype, device=s.device))
             for p in s.params:
                 p.data = empty
-            s.full.untyped_storage().resize_(0)
-            LEDGER.resized(s.full)
+            # Back to the pool, lent again once nothing refers to it: what autograd saved of these parameters is a
+            # marker (_SavedParam), read from the unit gathered again in backward.
+            if self.gathered.pop(s.full.data_ptr(), None) is not None:
+                self.comm.pool.give(s.full)
+            elif s.full.numel():  # the buffer prepare laid the unit out in: released now, whoever still refers to it
+                s.full.untyped_storage().resize_(0)
+                LEDGER.resized(s.full)
+            s.full = empty
         self.state = UnitState.FREE
 
 
@@ -152,6 +161,7 @@ class Zero3Strategy(ZeroStrategy):
         super().__init__(*args, **kwargs)
         self.unit_opts = self.config.options(Zero3Options)
         self._empty: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._gathered: dict[int, Segment] = {}  # see Unit
         self._own_reads = 0  # inside our own state_dict() reads, which put the gathered tensors in place
 
     def place_model(self, model: nn.Module) -> nn.Module:
@@ -197,12 +207,13 @@ class Zero3Strategy(ZeroStrategy):
                     else self.store.placed(self.store.copy_of(seg.full[seg.lo : seg.hi]), f"{what} shard")
                 )
             all_segments += segs
-            unit = Unit(0, module, name, segs, module is model, self.comm, self.store, self._empty)
+            unit = Unit(0, module, name, segs, module is model, self.comm, self.store, self._empty, self._gathered)
             unit.free()
             self.store.release()  # disk offload: what was written to the files leaves this process
             if segs or unit.is_root:
                 units.append(unit)
         units.insert(0, units.pop())  # the root first
+        release_free_heap()  # the units' temporaries on the host, laid out one by one, leave holes in the heap
         for i, u in enumerate(units):
             u.index = len(self.units) + i
         if init is not None:
@@ -231,7 +242,7 @@ class Zero3Strategy(ZeroStrategy):
         @functools.wraps(forward)
         def explained_forward(*args: Any, **kwargs: Any) -> Any:
             try:
-                with self._casts_not_saved():
+                with self._saved_by_reference():
                     return forward(*args, **kwargs)
             except RuntimeError as e:
                 raise RuntimeError(
@@ -244,23 +255,32 @@ class Zero3Strategy(ZeroStrategy):
         model.forward = explained_forward  # type: ignore[method-assign]
         return model
 
-    # ---- autocast: what autograd saves of a gathered parameter
-    def _casts_not_saved(self) -> contextlib.AbstractContextManager[Any]:
-        """Under autocast, a matmul saves its bf16/fp16 cast of the weight for backward, and autocast caches the cast
-        until the forward ends: a copy of every gathered weight (2 bytes a parameter) alive whatever the shard count,
-        though the unit itself is freed. Autograd saves a marker instead (``_SavedCast``), and backward casts the
-        regathered parameter again, the same values; each unit's post-forward clears autocast's cache. (FSDP2
-        gathers in the compute dtype for the same reason, which changes what runs in fp32; this keeps autocast's
-        numerics bit for bit.) Hooks the caller set (``torch.autograd.graph.save_on_cpu``, say) still get every
-        other saved tensor: only one pair of hooks applies at a time, so ours hand those on."""
-        if not torch.is_autocast_enabled(self.device.type):
+    # ---- what autograd saves of a gathered parameter
+    def _saved_by_reference(self) -> contextlib.AbstractContextManager[Any]:
+        """Autograd keeps, of a gathered parameter (or a view of it), a marker (``_SavedParam``) that reads the unit
+        gathered again in backward, instead of the tensor: the unit's buffer goes back to the pool when the unit is
+        freed, and is lent to the next unit. Were the tensor kept, the pool would have to pass the buffer over (it
+        lends only what nothing refers to), so every unit would hold its own until backward.
+
+        Under autocast, a matmul saves its bf16/fp16 cast of the weight, and autocast caches the cast until the
+        forward ends: a copy of every gathered weight (2 bytes a parameter) alive whatever the shard count, though the
+        unit itself is freed. Autograd saves a marker for it too (``_SavedCast``), and backward casts the regathered
+        parameter again, the same values; each unit's post-forward clears autocast's cache. (FSDP2 gathers in the
+        compute dtype for the same reason, which changes what runs in fp32; this keeps autocast's numerics bit for
+        bit.) Hooks the caller set (``torch.autograd.graph.save_on_cpu``, say) still get every other saved tensor:
+        only one pair of hooks applies at a time, so ours hand those on."""
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            # A compiled graph saves what it saves: the pool then passes its units' buffers over until backward.
             return contextlib.nullcontext()
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        autocast = torch.is_autocast_enabled(self.device.type)
 
         def pack(t: torch.Tensor) -> Any:
-            cast = self._saved_cast(t)
-            if cast is not None:
-                return cast
+            saved: _SavedParam | _SavedCast | None = self._saved_param(t)
+            if saved is None and autocast:
+                saved = self._saved_cast(t)
+            if saved is not None:
+                return saved
             return t if outer is None else _Outer(outer[0](t))
 
         def unpack(saved: Any) -> torch.Tensor:
@@ -270,6 +290,17 @@ class Zero3Strategy(ZeroStrategy):
             return _unpack_saved(saved)
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def _saved_param(self, t: torch.Tensor) -> _SavedParam | None:
+        """The marker for ``t`` when it views a gathered unit's buffer, else None."""
+        if t.layout != torch.strided or t.is_meta:
+            return None
+        seg = self._gathered.get(t.untyped_storage().data_ptr())
+        if seg is None or t.dtype != seg.dtype:
+            return None
+        return _SavedParam(
+            seg, tuple(t.shape), t.stride(), int(t.storage_offset()), self._names.get(seg.params[0], "?")
+        )
 
     def _saved_cast(self, t: torch.Tensor) -> _SavedCast | None:
         """The marker for ``t`` when it is (a view of) autocast's cast of a gathered parameter, else None."""
@@ -328,7 +359,9 @@ class Zero3Strategy(ZeroStrategy):
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             if _in_backward():  # a recomputation: the unit's own backward is about to use it
                 return output
-            _drop_autocast_casts(self.device.type)  # this unit's casts: nothing needs them now (see _casts_not_saved)
+            _drop_autocast_casts(
+                self.device.type
+            )  # this unit's casts: nothing needs them now (see _saved_by_reference)
             if not torch.is_grad_enabled():
                 unit.free()
                 return output
@@ -372,7 +405,7 @@ class Zero3Strategy(ZeroStrategy):
                 if self.comm.sends_pieces(s):  # p2p: each peer gets its parts of the gradients, no copy first
                     self.comm.reduce_scatter_pieces(s, grads)
                 else:
-                    flat = padded_empty(s)
+                    flat = padded_empty(s, self.comm.pool)
                     for i, g in enumerate(grads):
                         if g is not None:
                             s.view_of(i, flat).view(-1).copy_(g)
@@ -471,11 +504,27 @@ class Zero3Strategy(ZeroStrategy):
         return total
 
     def _comm_buffer_bytes(self) -> int:
-        sizes = sorted((u.full_bytes for u in self.units if not u.is_root), reverse=True)
+        """The plan's buffers at their peak in backward, from the unit sizes: the pool's blocks (the root, the unit
+        computing and the one prefetched; the reduction in flight and the current one) and autograd's gradients of
+        the units whose reductions are not finished. ``memory_report`` shows the pool's own size beside it."""
+        units = sorted((u for u in self.units if not u.is_root), key=lambda u: -u.full_bytes)[:2]
         root = sum(u.full_bytes for u in self.units if u.is_root)
-        # Gathered during backward: the root, the unit computing and the one prefetched; and for gradients,
-        # autograd's of the unit, the flat buffer they are copied into, and the previous flat, still in flight.
-        return root + sum(sizes[:2]) + 3 * (sizes[0] if sizes else 0)
+        gathered = sum(u.full_bytes for u in units)
+        reducing = grads = 0
+        for i, u in enumerate(units):
+            for seg in u.segments:
+                if not seg.has_trainable:
+                    continue
+                size, comm = seg.padded * seg.full.element_size(), self.comm._for(seg) or self.comm
+                if comm.sends_pieces(seg):  # a buffer per rank for the slices; autograd's until they are sent
+                    reducing += size
+                    grads += seg.numel * seg.full.element_size()
+                else:  # the full-size buffer, and where the peers' slices land
+                    extra = {"p2p": comm.world - 1, "native": 1}.get(comm.mode, 0) if comm.world > 1 else 0
+                    reducing += size + extra * seg.shard_numel * seg.full.element_size()
+                    if i == 0:  # copied into the buffer and dropped: one unit's at a time
+                        grads += seg.numel * seg.full.element_size()
+        return root + gathered + reducing + grads
 
     def memory_report(self, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
         report = super().memory_report(optimizers)
@@ -518,12 +567,30 @@ class _SavedCast:
         self.param, self.dtype, self.shape, self.stride, self.offset = param, dtype, shape, stride, offset
 
 
+class _SavedParam:
+    """What autograd keeps of a gathered parameter (or a view of it): where it lies in its segment's buffer."""
+
+    __slots__ = ("name", "offset", "seg", "shape", "stride")
+
+    def __init__(self, seg: Segment, shape: tuple[int, ...], stride: tuple[int, ...], offset: int, name: str) -> None:
+        self.seg, self.shape, self.stride, self.offset, self.name = seg, shape, stride, offset, name
+
+
 def _drop_autocast_casts(device_type: str) -> None:
     if torch.is_autocast_enabled(device_type):
         torch.clear_autocast_cache()
 
 
 def _unpack_saved(saved: Any) -> torch.Tensor:
+    if isinstance(saved, _SavedParam):
+        full = saved.seg.full
+        if full.numel() == 0:
+            raise RuntimeError(
+                f"zero3: backward needs a parameter of the unit holding {saved.name!r}, and that unit is not "
+                "gathered (its forward ran outside the unit's own module?). Use the parameter inside the module that "
+                "owns it, or choose units with zero3_unit_classes so that both modules sit in one unit"
+            )
+        return full.as_strided(saved.shape, saved.stride, saved.offset)
     if not isinstance(saved, _SavedCast):
         return saved
     p = saved.param
