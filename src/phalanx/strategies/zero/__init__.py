@@ -4,12 +4,14 @@ The rooms, each one idea:
 
 - ``layout.py``       flat segments: parameters packed, padded to a multiple of N, rank r owning slice r
 - ``collectives.py``  reduce-scatter of gradients and all-gather of parameters on segments
+- ``pool.py``         the flat buffers they reuse (gathered units, gradient buffers), lent only when unreferenced
 - ``base.py``         what every stage shares: the optimizer's pieces, the end of backward, clipping, memory
 - ``state.py``        the checkpoint hooks: each rank gives and takes its own slices
 - ``bucketed.py``     zero1 and zero2: buckets reduced as backward fills them
 - ``zero3.py``        zero3: units gathered around their forward and backward, with prefetch
 - ``stepping.py``     stepping the optimizer part by part (bucket-pipelined steps, disk chunks)
-- ``optimizers.py``   which optimizers can be sharded
+- ``optimizers.py``   which optimizers can be sharded: elementwise ones, and tensor-wise ones stepped whole
+- ``tensorwise.py``   tensor-wise optimizers (Muon, Adafactor): each whole parameter stepped on one owner rank
 - ``offload.py``      where optimizer state lives: the device, host memory or memory-mapped files
 
 Their settings (offload, comm_dtype, zero_collectives, zero3_unit_classes, ...) are declared in

@@ -3,7 +3,8 @@ the state hooks and memory accounting.
 
 The user's optimizer is kept: its param groups are given the rank's pieces of the fp32 master slices that
 belong to each group (see ``layout.py``), so each group keeps its own lr and weight decay. This is exact for
-elementwise optimizers (SGD, Adam, AdamW, ...), which are the ones accepted (``optimizers.py``). The stages
+elementwise optimizers (SGD, Adam, AdamW, ...); a tensor-wise one (Muon, Adafactor: ``optimizers.py``) is given
+instead the whole parameters this rank owns, gathered for each step (``tensorwise.py``). The stages
 (``bucketed.py``: zero1/zero2; ``zero3.py``) add how gradients are reduced during backward, and zero3 how
 parameters are gathered.
 """
@@ -55,8 +56,9 @@ from phalanx.strategies.zero import state
 from phalanx.strategies.zero.collectives import DTYPES, Done, SegmentComm, resolve_collectives
 from phalanx.strategies.zero.layout import Segment, merge_runs
 from phalanx.strategies.zero.offload import StateStore
-from phalanx.strategies.zero.optimizers import check_optimizer
+from phalanx.strategies.zero.optimizers import check_optimizer, is_tensorwise
 from phalanx.strategies.zero.stepping import chunk_steps
+from phalanx.strategies.zero.tensorwise import ShardGroup, TensorwisePlan
 
 if TYPE_CHECKING:
     from phalanx.strategies.zero.zero3 import Unit
@@ -166,6 +168,8 @@ class ZeroStrategy(Strategy):
         self._clean: set[int] = set()  # optimizers whose gradient ranges are zero since their last step
         self._early_gathers: dict[int, Done] = {}  # segment index -> gather started by a pipelined step
         self._window_seen: set[nn.Parameter] = set()  # zero1: parameters that got a gradient with require_sync off
+        self._tensorwise: dict[int, TensorwisePlan] = {}  # id(optimizer) -> its owners, for tensor-wise optimizers
+        self._owner_loads: dict[bool, list[int]] = {}  # elements each rank owns for them, dense (False) and experts
 
     whole_state_setting = "strategy='ddp'"
     """The setting that trains without sharding optimizer state, for errors about optimizers."""
@@ -290,9 +294,13 @@ class ZeroStrategy(Strategy):
                 f"{type(optimizer).__name__} already has state (it has stepped); {self.name} must shard it before the "
                 "first step: call engine.prepare before optimizer.step()"
             )
+        tensorwise = is_tensorwise(optimizer)
+        if tensorwise:
+            self._check_tensorwise(optimizer)
         max_piece = int(self.opts.offload_chunk_mb * 2**20 / 4) if self.store.mode == "disk" else None
         layout: list[list[tuple[Segment, int, int]]] = []
         seen: set[nn.Parameter] = set()
+        trainable: list[list[nn.Parameter]] = []  # each group's, in its order
         for gi, group in enumerate(optimizer.param_groups):
             group_params: set[nn.Parameter] = set()
             for p in group["params"]:
@@ -308,24 +316,69 @@ class ZeroStrategy(Strategy):
                         )
                     continue
                 group_params.add(p)
+            trainable.append([p for p in group["params"] if p in group_params and self._trainable(p)])
             pieces: list[tuple[Segment, int, int]] = []
-            for seg in self.segments:
+            for seg in self.segments if not tensorwise else ():
                 for _, a, b in merge_runs(seg.local_runs(group_params)):
                     step = max_piece or (b - a)
                     pieces.extend((seg, x, min(x + step, b)) for x in range(a, b, step))
             layout.append(pieces)
             group["params"] = [self._piece(seg, a, b) for seg, a, b in pieces]
-        if not any(layout):
-            # This rank's slices hold none of this optimizer's elements. A zero-size piece keeps the rank in
-            # step with the others (fp16 overflow checks are all-reduced per optimizer).
-            placeholder = nn.Parameter(torch.zeros(0, device=self.store.device))
-            placeholder.grad = torch.zeros(0, device=self.store.device)
+        if tensorwise:
+            plan = TensorwisePlan(
+                optimizer, trainable, self._loc.__getitem__, self._shard_group, self._owner_loads, self.stats
+            )
+            self._tensorwise[id(optimizer)] = plan
+            for group, owned in zip(optimizer.param_groups, plan.groups):
+                group["params"] = owned
+        if not any(g["params"] for g in optimizer.param_groups):
+            # This rank holds none of this optimizer's elements (or owns none of its tensors). A placeholder keeps
+            # the rank in step with the others (fp16 overflow checks are all-reduced per optimizer); 1 x 1 for a
+            # tensor-wise one (Muon steps matrices only), which it steps as zeros.
+            shape = (1, 1) if tensorwise else (0,)
+            placeholder = nn.Parameter(torch.zeros(shape, device=self.store.device))
+            placeholder.grad = torch.zeros(shape, device=self.store.device)
             optimizer.param_groups[0]["params"] = [placeholder]
         optimizer.state.clear()
         self._optimizers.append((optimizer, layout, seen))
         if self.store.mode == "disk":
             chunk_steps(optimizer, self.store, self.opts.offload_chunk_mb)
         return optimizer
+
+    def _trainable(self, p: nn.Parameter) -> bool:
+        seg, i = self._loc[p]
+        return seg.trainable[i]
+
+    def _shard_group(self, seg: Segment) -> ShardGroup:
+        """The ranks that shard ``seg``: the expert shard ranks for experts, the shard ranks otherwise."""
+        if seg.expert:
+            return ShardGroup(self.topology.expert_shard_group, self.expert_world, self.expert_rank)
+        return ShardGroup(self.group, self.world, self.rank)
+
+    def _check_tensorwise(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse the settings under which no rank can hold a whole tensor for a tensor-wise optimizer."""
+        name, topo = type(optimizer).__name__, self.topology
+        if topo.tp_size > 1:
+            raise ValueError(
+                f"{name} updates each parameter from the whole tensor, and tp_size={topo.tp_size} splits the weights "
+                f"over the tensor-parallel ranks, so that no rank holds a whole matrix under {self.name}. Use "
+                "tp_size=1, or an elementwise optimizer (AdamW) with tensor parallelism"
+            )
+        if self.within_stage:
+            raise ValueError(
+                f"{name} (a tensor-wise optimizer) with the pipeline's zero1 (pp_zero_stage=1) is not supported; use "
+                "pp_zero_stage=0, where each stage's replicas step its parameters whole"
+            )
+        if self.store.mode != "none":
+            raise ValueError(
+                f"{name} with offload={self.store.mode!r} is not supported: a tensor-wise optimizer steps each whole "
+                f"parameter on its owner rank, on the device. Use offload='none' (the owners hold only their tensors' "
+                f"state, about 1/{self.world} of it each), or an elementwise optimizer (AdamW) with offload"
+            )
+
+    def _plans(self, optimizers: Any) -> list[TensorwisePlan]:
+        """The tensor-wise plans of ``optimizers`` (None, one, or a sequence; prepared or not)."""
+        return [self._tensorwise[id(o)] for o in optimizer_list(optimizers) if id(o) in self._tensorwise]
 
     @staticmethod
     def _piece(seg: Segment, a: int, b: int) -> nn.Parameter:
@@ -338,7 +391,9 @@ class ZeroStrategy(Strategy):
         optimizer = getattr(optimizer, "optimizer", optimizer)
         for opt, layout, params in self._optimizers:
             if opt is optimizer:
-                return [piece for pieces in layout for piece in pieces], params
+                ranges = [piece for pieces in layout for piece in pieces]
+                plan = self._tensorwise.get(id(opt))
+                return ranges + (plan.local_ranges if plan is not None else []), params
         return [], set()
 
     def _attach_piece_grads(self) -> None:
@@ -359,6 +414,8 @@ class ZeroStrategy(Strategy):
         for seg, a, b in ranges:
             if seg.master_grad is not None:
                 seg.master_grad[a:b].zero_()
+        for plan in self._tensorwise.values():  # and the owners' whole copies of them, while a step holds them
+            plan.zero_grads(params)
         if self.grads_whole:
             # Drop rather than zero: the next backward's hook copies autograd's fresh gradient into the bucket
             # view (as ddp does after zero_grad(set_to_none=True)), which saves a pass over the whole buffer.
@@ -381,6 +438,9 @@ class ZeroStrategy(Strategy):
         if optimizer is None:
             return
         ranges, params = self._entry(optimizer)
+        plan = self._tensorwise.get(id(getattr(optimizer, "optimizer", optimizer)))
+        if plan is not None:
+            plan.release()  # stepped (or skipped): the owners' whole copies go, their gradients consumed
         self._zero_ranges(ranges, optimizer, params)
         # From the parameters, not from this rank's pieces: a rank that holds none of a segment must still
         # take part in gathering it.
@@ -433,6 +493,8 @@ class ZeroStrategy(Strategy):
         for ms in touched:
             self._finish_backward_reductions(ms)
         self.comm.wait_inflight()
+        for plan in self._tensorwise.values():
+            plan.stale = True  # the owners must receive the new gradient slices before anything reads them
         if self.require_sync:
             if self.comm.accumulates:
                 # Each backward's reduced share was added up unscaled; the window's factor applies once, here.
@@ -456,6 +518,9 @@ class ZeroStrategy(Strategy):
     def finish_gradient_sync(self) -> None:
         self.comm.wait_inflight()
         self.comm.fence_host_reads()  # before the optimizer writes offloaded masters (or a load does)
+        for plan in self._tensorwise.values():
+            if plan.stale:  # every rank alike: a backward reduced on all of them
+                plan.gather()
         self._attach_piece_grads()
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
@@ -469,12 +534,16 @@ class ZeroStrategy(Strategy):
         # Each rank holds the reduced gradient of its slices only: combine the local norms over the ranks.
         self.finish_gradient_sync()
         wanted: set[Any] = set(parameters)
+        # A tensor-wise optimizer's parameters count by the whole gradients their owners hold (and will step with).
+        owned = [g.view(-1) for plan in self._tensorwise.values() for g in plan.grads(wanted)]
+        elementwise = wanted.difference(*(plan.params for plan in self._tensorwise.values()))
         slices, pieces = [], []
         for s in self.segments:
             if s.master_grad is not None:
-                for i, a, b in s.local_runs(wanted):
+                for i, a, b in s.local_runs(elementwise):
                     slices.append(s.master_grad[a:b])
                     pieces.append((slices[-1], tp_replicas(s.params[i])))
+        slices += owned  # none under tensor parallelism, which tensor-wise optimizers refuse
         norm_type = float(norm_type)
         if self.topology.tp_size > 1:  # the tp ranks hold different pieces; a replicated one counts once
             # Within a pipeline stage the pieces differ over every rank of the world (stages, shards, tp pieces).
@@ -563,7 +632,7 @@ class ZeroStrategy(Strategy):
         return self.comm_dtype_ or self.segments[0].dtype
 
     def describe(self) -> dict[str, Any]:
-        return {
+        out = {
             "strategy": self.name,
             "segments": len(self.segments),
             "segment_numel": [s.numel for s in self.segments],
@@ -572,6 +641,9 @@ class ZeroStrategy(Strategy):
             "collectives": self.comm.mode,
             "offload": self.store.mode,
         }
+        if self._owner_loads:  # elements of tensor-wise optimizers' parameters each rank owns
+            out["tensorwise_owner_numel"] = {"experts" if k else "dense": list(v) for k, v in self._owner_loads.items()}
+        return out
 
     # -------------------------------------------------------------------- memory
     def memory_report(self, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
@@ -613,7 +685,12 @@ class ZeroStrategy(Strategy):
             if self.store.mode == "disk"
             else 0
         )
-        return expected_peak(report, optimizers, max(pieces, default=0), grads if self.params_whole else 0, chunk)
+        report = expected_peak(report, optimizers, max(pieces, default=0), grads if self.params_whole else 0, chunk)
+        owners = sum(plan.transient_bytes() for plan in self._plans(optimizers))  # a step's whole copies
+        report["transient"] += owners
+        report["expected_peak"] += owners
+        report["pool_bytes"] = self.comm.pool.nbytes  # the buffers' pool now; comm_buffers is the plan's peak of it
+        return report
 
     def _predicted(self, p: int, g: int, psi: int, n: int) -> dict[str, float]:
         """The ZeRO paper's bytes per rank for parameters and gradients (p, g: bytes per element; psi: trainable

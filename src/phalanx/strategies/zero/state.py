@@ -1,5 +1,9 @@
 """The zero strategies' state hooks: each rank gives and takes exactly its own slices, keyed by parameter name,
-so that a checkpoint saved under any strategy and world size loads here and the other way round."""
+so that a checkpoint saved under any strategy and world size loads here and the other way round.
+
+A tensor-wise optimizer's state (``tensorwise.py``) is whole on each parameter's owner: the owner gives and takes it
+whole, as ddp does (Adafactor's factored statistics keep their own shapes), so it too loads on any world size, and
+under ddp."""
 
 from __future__ import annotations
 
@@ -57,6 +61,9 @@ def sharded_state(zs: ZeroStrategy, model: nn.Module, optimizers: Any = None) ->
                     entries.append(ShardEntry(f"optim/{name}/{k}", shape, pa, pb, v[xa - a : xb - a].detach()))
                 elif v.dim() == 0 and pa == 0:  # per-tensor scalars (step): from the rank holding element 0
                     entries.append(whole_entry(f"optim/{name}/{k}", v))
+    names = {p: zs._names[p] for s in segments for p in s.params}
+    for plan in zs._plans(optimizers):
+        entries += plan.state_entries(names)
     return entries
 
 
@@ -116,6 +123,10 @@ def load_sharded_state(zs: ZeroStrategy, model: nn.Module, optimizers: Any, read
             state[k] = buf
         if state:
             opt.state[piece] = state
+    names = {p: zs._names[p] for s in segments for p in s.params}
+    for plan in zs._plans(optimizers):
+        plan.refresh()  # the masters were just loaded
+        plan.load_state(names, reader)
     zs.store.release()
 
 

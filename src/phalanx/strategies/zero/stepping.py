@@ -6,7 +6,9 @@
   so that one chunk of optimizer state is resident at once.
 
 Both narrow the optimizer's param groups to one part and call the original ``step``, which is exact for
-elementwise optimizers (they see each piece once per step either way).
+elementwise optimizers (they see each piece once per step either way). A tensor-wise optimizer's step
+(``tensorwise.py``, marked by ``replace_step(..., whole_tensors=True)``) is an exchange every rank joins, around
+owners' parameters that are not a bucket's pieces: ``pipeline_steps`` leaves it whole.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from torch import nn
 
 from phalanx.strategies.zero.offload import StateStore
 
-__all__ = ["chunk_steps", "pipeline_steps", "replace_step", "step_in_parts"]
+__all__ = ["chunk_steps", "pipeline_steps", "replace_step", "step_in_parts", "steps_whole_tensors"]
 
 
 def pipeline_steps(
@@ -28,7 +30,10 @@ def pipeline_steps(
     parts: Callable[[], list[tuple[Any, list[list[nn.Parameter]]]]],
     gather: Callable[[Any], None],
 ) -> None:
-    """Make ``optimizer.step`` step each part of ``parts()`` in turn and call ``gather(part)`` after each."""
+    """Make ``optimizer.step`` step each part of ``parts()`` in turn and call ``gather(part)`` after each; an optimizer
+    that steps whole tensors on their owners is left as it is (see the module's docstring)."""
+    if steps_whole_tensors(optimizer):
+        return
     step = optimizer.step
 
     def pipelined_step(*args: Any, **kwargs: Any) -> Any:
@@ -73,9 +78,10 @@ def chunk_steps(optimizer: torch.optim.Optimizer, store: StateStore, chunk_mb: f
     replace_step(optimizer, chunked_step)
 
 
-def replace_step(optimizer: torch.optim.Optimizer, step: Callable[..., Any]) -> None:
+def replace_step(optimizer: torch.optim.Optimizer, step: Callable[..., Any], whole_tensors: bool = False) -> None:
     """Make ``step`` the optimizer's ``step``, bound to it as the original was: an LR scheduler built on this optimizer
-    later wraps ``optimizer.step.__func__``, which a plain function lacks.
+    later wraps ``optimizer.step.__func__``, which a plain function lacks. ``whole_tensors``: ``step`` steps whole
+    tensors on their owner ranks (``tensorwise.py``), and must not be cut into parts.
 
     An LR scheduler built *before* (on the user's optimizer, then prepared) wrapped the original step to count its
     calls, and warns that "optimizer.step() has been overridden" unless the step it sees carries its mark. Ours
@@ -86,7 +92,14 @@ def replace_step(optimizer: torch.optim.Optimizer, step: Callable[..., Any]) -> 
 
     if getattr(optimizer.step, "_wrapped_by_lr_sched", False):
         replaced._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    if whole_tensors:
+        replaced._phalanx_whole_tensors = True  # type: ignore[attr-defined]
     optimizer.step = types.MethodType(replaced, optimizer)  # type: ignore[method-assign]
+
+
+def steps_whole_tensors(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` is a tensor-wise owner step (``replace_step(..., whole_tensors=True)``)."""
+    return bool(getattr(getattr(optimizer.step, "__func__", None), "_phalanx_whole_tensors", False))
 
 
 def step_in_parts(
