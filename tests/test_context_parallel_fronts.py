@@ -67,13 +67,9 @@ def test_the_alst_config_in_accelerate_1_11_spelling_is_refused_with_today_s_nam
         resolve_config(file=path, env={})
 
 
-def test_accelerate_s_cp_example_is_refused_for_activation_checkpointing_and_maps_without_it(tmp_path):
-    with pytest.raises(ConfigError, match="fsdp_activation_checkpointing=True.*does not add activation checkpointing"):
-        resolve_config(file=DATA / "accelerate_cp.yaml", env={})
-    path = tmp_path / "cp.yaml"
-    path.write_text((DATA / "accelerate_cp.yaml").read_text().replace("checkpointing: true", "checkpointing: false"))
-    cfg = resolve_config(file=path, env={})
-    assert (cfg.engine.strategy, cfg.engine.cp_size) == ("zero3", 8)
+def test_accelerate_s_cp_example_maps_with_its_activation_checkpointing():
+    cfg = resolve_config(file=DATA / "accelerate_cp.yaml", env={})
+    assert (cfg.engine.strategy, cfg.engine.cp_size, cfg.engine.activation_checkpointing) == ("zero3", 8, "full")
     assert Mesh.of(cfg.engine, 8, cfg.origins).sizes == (1, 1, 1, 8, 1)
 
 

@@ -130,7 +130,6 @@ _BASE = "compute_environment: LOCAL_MACHINE\nnum_machines: 1\nnum_processes: 2\n
         ("distributed_type: MULTI_GPU\ndynamo_config:\n  dynamo_backend: INDUCTOR\n", "torch.compile"),
         ("distributed_type: MULTI_GPU\ngpu_ids: 0,1\n", "CUDA_VISIBLE_DEVICES=0,1"),
         ("distributed_type: MULTI_GPU\nnum_procesess: 2\n", "did you mean 'num_processes'"),
-        ("distributed_type: FSDP\nfsdp_config:\n  fsdp_activation_checkpointing: true\n", "torch.utils.checkpoint"),
         # It was dropped with an "ignored" note, and the job would have waited for machines nobody started.
         ("distributed_type: MULTI_CPU\nmpirun_config:\n  mpirun_hostfile: hosts\n", "mpirun -f hosts -n"),
         ("distributed_type: FSDP\nfsdp_config:\n  fsdp_ignored_modules: [head]\n", "shards every module"),

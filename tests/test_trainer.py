@@ -375,9 +375,10 @@ def test_phalanx_plot_reads_the_trainer_log(tmp_path):
     assert main(["plot", str(tmp_path / "nowhere")]) == 2
 
 
-def test_gradient_checkpointing_needs_a_model_that_has_it(tmp_path):
-    with pytest.raises(ValueError, match="has no gradient_checkpointing_enable"):
-        phalanx.Trainer(_model(), _args(str(tmp_path), gradient_checkpointing=True), train_dataset=_data())
+def test_gradient_checkpointing_uses_the_model_s_own_and_else_phalanx_s(tmp_path):
+    model = _model()  # no gradient_checkpointing_enable: phalanx checkpoints its blocks (activation_checkpointing)
+    phalanx.Trainer(model, _args(str(tmp_path), gradient_checkpointing=True), train_dataset=_data())
+    assert any(getattr(m.__dict__.get("forward"), "_phalanx_checkpointed", False) for m in model.modules())
     transformers = pytest.importorskip("transformers")
     config = transformers.BertConfig(
         vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, num_labels=2

@@ -11,10 +11,33 @@ from dataclasses import dataclass
 from phalanx.config.options import Options, option
 from phalanx.config.registry import DEFAULT_STRATEGY
 
-__all__ = ["GeneralOptions", "PRECISIONS"]
+__all__ = ["GeneralOptions", "PRECISIONS", "CHECKPOINTING_SPELLINGS", "checkpointing_policy"]
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 """The precisions phalanx trains in (``engine/precision.py`` runs them)."""
+
+CHECKPOINTING_SPELLINGS = "full, every:k (k >= 1, e.g. every:2) or selective"
+"""The values ``activation_checkpointing`` takes (``engine/activation.py`` applies them), for help and errors."""
+
+
+def checkpointing_policy(value: str) -> tuple[str, int]:
+    """``activation_checkpointing`` as (kind, every): ``full`` -> ("full", 1), ``every:k`` -> ("full", k): every
+    k-th block, the first included; ``selective`` -> ("selective", 1). Another spelling raises ValueError."""
+    text = value.strip().lower() if isinstance(value, str) else ""
+    if text in ("full", "selective"):
+        return text, 1
+    head, _, k = text.partition(":")
+    if head == "every" and k.strip().isdigit() and int(k) >= 1:
+        return "full", int(k)
+    raise ValueError(f"activation_checkpointing={value!r} is not one of: {CHECKPOINTING_SPELLINGS}")
+
+
+def _is_policy(value: str) -> bool:
+    try:
+        checkpointing_policy(value)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass
@@ -98,6 +121,23 @@ class GeneralOptions(Options):
         "(page faults on every large allocation), so 0 (glibc's own) is the default; 1 when memory is what binds.",
         check=lambda v: v >= 0,
         fix="use a size in MiB such as 1, or 0 for glibc's default",
+    )
+    activation_checkpointing: str | None = option(
+        None,
+        "Recompute activations in backward instead of keeping them (engine/activation.py, docs/activation-"
+        "checkpointing.md): full (every block), every:k (every k-th block, the first included) or selective (each "
+        "block keeps its matmul and attention outputs and recomputes the rest). The blocks are zero3's units: a "
+        "transformers model's decoder layers (_no_split_modules), else each child module with parameters, or "
+        "zero3_unit_classes under zero3. Unset: nothing is recomputed.",
+        check=_is_policy,
+        fix=f"use {CHECKPOINTING_SPELLINGS}, or leave it unset",
+    )
+    activation_offload: bool = option(
+        False,
+        "Keep what autograd saves during the prepared model's forward in pinned host memory, copied back in "
+        "backward (torch.autograd.graph.save_on_cpu), the copies overlapped with compute; on CUDA only (on a CPU "
+        "there is no device memory to free, and it does nothing). With activation_checkpointing, a recomputed "
+        "block's inputs move too; selective's saved matmul outputs stay on the device.",
     )
     log_all_ranks: bool = option(False, "Log from every rank, not only rank 0.")
     deepspeed: str | None = option(

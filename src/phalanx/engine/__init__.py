@@ -7,6 +7,10 @@
 - ``precision.py``    autocast, loss scaling, the dtype report
 - ``nonfinite.py``    on_nonfinite: a NaN or inf loss or gradient caught before the optimizer steps
 - ``guards.py``       the checks that turn a silent wrong result into a clear error or a one-time warning
+- ``activation.py``   activation checkpointing (full, every:k, selective) of the model's blocks, activation offload,
+                      and the bytes each policy keeps
+- ``tensor_parallel.py``  the tensor-parallel split of a model at prepare, its RNG trackers and replicated gradients
+- ``expert_parallel.py``  the experts split over the ep ranks at prepare, and the global load-balancing loss
 """
 
 from phalanx.engine.engine import Engine

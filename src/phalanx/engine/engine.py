@@ -39,6 +39,7 @@ from phalanx.config.dialects.dummies import DummyOptim, DummyScheduler, realise_
 from phalanx.config.mesh import Mesh
 from phalanx.config.registry import get_strategy_class
 from phalanx.config.settings import EngineConfig, resolve_config
+from phalanx.engine.activation import checkpoint_blocks, offload_activations
 from phalanx.engine.data import ActiveLoaders, PreparedDataLoader, PreparedIterableLoader
 from phalanx.engine.guards import (
     as_prepared,
@@ -219,11 +220,13 @@ class Engine:
                 init.materialise_through(None, torch.device("cpu"))
         check_materialised(model, self.strategy.name, self.strategy.materialises_meta or self.strategy.defers_init)
         model = self.strategy.place_model(self._tp.split(model, self.strategy))
+        checkpoint_blocks(model, self.config.activation_checkpointing, self.config.zero3_unit_classes)
         wrapped = self.strategy.wrap_model(model)
         if uninitialised(model):
             model.register_forward_pre_hook(lambda m, args: check_initialised(m, "forward"), prepend=True)
         if self.precision.compute_dtype is not None:
             autocast_forward(self.unwrap_model(wrapped), self.precision)
+        offload_activations(self.unwrap_model(wrapped), self.config.activation_offload, self.device)
         if self.context_parallel is not None:  # its attention runs over the cp ranks
             self.context_parallel.adopt(self.unwrap_model(wrapped))
         self._models.append(wrapped)
@@ -237,8 +240,7 @@ class Engine:
         return prepared
 
     def prepare_scheduler(self, scheduler: LRScheduler | DummyScheduler) -> PreparedScheduler:
-        real: LRScheduler = realise_scheduler(scheduler, self.config.deepspeed)
-        prepared = PreparedScheduler(real, self)
+        prepared = PreparedScheduler(realise_scheduler(scheduler, self.config.deepspeed), self)
         self._schedulers.append(prepared)
         return prepared
 
@@ -419,12 +421,10 @@ class Engine:
     def _check_nonfinite(self, norm: torch.Tensor | None = None) -> bool:
         """on_nonfinite, once per round of optimizer steps: True when the step must be skipped (or raise). ``norm``:
         the global norm of every gradient, when clipping computed it (else the gradients are read once)."""
-
-        def grads() -> list[torch.Tensor]:
-            return [p.grad for o in self._optimizers for g in o.param_groups for p in g["params"] if p.grad is not None]
-
         return self._nonfinite.check(
-            grads,
+            lambda: [
+                p.grad for o in self._optimizers for g in o.param_groups for p in g["params"] if p.grad is not None
+            ],
             self.global_step + 1,
             lambda: [n for m in self._models for n in self.strategy.nonfinite_grad_names(m, 4)],
             norm,

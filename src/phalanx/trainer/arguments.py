@@ -68,7 +68,8 @@ _HF_ELSEWHERE = {
     "local_rank": "phalanx reads the rank from the launcher",
     "overwrite_output_dir": "remove it (phalanx never deletes output_dir)",
     "logging_dir": "phalanx logs to output_dir (JSONL, and TensorBoard with report_to)",
-    "activation_checkpointing": "use gradient_checkpointing", "push_to_hub": "push the saved directory yourself",
+    "activation_checkpointing": "use gradient_checkpointing, or strategy_options={'activation_checkpointing': "
+    "'full'} (or 'every:2', 'selective')", "push_to_hub": "push the saved directory yourself",
 }  # fmt: skip
 _WARNED: set[str] = set()
 
@@ -235,8 +236,9 @@ class TrainingArguments:
     """A DeepSpeed JSON config: a path, a dict, or a JSON object as a string. "auto" values come from these
     arguments."""
     gradient_checkpointing: bool | None = None
-    """Recompute activations in backward to save memory (the model's ``gradient_checkpointing_enable``); None is
-    False."""
+    """Recompute activations in backward to save memory: a transformers model's own ``gradient_checkpointing_enable``;
+    any other module's blocks as phalanx's ``activation_checkpointing="full"`` (``strategy_options={
+    "activation_checkpointing": "every:2"}`` or ``"selective"`` choose another policy, on any model). None is False."""
     dataloader_persistent_workers: bool = False
     """Keep the DataLoader's worker processes between epochs (with dataloader_num_workers > 0)."""
     dataloader_prefetch_factor: int | None = None

@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from phalanx.config.dialects.dummies import DummyScheduler
+from phalanx.engine.activation import checkpoint_blocks
 from phalanx.engine.engine import Engine
 from phalanx.logging import get_logger, warn_once
 from phalanx.runtime.collective_log import watched
@@ -130,18 +131,7 @@ class Trainer:
         self._causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
         self._label_names = self.args.label_names if self.args.label_names is not None else find_labels(model)
         self._window = torch.zeros(2, dtype=torch.float64)  # the pipeline's last stage adds to train()'s window
-        if self.args.gradient_checkpointing:
-            # transformers 5 renamed it activation_checkpointing_enable (the old name warns).
-            enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
-                model, "gradient_checkpointing_enable", None
-            )
-            if enable is None:
-                raise ValueError(
-                    f"gradient_checkpointing=True, but {type(model).__name__} has no gradient_checkpointing_enable() "
-                    "(a transformers model has it); wrap its blocks in torch.utils.checkpoint.checkpoint yourself, or "
-                    "set gradient_checkpointing=False"
-                )
-            enable()
+        self._checkpoint_activations(model)
         if not self.args.average_tokens_across_devices:
             warn_once(
                 "average_tokens_across_devices=False is not honoured: phalanx always normalises the loss by the items "
@@ -181,6 +171,25 @@ class Trainer:
             raise ValueError("model_init returned None: it should return the model to train")
         return model
 
+    def _checkpoint_activations(self, model: nn.Module) -> None:
+        """``gradient_checkpointing``: a transformers model checkpoints its layers itself (its own method); any other
+        module is checkpointed as ``activation_checkpointing="full"`` does (``engine/activation.py``). When the
+        Engine's ``activation_checkpointing`` is set, the Engine checkpoints, as that setting says."""
+        if not self.args.gradient_checkpointing or self.engine.config.activation_checkpointing is not None:
+            return
+        # transformers 5 renamed it activation_checkpointing_enable (the old name warns).
+        enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
+            model, "gradient_checkpointing_enable", None
+        )
+        if enable is not None:
+            enable()
+            return
+        warn_once(
+            f"gradient_checkpointing=True: {type(model).__name__} has no gradient_checkpointing_enable() (not a "
+            "transformers model), so phalanx checkpoints its blocks, as activation_checkpointing='full' does"
+        )
+        checkpoint_blocks(model, "full", self.engine.config.zero3_unit_classes)
+
     def _fresh_model(self) -> None:
         """``model_init``: a new model for this train(), built after seeding, as transformers does."""
         if self._prepared:
@@ -195,6 +204,7 @@ class Trainer:
         self._causal = type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
         if self.args.label_names is None:
             self._label_names = find_labels(model)
+        self._checkpoint_activations(model)
         self._forward_params = self._forward_parameters(model)
         self._trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.callback_handler.model = model

@@ -150,6 +150,15 @@ class FullyShardedDataParallelPlugin:
     transformer_cls_names_to_wrap: list[str] | None = None
     state_dict_type: Any = None
     activation_checkpointing: bool | None = None
+    """Accelerate checkpoints each wrapped layer; phalanx's ``activation_checkpointing="full"`` checkpoints every
+    block (zero3's units: a transformers model's decoder layers): see :func:`fsdp_plugin_options`."""
+
+
+def fsdp_plugin_options(plugin: FullyShardedDataParallelPlugin) -> dict[str, Any]:
+    """The Engine settings of a plugin's options beyond its sharding and offload (the Accelerator reads plugins with
+    it; not an Accelerate name): ``activation_checkpointing=True`` is ``activation_checkpointing="full"``, as an
+    Accelerate YAML's ``fsdp_activation_checkpointing: true``."""
+    return {"activation_checkpointing": "full"} if plugin.activation_checkpointing else {}
 
 
 @dataclasses.dataclass

@@ -475,14 +475,10 @@ def _map_fsdp(fsdp: dict[str, Any], out: Mapped, machines: int) -> None:
             else:
                 out.ignore(name, f"{strategy} does not gather parameters")
         elif key == "fsdp_activation_checkpointing":
-            if _flag(value):
-                raise _error(
-                    name,
-                    value,
-                    "phalanx does not add activation checkpointing; wrap the blocks' forward in "
-                    "torch.utils.checkpoint.checkpoint in the model, and set it false",
-                )
-            out.ignore(name, "false")
+            if _flag(value):  # FSDP checkpoints each wrapped layer: phalanx every block (zero3's units)
+                out.set("activation_checkpointing", "full", name)
+            else:
+                out.ignore(name, "false")
         elif key == "fsdp_ignored_modules":
             if value not in (None, [], ""):
                 raise ConfigError(

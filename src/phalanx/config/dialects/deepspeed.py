@@ -43,7 +43,6 @@ _IGNORED = {
     "comms_logger": "DeepSpeed's communication logger",
     "flops_profiler": "DeepSpeed's profiler",
     "checkpoint": "phalanx checkpoints are its own format (safetensors + JSON, resumable on any world size)",
-    "activation_checkpointing": "configures deepspeed.checkpointing, which a phalanx script does not call",
     "aio": "phalanx's disk offload uses memory-mapped files",
     "data_types": "phalanx accumulates gradients in the parameters' dtype",
     "pipeline": "configures DeepSpeed's PipelineModule; use strategy pipeline",
@@ -79,7 +78,7 @@ _MAPPED = {
     "bf16", "bfloat16", "zero_optimization", "optimizer", "scheduler", "zero_allow_untested_optimizer",
     "communication_data_type", "amp", "fp8", "torch_autocast", "gradient_allreduce_op",
     "managed_gradient_accumulation", "tensor_parallel", "sequence_parallel_size", "expert_parallel",
-    "use_data_before_expert_parallelism", *_FEATURES,
+    "use_data_before_expert_parallelism", "activation_checkpointing", *_FEATURES,
 }  # fmt: skip
 _ZERO_IGNORED = {
     "allgather_bucket_size": "phalanx gathers per bucket (zero1/2) or per unit (zero3)",
@@ -155,6 +154,16 @@ _TP_GROUP = {
     "mpu": "a Python object; phalanx builds the tensor-parallel groups from its own mesh",
     "tp_group": "a Python object; phalanx builds the tensor-parallel groups from its own mesh",
 }
+# DeepSpeed's activation_checkpointing block configures deepspeed.checkpointing.checkpoint, which the model calls on
+# its own blocks: the block checkpoints nothing by itself. Its keys phalanx has no use for, and why.
+_AC_IGNORED = {
+    "partition_activations": "splits each checkpoint's saved input over DeepSpeed's model-parallel ranks; no phalanx "
+    "equivalent (under tensor parallelism, sequence_parallel splits the activations of the norm and dropout regions)",
+    "contiguous_memory_optimization": "lays DeepSpeed's partitioned checkpoints out in one buffer",
+    "number_checkpoints": "sizes the buffer of contiguous_memory_optimization",
+    "synchronize_checkpoint_boundary": "a CUDA synchronise at each DeepSpeed checkpoint, for profiling",
+    "profile": "DeepSpeed's timers of its checkpoints",
+}
 # DeepSpeed's loss scaler defaults, used when the fp16 block is enabled and leaves a key out.
 _FP16_DEFAULTS = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
                   "min_loss_scale": 1}  # fmt: skip
@@ -188,6 +197,7 @@ KNOWN_KEYS: dict[str, frozenset[str]] = {
     "tensor_parallel": frozenset({"autotp_size", "tensor_parallel", "tp", *_TP_NOTED, *_TP_REFUSED}),
     "tensor_parallel.tp": frozenset({"tp_size", *_TP_GROUP}),
     "expert_parallel": EP_KEYS,
+    "activation_checkpointing": frozenset({"cpu_checkpointing", *_AC_IGNORED}),
 }
 
 
@@ -245,6 +255,8 @@ def from_deepspeed(data: dict[str, Any], where: str) -> Mapped:
     if "sequence_parallel_size" in data:
         _map_sequence_parallel(data["sequence_parallel_size"], out, where)
     map_expert_parallel(data, out, where)
+    if "activation_checkpointing" in data:
+        _map_activation_checkpointing(data["activation_checkpointing"], out, where)
     for key, why in _IGNORED.items():
         if key in data:
             block = data[key]
@@ -359,6 +371,30 @@ def _map_precision(data: dict[str, Any], out: Mapped) -> None:
     for key in ("amp", "fp8"):
         if key in data:
             out.ignore(key, "not enabled")
+
+
+def _map_activation_checkpointing(block: Any, out: Mapped, where: str) -> None:
+    """DeepSpeed's activation_checkpointing block: ``cpu_checkpointing`` is phalanx's activation_offload; the block
+    switches no checkpointing on (the model calls deepspeed.checkpointing itself), so the note says how phalanx does."""
+    if not isinstance(block, dict):
+        raise ConfigError(f"DeepSpeed config {where}: activation_checkpointing must be an object; got {block!r}")
+    known = KNOWN_KEYS["activation_checkpointing"]
+    for key, value in block.items():
+        name = f"activation_checkpointing.{key}"
+        if key not in known:
+            raise ConfigError(f"DeepSpeed config {where}: unknown key {name!r}; known: {', '.join(sorted(known))}")
+        if key == "cpu_checkpointing":
+            if value:
+                out.set("activation_offload", True, name)
+            else:
+                out.ignore(name, "false: nothing offloaded")
+        else:
+            out.ignore(name, _AC_IGNORED[key] if value else f"{value!r}: off")
+    out.notes.append(
+        f"DeepSpeed config {where}: its activation_checkpointing block configures deepspeed.checkpointing.checkpoint, "
+        "which a model calls on its own blocks, and checkpoints nothing by itself; phalanx does not call it. For "
+        "phalanx to checkpoint the model's blocks, set activation_checkpointing (full, every:k or selective)"
+    )
 
 
 def _map_torch_autocast(block: Any, out: Mapped, where: str) -> None:

@@ -108,7 +108,7 @@ SECTIONS: list[Section] = [
         "comms_logger": [{"enabled": True}],
         "flops_profiler": [{"enabled": True}],
         "checkpoint": [{"tag_validation": "Warn"}],
-        "activation_checkpointing": [{"partition_activations": False}],
+        "activation_checkpointing": [{"partition_activations": False}, {"cpu_checkpointing": True}],
         "aio": [{"block_size": 1048576}],
         "data_types": [{"grad_accum_dtype": "fp32"}],
         "pipeline": [{"activation_checkpoint_interval": 0}],
@@ -258,6 +258,14 @@ SECTIONS: list[Section] = [
         "has_shared_experts": [None, False],
         "shared_experts_pattern": ["shared_expert"],
         "shared_experts_gate_pattern": ["shared_expert_gate"],
+    }),
+    Section("deepspeed", "activation_checkpointing", {"activation_checkpointing": {}}, ("activation_checkpointing",), {
+        "partition_activations": [True, False],
+        "cpu_checkpointing": [True, False],
+        "contiguous_memory_optimization": [True, False],
+        "number_checkpoints": [4, None],
+        "synchronize_checkpoint_boundary": [True, False],
+        "profile": [True, False],
     }),
     Section("deepspeed", "fp16", {"fp16": {"enabled": True}}, ("fp16",), {
         "enabled": [True, "auto", False],
