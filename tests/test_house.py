@@ -25,14 +25,15 @@ MAX_LINES = 800
 # The ladder, from the ground up: each floor's packages (or top-level modules) under src/phalanx. Settings are the
 # ground floor, so every layer may read them; the process world sits on them, then the checkpoint format (which the
 # strategies hand their shards to), the strategies, the Engine (and big-model inference, beside it), its clients
-# (the Trainer, and the API fronts for other libraries' users), the demo, and the launcher with the phalanx command.
+# (the Trainer, the API fronts for other libraries' users, and the planner, which reads models as inference does and
+# the strategies' layouts), the demo, and the launcher with the phalanx command.
 LADDER: list[tuple[str, ...]] = [
     ("config",),
     ("runtime",),
     ("checkpoint",),
     ("strategies",),
     ("engine", "inference"),
-    ("trainer", "compat"),
+    ("trainer", "compat", "planning"),
     ("demo",),
     ("launch",),
 ]

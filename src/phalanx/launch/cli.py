@@ -6,6 +6,7 @@
     phalanx env                           # versions, devices and backends
     phalanx checkpoint info ckpt/step-1000                            # what a checkpoint holds
     phalanx checkpoint consolidate ckpt/step-1000 model.safetensors   # one plain state dict
+    phalanx plan --model config.json -n 8 --device-memory 80GB        # will it fit, and on which layout
     phalanx horovodrun -np 2 train.py     # Horovod's spelling of phalanx launch -n 2 train.py
 
 ``launch``, ``config`` and ``demo`` also take torchrun's and Accelerate's spellings of their flags
@@ -107,6 +108,16 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     q.add_argument("directory")
     q.add_argument("output", help="the .safetensors file to write")
     q.add_argument("--model", type=int, default=0, help="which prepared model, in prepare order (default 0)")
+
+    p = add(
+        "plan",
+        help="will a model fit for training, and on which layout: memory per rank and traffic of ddp, zero1/2/3, "
+        "offload, tp, pp, cp and ep",
+        usage="phalanx plan --model MODEL [-n N] [--nnodes M] [--device-memory 80GB] [flags]",
+    )
+    from phalanx.planning.cli import add_plan_flags
+
+    add_plan_flags(p)
 
     p = add("dispatch-plan", help="where phalanx.load_and_dispatch would put each part of a model, before loading it")
     p.add_argument(
@@ -338,6 +349,10 @@ def _main(args: list[str]) -> int:
             return 0
         if command == "checkpoint":
             return _checkpoint_command(ns)
+        if command == "plan":
+            from phalanx.planning.cli import plan_command
+
+            return plan_command(ns)
         if command == "dispatch-plan":
             from phalanx.inference.plan import DispatchError
             from phalanx.inference.plan_cli import dispatch_plan_text
