@@ -81,6 +81,10 @@ def all_reduce(
     return work
 
 
+COALESCE_BYTES = 32 * 2**20
+"""The most bytes :func:`broadcast_coalesced` copies into one flat buffer."""
+
+
 def broadcast_coalesced(
     tensors: Sequence[torch.Tensor],
     src: int = 0,
@@ -88,14 +92,22 @@ def broadcast_coalesced(
     stats: CommStats | None = None,
     device: torch.device | None = None,
 ) -> None:
-    """Broadcast many tensors as one flat buffer per dtype: one collective instead of one per tensor. ``device``:
-    where the buffer travels from (the collective's device, e.g. CUDA under NCCL for tensors on the host)."""
+    """Broadcast many tensors as flat buffers per dtype of at most ``COALESCE_BYTES`` each (a larger tensor alone):
+    a few collectives instead of one per tensor, and a copy of at most one buffer at a time, not of the whole model
+    (a mostly frozen model's weights are all broadcast here). ``device``: where the buffer travels from (the
+    collective's device, e.g. CUDA under NCCL for tensors on the host)."""
     if world_size(group) == 1 or not tensors:
         return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+    by_dtype: dict[torch.dtype, list[list[torch.Tensor]]] = defaultdict(lambda: [[]])
+    filled: dict[torch.dtype, int] = defaultdict(int)
     for t in tensors:
-        by_dtype[t.dtype].append(t)
-    for dtype, group_tensors in by_dtype.items():
+        size = t.numel() * t.element_size()
+        if by_dtype[t.dtype][-1] and filled[t.dtype] + size > COALESCE_BYTES:
+            by_dtype[t.dtype].append([])
+            filled[t.dtype] = 0
+        by_dtype[t.dtype][-1].append(t)
+        filled[t.dtype] += size
+    for dtype, group_tensors in ((d, b) for d, buckets in by_dtype.items() for b in buckets):
         flat = to_wire(torch.cat([t.detach().reshape(-1) for t in group_tensors]))  # int16 buffers: NCCL has none
         if device is not None:
             flat = flat.to(device)
@@ -109,6 +121,7 @@ def broadcast_coalesced(
                 n = t.numel()
                 t.copy_(flat[offset : offset + n].view_as(t))
                 offset += n
+        del flat  # before the next buffer is made: one at a time
 
 
 def all_gather_varlen(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:

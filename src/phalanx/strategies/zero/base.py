@@ -655,6 +655,7 @@ class ZeroStrategy(Strategy):
             "params": self._param_bytes(),
             "grads": self._grad_bytes(),
             "optimizer_state": nbytes(in_ram) + nbytes(m for m in masters if not self.store.owns(m)),
+            "frozen_params": self._frozen_bytes(),
             "comm_buffers": self._comm_buffer_bytes(),
             "offloaded_to_disk": nbytes(t for t in state if self.store.owns(t))
             + nbytes(m for m in masters if self.store.owns(m)),
@@ -675,6 +676,7 @@ class ZeroStrategy(Strategy):
         if experts:
             predicted = {key: v + self._predicted(p, g, experts, ne)[key] for key, v in predicted.items()}
         predicted["optimizer_state"] = k * (dense / n + experts / ne)
+        predicted["frozen_params"] = self._frozen_predicted()
         report = memory_report_dict(self.name, trainable, n, p, k, held, predicted, self.store.mode)
         if self.topology.ep_size > 1:
             report["experts"] = expert_report([q for s in self.segments if s.expert for q in s.params], self.topology)
@@ -699,6 +701,31 @@ class ZeroStrategy(Strategy):
 
     def _param_bytes(self) -> int:
         return sum(s.full.numel() * s.full.element_size() for s in self.segments)
+
+    def _frozen(self) -> list[nn.Parameter]:
+        return [p for ms in self._models.values() for p in ms.params if not p.requires_grad]
+
+    def _frozen_bytes(self) -> int:
+        """Frozen parameters held here: whole where they are in no segment (zero1/2), this rank's shard of the frozen
+        segments (zero3). Neither has an fp32 master, a gradient or optimizer state."""
+        whole = sum(p.numel() * p.element_size() for p in self._frozen() if p not in self._loc)
+        return whole + sum(
+            s.shard_param.numel() * s.shard_param.element_size()
+            for s in self.segments
+            if not s.has_trainable and s.shard_param is not None and not self.store.owns(s.shard_param)
+        )
+
+    def _frozen_predicted(self) -> float:
+        """Frozen parameters' bytes: whole on every rank (zero1/2), or over the ranks that shard them (zero3)."""
+        frozen = self._frozen()
+        if self.params_whole:
+            return float(sum(p.numel() * p.element_size() for p in frozen))
+        return sum(
+            self._loc[p][0].shapes[self._loc[p][1]].numel()
+            * p.element_size()
+            / (self.expert_world if is_expert(p) else self.world)
+            for p in frozen
+        )
 
     def _grad_bytes(self) -> int:
         return segment_grad_bytes(self.segments)

@@ -123,10 +123,11 @@ def padded_empty(seg: Segment, pool: BufferPool | None = None) -> torch.Tensor:
 
 
 def by_dtype(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-    """``params`` grouped by (dtype, device, expert or not), in order: one zero3 segment each."""
-    groups: dict[tuple[torch.dtype, torch.device, bool], list[nn.Parameter]] = {}
+    """``params`` grouped by (dtype, device, expert or not, trainable or frozen), in order: one zero3 segment each.
+    A frozen segment has no fp32 master, gradient slice or optimizer state: only its shard, as the rest."""
+    groups: dict[tuple[torch.dtype, torch.device, bool, bool], list[nn.Parameter]] = {}
     for p in params:
-        groups.setdefault((p.dtype, p.device, is_expert(p)), []).append(p)
+        groups.setdefault((p.dtype, p.device, is_expert(p), p.requires_grad), []).append(p)
     return list(groups.values())
 
 

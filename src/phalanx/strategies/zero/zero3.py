@@ -498,6 +498,8 @@ class Zero3Strategy(ZeroStrategy):
     def _param_bytes(self) -> int:
         total = 0
         for s in self.segments:
+            if not s.has_trainable:
+                continue  # frozen: counted under frozen_params
             at_rest = s.shard_param if s.shard_param is not None else s.master
             if at_rest is not None and not self.store.owns(at_rest):
                 total += at_rest.numel() * at_rest.element_size()
