@@ -308,6 +308,12 @@ def test_accelerate_s_plugin_maps_to_full():
         "activation_checkpointing": "full"
     }
     assert fsdp_plugin_options(FullyShardedDataParallelPlugin()) == {}
+    from phalanx.compat.accelerate.accelerator import _plugin_options  # what the Accelerator reads from it
+
+    assert _plugin_options(None, FullyShardedDataParallelPlugin(activation_checkpointing=True)) == {
+        "strategy": "zero3",
+        "activation_checkpointing": "full",
+    }
 
 
 def test_deepspeed_s_block_offloads_with_cpu_checkpointing_and_switches_nothing_on(tmp_path):

@@ -152,6 +152,12 @@ def _error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
             {"tp_size": "2", "dp_shard_size": "2", "dp_replicate_size": "2"},
         ),
         (["--tp_size", "2", "--parallelism_config_tp_size", "2", "-n", "2"], {"tp_size": "2"}),
+        (["--strategy", "zero2", "--offload_optimizer_device", "cpu"], {"offload": "'cpu'"}),
+        (
+            ["--strategy", "zero3", "--offload_param_device", "nvme", "--offload_optimizer_device", "nvme"]
+            + ["--offload_optimizer_nvme_path", "/tmp"],
+            {"offload": "'disk'", "offload_dir": "'/tmp'"},
+        ),
     ],
 )
 def test_dialect_flags_set_the_phalanx_setting(capsys, flags, expected):
@@ -246,6 +252,11 @@ def test_deepspeed_config_file_is_deepspeed(capsys, tmp_path):
         ),
         (["--parallelism_config_sp_backend", "megatron", "--parallelism_config_sp_size", "2"], ["'deepspeed'"]),
         (["--parallelism_config_tp_size", "two"], ["--parallelism_config_tp_size takes a whole number", "'two'"]),
+        (
+            ["--offload_param_device", "cpu", "--offload_optimizer_device", "nvme"],
+            ["--offload_param_device cpu", "--offload_optimizer_device nvme (= disk)", "same tier"],
+        ),
+        (["--offload_optimizer_device", "gpu"], ["--offload_optimizer_device", "'gpu'", "none, cpu or nvme"]),
     ],
 )
 def test_disagreeing_or_bad_flags_are_one_line_naming_both(capsys, flags, said):

@@ -152,10 +152,21 @@ class _Given:
         for other in given[1:]:
             if not _same(other[2], given[0][2]):
                 what = target if not target.startswith("(") else target.strip("()")
+                why = _WHY_ONE.get(target, "")
                 raise ConfigError(
-                    f"{shown(*given[0])} and {shown(*other)} both set {what}, to different values; give one of them"
+                    f"{shown(*given[0])} and {shown(*other)} both set {what}, to different values{why}; give one "
+                    "of them"
                 )
         return given[0][2] if given else None
+
+
+_WHY_ONE = {
+    "offload": (
+        " (phalanx keeps zero3's parameter shards in the same tier as the optimizer state: parameters on cpu with "
+        "the optimizer on nvme, or the other way round, has no phalanx equivalent)"
+    ),
+}
+"""Why a setting takes one value, where two of the peers' flags could give it two."""
 
 
 def _same(a: Any, b: Any) -> bool:

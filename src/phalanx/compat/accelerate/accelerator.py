@@ -44,6 +44,7 @@ from phalanx.compat.accelerate.utils import (
     GradScalerKwargs,
     InitProcessGroupKwargs,
     ProjectConfiguration,
+    fsdp_plugin_options,
     parallelism_options,
 )
 from phalanx.config.dialects.dummies import DummyScheduler
@@ -746,6 +747,7 @@ def _plugin_options(ds: DeepSpeedPlugin | None, fsdp: FullyShardedDataParallelPl
         options["strategy"] = _FSDP_STRATEGIES[name]
         if fsdp.cpu_offload not in (None, False) and getattr(fsdp.cpu_offload, "offload_params", True):
             options["offload"] = "cpu"
+        options.update(fsdp_plugin_options(fsdp))
     return options
 
 

@@ -92,6 +92,16 @@ def _cpu(text: str, spelling: str) -> str:
     return "cpu"
 
 
+_OFFLOAD_DEVICES = {"none": "none", "cpu": "cpu", "nvme": "disk"}
+
+
+def _offload_device(text: str, spelling: str) -> str:
+    """Accelerate's DeepSpeed offload devices: none, cpu, nvme (phalanx's disk: memory-mapped files)."""
+    if text not in _OFFLOAD_DEVICES:
+        raise ConfigError(f"invalid {spelling}: got {text!r} (none, cpu or nvme, as Accelerate takes it)")
+    return _OFFLOAD_DEVICES[text]
+
+
 def _pc_option(key: str) -> Callable[[str, str], Any]:
     """An option of ParallelismConfig's sequence splits, checked as every front checks it (``parallelism.py``);
     ``phalanx.flags`` reads the options given together with the sizes, for the notes."""
@@ -173,6 +183,24 @@ DIALECT_FLAGS: tuple[DialectFlag, ...] = (
         _zero_stage,
         metavar="{0,1,2,3}",
     ),
+    DialectFlag(
+        "--offload_optimizer_device",
+        "Accelerate",
+        "offload",
+        "= --offload: none, cpu, nvme (= disk, with --offload_optimizer_nvme_path as --offload-dir)",
+        _offload_device,
+        metavar="{none,cpu,nvme}",
+    ),
+    DialectFlag(
+        "--offload_param_device",
+        "Accelerate",
+        "offload",
+        "= --offload (zero3: the parameter shards live where the optimizer state does; two tiers are refused)",
+        _offload_device,
+        metavar="{none,cpu,nvme}",
+    ),
+    DialectFlag("--offload_optimizer_nvme_path", "Accelerate", "offload_dir", "= --offload-dir", metavar="DIR"),
+    DialectFlag("--offload_param_nvme_path", "Accelerate", "offload_dir", "= --offload-dir", metavar="DIR"),
     DialectFlag("--config_file", "Accelerate", CONFIG_FILE, "= --config", metavar="FILE"),
     DialectFlag(
         "--deepspeed_config_file", "Accelerate", "deepspeed", "= --deepspeed (a DeepSpeed JSON config)", metavar="FILE"
