@@ -9,11 +9,13 @@ pool they own (``strategies/zero/pool.py``), and the growth is gone: what the pr
 is within 4% of ``memory_report``'s ``expected_peak`` on 2 and 4 ranks.
 
 What remains above it is the free room glibc keeps around torch's own temporaries, which the pool cannot own:
-autograd's gradient of each weight (made by the matmul in backward) and Adam's temporaries. Measured (2 cores,
-gloo, the model above): 1.2-1.4 x the prediction in resident memory, varying from run to run.
+autograd's gradient of each weight (made by the matmul in backward), autocast's casts and Adam's temporaries.
+Measured (2 cores, gloo, the model above; benchmarks/results/zero-pool.md): 1.21-1.38 x the prediction in resident
+memory in fp32, 1.24 x in bf16-mixed on 2 ranks and 1.76 x on 4, varying from run to run; 14-24% less than before the
+pool.
 ``host_mmap_threshold_mb`` maps those temporaries instead and returns them when freed, and brings resident memory to
-1.07 x, for a page fault on every page of them: 40-50% more CPU time per step on that small-batch model, so it is off
-by default; 1 when host memory is what binds.
+1.07 x, for a page fault on every page of them: 40% more CPU time per step on that small-batch model (70% before the
+pool), so it is off by default; 1 when host memory is what binds.
 """
 
 from __future__ import annotations

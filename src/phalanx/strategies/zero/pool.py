@@ -32,8 +32,10 @@ def _others(block: torch.Tensor) -> int:
 class BufferPool:
     """Blocks of flat memory by (dtype, device), lent and given back (see the module's docstring)."""
 
-    def __init__(self, what: str = "zero buffers") -> None:
-        self.what = what
+    def __init__(self, what: str = "zero buffers", keeps: bool = True) -> None:
+        """``keeps=False``: every ``take`` allocates and every ``give`` lets the block go, for a strategy whose
+        buffers live only during backward (zero2: measured, keeping them cost 20 MiB for no resident gain)."""
+        self.what, self.keeps = what, keeps
         self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         self._lent: dict[int, torch.Tensor] = {}  # data pointer -> block
         self.nbytes = 0
@@ -41,6 +43,8 @@ class BufferPool:
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A flat tensor of ``numel`` elements, uninitialised; give it back with :meth:`give`."""
+        if not self.keeps:
+            return torch.empty(numel, dtype=dtype, device=device)
         free = self._free.setdefault((dtype, device), [])
         best = None
         for i, b in enumerate(free):
