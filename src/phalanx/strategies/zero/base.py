@@ -57,7 +57,6 @@ from phalanx.strategies.zero.collectives import DTYPES, Done, SegmentComm, resol
 from phalanx.strategies.zero.layout import Segment, merge_runs
 from phalanx.strategies.zero.offload import StateStore
 from phalanx.strategies.zero.optimizers import check_optimizer, is_tensorwise
-from phalanx.strategies.zero.pool import BufferPool
 from phalanx.strategies.zero.stepping import chunk_steps
 from phalanx.strategies.zero.tensorwise import ShardGroup, TensorwisePlan
 
@@ -132,9 +131,6 @@ class ZeroStrategy(Strategy):
             accumulates=not self.grads_whole,
             replicas=(self.rep_group, self.rep_world),
         )
-        # zero3 regathers every unit twice a step and keeps the blocks; zero1/2's buffers live only during backward,
-        # and keeping them between steps cost memory for no resident gain (benchmarks/results/zero-pool.md).
-        self.comm.pool = BufferPool(keeps=not self.params_whole)
         # Expert parallelism: expert segments shard over the shard ranks that hold the same experts.
         self.expert_world, self.expert_rank = self.world, self.rank
         if topo.ep_size > 1:

@@ -12,9 +12,8 @@ by autograd, a collective still holding its tensors (NCCL stashes them until the
 variable makes the pool pass it over. So a block cannot be overwritten while anything can still read it; at worst
 the pool grows by the blocks that something kept. The blocks a step needs are the same every step, so after the
 first step the pool stops growing, within the plan's size (``memory_report``: ``pool_bytes`` beside
-``comm_buffers``). zero3 keeps its blocks; zero1/2, whose buffers live only during backward, lend fresh ones and let
-them go (``keeps=False``): keeping them cost zero2 20 MiB for no gain in resident memory
-(benchmarks/results/zero-pool.md).
+``comm_buffers``). zero2 keeps its two gradient buffers between steps too: measured, 20 MiB more held than
+before the pool for the same resident peak (benchmarks/results/zero-pool.md).
 """
 
 from __future__ import annotations
@@ -35,10 +34,8 @@ def _others(block: torch.Tensor) -> int:
 class BufferPool:
     """Blocks of flat memory by (dtype, device), lent and given back (see the module's docstring)."""
 
-    def __init__(self, what: str = "zero buffers", keeps: bool = True) -> None:
-        """``keeps=False``: every ``take`` allocates and every ``give`` lets the block go, for a strategy whose
-        buffers live only during backward (zero2: measured, keeping them cost 20 MiB for no resident gain)."""
-        self.what, self.keeps = what, keeps
+    def __init__(self, what: str = "zero buffers") -> None:
+        self.what = what
         self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         self._lent: dict[int, torch.Tensor] = {}  # data pointer -> block
         self.nbytes = 0
@@ -46,8 +43,6 @@ class BufferPool:
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A flat tensor of ``numel`` elements, uninitialised; give it back with :meth:`give`."""
-        if not self.keeps:
-            return torch.empty(numel, dtype=dtype, device=device)
         free = self._free.setdefault((dtype, device), [])
         best = None
         for i, b in enumerate(free):
