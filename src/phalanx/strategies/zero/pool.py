@@ -63,12 +63,3 @@ class BufferPool:
         block = self._lent.pop(t.data_ptr(), None)
         if block is not None:
             self._free[(block.dtype, block.device)].append(block)
-
-    def owns(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` lies in a block that is lent now."""
-        return t.untyped_storage().data_ptr() in self._lent
-
-    def lent(self, t: torch.Tensor) -> torch.Tensor | None:
-        """The lent block whose storage ``t`` views, else None."""
-        block = self._lent.get(t.untyped_storage().data_ptr())
-        return block
