@@ -257,6 +257,11 @@ def test_deepspeed_config_file_is_deepspeed(capsys, tmp_path):
             ["--offload_param_device cpu", "--offload_optimizer_device nvme (= disk)", "same tier"],
         ),
         (["--offload_optimizer_device", "gpu"], ["--offload_optimizer_device", "'gpu'", "none, cpu or nvme"]),
+        # under zero2 it would have moved the optimizer state instead, silently (DeepSpeed ignores it at stage 2)
+        (
+            ["--strategy", "zero2", "--offload_param_device", "cpu"],
+            ["--offload_param_device cpu", "ZeRO stage 3", "'zero2'", "--offload_optimizer_device cpu"],
+        ),
     ],
 )
 def test_disagreeing_or_bad_flags_are_one_line_naming_both(capsys, flags, said):

@@ -228,12 +228,26 @@ def resolve_flags(ns: argparse.Namespace) -> PhalanxConfig:
     if given.one(USE_DEEPSPEED) and "strategy" not in cfg.origins:
         # Accelerate runs ZeRO stage 2 when --use_deepspeed names no stage (not here, nor in a file), and so does this.
         cfg = resolve_config(file=file, cli={**cli, "strategy": strategy_from_zero_stage(_ACCELERATE_ZERO_STAGE)})
+    _refuse_param_offload_without_zero3(given, cfg.engine.strategy)
     standalone = any(spelling == "--standalone" for spelling, _, _ in given.by_target.get(NO_SETTING, []))
     if standalone and cfg.launch.nnodes > 1:
         raise ConfigError(
             f"--standalone runs one node, and nnodes={cfg.launch.nnodes}; drop --standalone, or --nnodes for one node"
         )
     return cfg
+
+
+def _refuse_param_offload_without_zero3(given: _Given, strategy: str) -> None:
+    """Accelerate's ``--offload_param_device`` moves zero3's parameter shards; under any other strategy it would
+    set ``offload`` and move the optimizer state instead, which the user did not ask for. The DeepSpeed block of an
+    Accelerate YAML is refused the same way (``offload_for``)."""
+    for spelling, text, value in given.by_target.get("offload", []):
+        if spelling == "--offload_param_device" and value != "none" and strategy != "zero3":
+            raise ConfigError(
+                f"--offload_param_device {text} offloads parameters, which needs ZeRO stage 3; the strategy is "
+                f"{strategy!r} (use --offload_optimizer_device {text} to offload only the optimizer state, or "
+                "--zero_stage 3)"
+            )
 
 
 def _parallelism_notes(given: _Given) -> list[str]:
