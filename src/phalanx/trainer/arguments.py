@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib.util
 import json
 import os
 import warnings
@@ -26,6 +25,7 @@ from phalanx.config.general import PRECISIONS
 from phalanx.config.options import ConfigError
 from phalanx.config.registry import strategy_names
 from phalanx.config.settings import engine_fields
+from phalanx.engine.trackers import tracker_names
 from phalanx.logging import get_logger, warn_once
 from phalanx.trainer.loss import LabelSmoother
 from phalanx.trainer.schedules import check_schedule_kwargs
@@ -225,7 +225,8 @@ class TrainingArguments:
     logging_nan_inf_filter: bool = True
     """Leave NaN and inf losses out of the logged means (when some are finite), as transformers does."""
     report_to: str | list[str] | None = "none"
-    """Metric sinks besides the JSONL log: 'tensorboard', a list, 'all' (those installed) or 'none'."""
+    """Trackers besides the JSONL log: 'tensorboard', 'wandb', 'mlflow', a list, 'all' (those installed) or
+    'none'."""
     run_name: str | None = None
     """A name for the run in logs and trackers."""
     disable_tqdm: bool | None = None
@@ -731,12 +732,9 @@ def _json_object(value: Any, name: str) -> Any:
 
 
 def _report_to(value: str | list[str] | None) -> list[str]:
-    """transformers' normalisation: 'none' -> [], 'all' -> the sinks installed, a name -> [name]."""
-    if value is None or value == "none" or value == ["none"]:
-        return []
-    if value == "all" or value == ["all"]:
-        return ["tensorboard"] if importlib.util.find_spec("tensorboard") is not None else []
-    return [value] if isinstance(value, str) else list(value)
+    """transformers' normalisation: 'none' -> [], 'all' -> the trackers installed, a name -> [name]; an unknown
+    name is refused here, when the arguments are built, naming the trackers phalanx knows."""
+    return tracker_names(value, "report_to")
 
 
 def settle_for_trainer(
