@@ -12,6 +12,7 @@ from phalanx._version import __version__
 from phalanx.config.dialects.dummies import DummyOptim, DummyScheduler
 from phalanx.engine.engine import Engine
 from phalanx.engine.nonfinite import NonFiniteError
+from phalanx.engine.streams import FileShards, ShardedStream
 from phalanx.inference import dispatch, init_empty_weights, load_and_dispatch
 from phalanx.launch.spawn import spawn
 from phalanx.strategies.tensor_parallel import loss_parallel, vocab_parallel_cross_entropy
@@ -23,6 +24,8 @@ from phalanx.trainer.trainer import EvalPrediction, Trainer
 __all__ = [
     "Engine",
     "NonFiniteError",
+    "ShardedStream",
+    "FileShards",
     "spawn",
     "checkpoint",
     "DummyOptim",

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler, SequentialSampler
 
+from phalanx.engine.streams import StreamReader, sharded_source
 from phalanx.logging import warn_once
 
 __all__ = [
@@ -399,27 +400,51 @@ class PreparedDataLoader(_Transformed, DataLoader):
 
 
 class PreparedIterableLoader(_Transformed):
-    """A DataLoader over an ``IterableDataset``, sharded as a map-style one is: every rank reads the same stream,
-    groups it into global batches of ``batch_size x world_size`` samples, and keeps its own slice of each, so that
-    the global batches are the same on any world size. The stream must give every rank the same samples in the same
-    order (seed any shuffling the same on every rank). A short last global batch is padded, as a map-style loader's
-    is, with the epoch's first samples (``gather_for_metrics`` drops them again), or dropped with ``drop_last``.
+    """A DataLoader over an ``IterableDataset``.
 
-    It has no length. A dataset with ``set_epoch`` is told each epoch; a resume skips the global batches already read,
-    reading them again from the stream's start.
+    A sharded stream (``engine/streams.py``: a ``ShardedStream``, ``FileShards``, or a ``datasets.IterableDataset``
+    with ``n_shards``) is read once: each rank, and each of its DataLoader workers, reads its own shards; positions are
+    kept per shard, so that a resume seeks each shard to where it stopped, on any world size.
+
+    Any other stream is sharded as a map-style loader is: every rank reads the same stream, groups it into global
+    batches of ``batch_size x world_size`` samples, and keeps its own slice of each, so that the global batches are the
+    same on any world size. The stream must give every rank the same samples in the same order (seed any shuffling
+    the same on every rank). A short last global batch is padded, as a map-style loader's is, with the epoch's first
+    samples (``gather_for_metrics`` drops them again), or dropped with ``drop_last``. A resume skips the global
+    batches already read, reading them again from the stream's start.
+
+    It has no length. A dataset with ``set_epoch`` is told each epoch.
     """
 
     def __init__(
         self, loader: DataLoader, rank: int, world_size: int, device: torch.device, active: ActiveLoaders
     ) -> None:
-        if loader.num_workers > 0:
-            raise ValueError(
-                f"engine.prepare reads an IterableDataset ({type(loader.dataset).__name__}) in the training process, "
-                f"so that every rank sees the same stream; got num_workers={loader.num_workers} (use 0; workers "
-                "would each read the whole stream)"
-            )
         if loader.batch_size is None:
             raise TypeError("engine.prepare needs a DataLoader with batch_size over an IterableDataset")
+        name = type(loader.dataset).__name__
+        source = sharded_source(loader.dataset)
+        shards = len(source.names()) if source is not None else 0
+        self._stream: StreamReader | None = None
+        if source is not None and shards >= world_size:
+            self._stream = StreamReader(loader, source, rank, world_size)
+            if shards < world_size * max(1, loader.num_workers):
+                warn_once(
+                    f"{name} has {shards} shards for {world_size} ranks x {loader.num_workers} workers: some workers "
+                    "read nothing (make the shards a multiple of ranks x workers)"
+                )
+        elif source is not None:
+            warn_once(
+                f"{name} has {shards} shards, fewer than the {world_size} data ranks: every rank reads the whole "
+                "stream and a resume re-reads it (reshard it into a multiple of ranks x workers)"
+            )
+        else:
+            warn_once(
+                f"{name} is not sharded: every rank reads the whole stream and a resume re-reads it (give it shards() "
+                "and open(shard, offset), phalanx.engine.streams.ShardedStream, or use FileShards or a "
+                "datasets.IterableDataset)"
+            )
+        if self._stream is None:
+            self._refuse_workers(loader)
         self.dataset, self.batch_size, self.drop_last = loader.dataset, loader.batch_size, loader.drop_last
         self.collate_fn = loader.collate_fn
         self.rank, self.world_size, self.device = rank, world_size, device
@@ -429,6 +454,34 @@ class PreparedIterableLoader(_Transformed):
         self._non_blocking = loader.pin_memory and device.type == "cuda"
         self._state = LoaderState(loader=self)
         self._active = active
+
+    @staticmethod
+    def _refuse_workers(loader: DataLoader) -> None:
+        if loader.num_workers > 0:
+            raise ValueError(
+                f"engine.prepare reads an unsharded IterableDataset ({type(loader.dataset).__name__}) in the training "
+                f"process, so that every rank sees the same stream; got num_workers={loader.num_workers} (use 0, or "
+                "make the stream sharded: phalanx.engine.streams.ShardedStream, FileShards, or a "
+                "datasets.IterableDataset with n_shards)"
+            )
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the stream is read by shard (each sample once over all ranks) rather than whole on every rank."""
+        return self._stream is not None
+
+    @property
+    def padding(self) -> bool:
+        """The batch just handed over repeats samples: this rank's shards ran out before the other ranks' did, and
+        it takes the same steps as they do (a sharded stream's uneven end; see ``engine/streams.py``)."""
+        return self._stream is not None and self._stream.padding
+
+    def read_whole_stream(self, loader: DataLoader) -> None:
+        """Read the stream whole on every rank, keeping each rank's slice of every global batch, even if it is
+        sharded: the batches of one reader (Accelerate's ``dispatch_batches=True``). Before the first pass."""
+        if self._stream is not None:
+            self._refuse_workers(loader)
+            self._stream = None
 
     @property
     def global_batch_size(self) -> int:
@@ -460,7 +513,27 @@ class PreparedIterableLoader(_Transformed):
             need = -real % self.world_size
             yield chunk + [first[i % len(first)] for i in range(need)], real
 
+    def _sharded_pass(self, stream: StreamReader) -> Iterator[Any]:
+        state = self._state
+        self._active.enter(state)
+        try:
+            for batch, real in stream.batches(self.epoch):
+                # Each rank's own batches, not one global batch cut in slices: nothing to trim in a gather.
+                state.real_size = state.padded_size = real
+                yield self._transformed(move_to_device(batch, self.device, self._non_blocking))
+        finally:
+            self._active.leave(state)
+            state.real_size = state.padded_size = 0
+            state.end_of_dataloader = False
+        stream.end_epoch()
+        self.epoch += 1
+
     def __iter__(self) -> Iterator[Any]:
+        if self._stream is not None:
+            return self._sharded_pass(self._stream)
+        return self._whole_pass()
+
+    def _whole_pass(self) -> Iterator[Any]:
         if callable(getattr(self.dataset, "set_epoch", None)):
             self.dataset.set_epoch(self.epoch)  # type: ignore[attr-defined]
         skip, self._skip = self._skip, 0
@@ -490,9 +563,20 @@ class PreparedIterableLoader(_Transformed):
         self.epoch += 1
 
     def state_dict(self) -> dict[str, Any]:
+        """The position in the epoch: for a sharded stream, every shard's (the same on every rank, and resumable on
+        any world size); otherwise the samples of the stream read so far."""
+        if self._stream is not None:
+            return {"epoch": self.epoch, "seed": 0, **self._stream.state_dict()}
         return {"epoch": self.epoch, "samples_done": self._batches_done * self.global_batch_size, "seed": 0}
 
     def resume_problem(self, state: Mapping[str, Any]) -> str | None:
+        if self._stream is not None:
+            return self._stream.resume_problem(state)
+        if state.get("sharded"):
+            return (
+                "the checkpoint holds the positions of a sharded stream, and this loader reads its stream whole "
+                f"({type(self.dataset).__name__}); resume with the sharded stream it was saved with"
+            )
         if state["samples_done"] % self.global_batch_size:
             return (
                 f"cannot resume at sample {state['samples_done']} of the stream: it is not a multiple of the global "
@@ -505,4 +589,7 @@ class PreparedIterableLoader(_Transformed):
         if problem:
             raise ValueError(problem)
         self.epoch = int(state["epoch"])
+        if self._stream is not None:
+            self._stream.load_state_dict(state)
+            return
         self._skip = self._batches_done = state["samples_done"] // self.global_batch_size

@@ -54,6 +54,7 @@ from phalanx.engine import collectives
 from phalanx.engine.data import PreparedDataLoader, PreparedIterableLoader, map_tensors
 from phalanx.engine.engine import Engine
 from phalanx.engine.prepared import PreparedScheduler, autocast_forward
+from phalanx.engine.trackers import Trackers
 from phalanx.logging import warn_once
 from phalanx.runtime.collective_log import watched
 from phalanx.runtime.world import seed_everything
@@ -158,14 +159,13 @@ class Accelerator(Engine):
                 "GradientAccumulationPlugin(sync_with_dataloader=False) is not used: phalanx always ends the "
                 "accumulation window at the end of the DataLoader"
             )
-        if log_with is not None:
-            warn_once(
-                "Accelerator(log_with=...) is not used: phalanx.accelerate runs no trackers (init_trackers and log do "
-                "nothing); the Trainer's report_to writes metrics"
-            )
         self.project_configuration = project_config or ProjectConfiguration()
         if project_dir is not None:
             self.project_configuration.project_dir = project_dir
+        # Checked before the process group starts: an unknown name or a missing library fails here, on every rank.
+        logs_to = self.project_configuration.logging_dir or self.project_configuration.project_dir
+        self._trackers = Trackers(log_with, "Accelerator(log_with=...)", logs_to)
+        self.log_with, self.trackers = self._trackers.requests, self._trackers.started  # Accelerate's attributes
         with keep_global_rngs():  # Accelerate's Accelerator() does not seed; a set_seed before it must hold
             super().__init__(**options)
         for note in notes:
@@ -223,7 +223,9 @@ class Accelerator(Engine):
         return self.config.grad_accum_steps
 
     def end_training(self) -> None:
-        """Accelerate's end of training (its trackers finish); phalanx waits for every process."""
+        """Accelerate's end of training: the trackers finish their runs (on the main process); then phalanx waits for
+        every process (Accelerate destroys the process group instead)."""
+        self._trackers.finish()
         self.wait_for_everyone()
 
     # ------------------------------------------------------------------------------------------- prepare
@@ -232,6 +234,9 @@ class Accelerator(Engine):
 
     def prepare_loader(self, loader: Any) -> PreparedDataLoader | PreparedIterableLoader:
         prepared = super().prepare_loader(loader)
+        if isinstance(prepared, PreparedIterableLoader) and prepared is not loader:
+            if self.dataloader_config.dispatch_batches:  # one reader's batches: the stream read whole, as it reads
+                prepared.read_whole_stream(loader)
         if isinstance(prepared, PreparedDataLoader) and prepared is not loader:
             accelerate_loader_rules(
                 prepared, loader, self.dataloader_config, self.topology.data_group, self.topology.data_size
@@ -532,14 +537,27 @@ class Accelerator(Engine):
 
     # ------------------------------------------------------------------------------------------- trackers
     def init_trackers(self, project_name: str, config: dict[str, Any] | None = None, init_kwargs: Any = None) -> None:
-        """Accelerate starts its trackers here; phalanx.accelerate has none (log_with is not used: see __init__)."""
+        """Start a run in each tracker of ``log_with``, on the main process only, as Accelerate does.
+
+        ``project_name`` is W&B's project, MLflow's experiment and TensorBoard's folder under ``logging_dir``;
+        ``init_kwargs[name]`` are that tracker's own arguments (``{"wandb": {"name": "run-1", "tags": ["a"]}}`` go to
+        ``wandb.init``, ``{"mlflow": {"run_name": "run-1"}}`` to the MLflow run), and ``config`` is stored as each run's
+        configuration (W&B's config, MLflow's parameters, TensorBoard's hparams).
+        """
+        if self.is_main_process:
+            self._trackers.start(project_name, config, init_kwargs)
 
     def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: Any = None) -> None:
-        """Accelerate sends ``values`` to its trackers; with none here, nothing is logged, as in Accelerate."""
+        """Send ``values`` at ``step`` to every started tracker, on the main process only, as Accelerate does;
+        ``log_kwargs[name]`` go to that tracker's ``log`` (``{"wandb": {"commit": False}}``)."""
+        if self.is_main_process:
+            self._trackers.log(values, step, log_kwargs)
 
     def get_tracker(self, name: str, unwrap: bool = False) -> Any:
-        """Accelerate's blank tracker (no tracker runs here): every call on it does nothing."""
-        return _BlankTracker(name)
+        """The started tracker called ``name`` (with ``unwrap``, the library's own run: ``wandb``'s ``Run``,
+        MLflow's ``ActiveRun``, TensorBoard's ``SummaryWriter``). A process that started none (every process but the
+        main one) gets a blank tracker whose calls do nothing, as in Accelerate."""
+        return self._trackers.get(name, unwrap)
 
     # ------------------------------------------------------------------------------------------- state
     @property
@@ -647,17 +665,6 @@ def _only_if(function: Any, runs: Any) -> Any:
         return function(*args, **kwargs) if runs() else None
 
     return wrapper
-
-
-class _BlankTracker:
-    """What Accelerate's ``get_tracker`` gives for a tracker that does not run: calls on it do nothing."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.tracker = None
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kwargs: None
 
 
 def _unpickled_accelerator(values: dict[str, Any]) -> Accelerator:

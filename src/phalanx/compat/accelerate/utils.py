@@ -108,13 +108,32 @@ class DistributedType(str, enum.Enum):
 
 @dataclasses.dataclass
 class DataLoaderConfiguration:
+    """Accelerate's loader options, as the Accelerator reads them (``engine/streams.py`` for streams)."""
+
     split_batches: bool = False
+    """Refused: divide the DataLoader's batch_size by the number of processes instead."""
     dispatch_batches: bool | None = None
+    """True: a loader over an ``IterableDataset`` gives the batches of Accelerate's dispatcher (process 0's stream,
+    each process its slice of every global batch); phalanx gets them by reading the stream whole on every process
+    (so with ``num_workers=0``) rather than sending them from process 0. False or None: a sharded stream is read by
+    shard, each sample once over all processes and workers (its batches are not Accelerate's, whose processes each
+    read the whole stream and keep a slice); an unsharded one is read whole on every process, as Accelerate's
+    ``IterableDatasetShard`` reads it. A map-style loader's batches are the same either way."""
     even_batches: bool = True
     use_seedable_sampler: bool = False
     data_seed: int | None = None
     non_blocking: bool = False
     use_stateful_dataloader: bool = False
+    """Honoured either way: every prepared loader has ``state_dict()``/``load_state_dict()``, and ``save_state`` and
+    ``load_state`` keep its position (mid-epoch included), as Accelerate does with True (torchdata's
+    ``StatefulDataLoader``). With False, Accelerate does not restore the position and scripts call
+    ``skip_first_batches`` after ``load_state``: on a map-style loader that sets the same position again."""
+
+    def __post_init__(self) -> None:
+        for name in ("dispatch_batches", "use_stateful_dataloader"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(f"DataLoaderConfiguration({name}={value!r}): expected True or False")
 
 
 @dataclasses.dataclass
