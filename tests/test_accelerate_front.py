@@ -149,6 +149,9 @@ def test_skip_first_batches_skips_one_pass_without_loading():
     assert accelerator.skip_first_batches(loader, 7) is loader
     with pytest.raises(TypeError, match="takes a DataLoader that accelerator.prepare returned"):
         skip_first_batches(DataLoader(TensorDataset(torch.arange(4))), 1)
+    stream = accelerator.prepare(DataLoader(_Stream(), batch_size=2))  # its position is load_state's, by seeking
+    with pytest.raises(TypeError, match="does not take a prepared stream.*num_batches=1.*call load_state"):
+        skip_first_batches(stream, 1)
 
 
 def test_accelerate_s_names_and_arguments():

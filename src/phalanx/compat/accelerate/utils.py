@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.config.dialects.parallelism import object_spelling, read_parallelism, values_of
+from phalanx.engine.data import PreparedIterableLoader
 
 __all__ = [
     "DistributedType", "DataLoaderConfiguration", "GradientAccumulationPlugin", "DeepSpeedPlugin",
@@ -249,6 +250,12 @@ def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
 
     A loader that an Accelerator prepared skips without loading the skipped batches."""
     sampler = getattr(dataloader, "global_sampler", None)
+    if isinstance(dataloader, PreparedIterableLoader):
+        raise TypeError(
+            "skip_first_batches does not take a prepared stream (an IterableDataset's loader): its position is "
+            "saved by accelerator.save_state and restored by load_state, which seeks each shard instead of reading "
+            f"the skipped batches; got num_batches={num_batches} (call load_state, or drop the skip)"
+        )
     if sampler is None:
         raise TypeError(
             "skip_first_batches takes a DataLoader that accelerator.prepare returned; got a "
