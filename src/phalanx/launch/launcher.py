@@ -16,14 +16,17 @@ spawn start method and a ``file://`` store (no network), and returns each rank's
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import errno
 import ipaddress
 import logging
 import os
+import shutil
 import signal
 import socket
+import statistics
 import sys
 import threading
 import time
@@ -36,9 +39,17 @@ from typing import Any
 from phalanx.checkpoint.resume import ENV_LAUNCH_ID, restart_summary
 from phalanx.config.settings import ENV_CONFIG_JSON, LaunchConfig, PhalanxConfig, config_to_env
 from phalanx.launch.spawn import SpawnError, gloo_on_loopback, spawn
+from phalanx.runtime.collective_log import (
+    DONE,
+    ENV_RING_DIR,
+    disagreement,
+    read_rings,
+    ring_directory,
+    ring_report,
+)
 from phalanx.runtime.world import ENV_STORE_PER_ATTEMPT
 
-__all__ = ["launch", "spawn", "SpawnError", "LaunchError", "torchrun_args"]
+__all__ = ["launch", "spawn", "SpawnError", "LaunchError", "StragglerWatch", "collective_report", "torchrun_args"]
 
 
 class LaunchError(RuntimeError):
@@ -168,6 +179,9 @@ def launch(cfg: PhalanxConfig, script: str, script_args: Sequence[str] = (), mod
     stopper = _Stopper(lc)
     os.environ[ENV_LAUNCH_ID] = uuid.uuid4().hex  # which lines of resume_from's record are this run's
     os.environ[ENV_STORE_PER_ATTEMPT] = "1" if lc.rdzv_endpoint is None else "0"
+    ring_dir = os.environ[ENV_RING_DIR] = ring_directory()  # each rank's last collectives, read here
+    watch = StragglerWatch(ring_dir, lc.nproc_per_node * lc.nnodes)
+    watch.start()
     try:
         with stopper:
             if lc.rdzv_endpoint is None and lc.node_rank > 0:
@@ -178,10 +192,18 @@ def launch(cfg: PhalanxConfig, script: str, script_args: Sequence[str] = (), mod
         sys.stderr.write(stopper.line(sig) + "\n")
         return 128 + sig.value
     except ChildFailedError as e:
+        report = collective_report(read_rings(ring_dir), e.failures, lc.nproc_per_node * lc.nnodes)
+        if report:
+            sys.stderr.write(report + "\n")
         sys.stderr.write(failure_summary(e.failures) + "\n")
         first = _cause(e.failures)[1]
         return first.exitcode if first.exitcode > 0 else 1
     finally:
+        summary = watch.stop()
+        if summary:
+            sys.stderr.write(summary + "\n")
+        shutil.rmtree(ring_dir, ignore_errors=True)
+        os.environ.pop(ENV_RING_DIR, None)
         del store
         if cfg.engine.resume_from is not None:
             summary = restart_summary(cfg.engine.resume_from, os.environ[ENV_LAUNCH_ID], lc.max_restarts)
@@ -245,6 +267,226 @@ def failure_summary(failures: dict[int, Any]) -> str:
     if first.exitcode == HANG_EXIT_CODE:
         return f"phalanx launch: the hang watchdog stopped the job; its report is above.{stopped}"
     return f"phalanx launch: rank {rank} failed (exit code {first.exitcode}); its traceback is above.{stopped}"
+
+
+def collective_report(rings: dict[int, dict[str, Any]], failures: dict[int, Any], world: int) -> str | None:
+    """Each rank's last collectives, read from its ring after the job failed, when they help: when the rank that
+    caused the failure was killed by a signal (a crash in native code, as gloo's abort on a mismatched collective),
+    when its last collective failed or was still open, or when the ranks disagree. Not after the hang watchdog's
+    report (it has said all this), unless the ranks disagree."""
+    from phalanx.runtime.watchdog import HANG_EXIT_CODE
+
+    if not rings:
+        return None
+    rank, first = _cause(failures)
+    disagree = disagreement(rings, world) is not None
+    killed = first.exitcode < 0 and first.exitcode not in _STOPPING_SIGNALS
+    last = rings[rank]["records"][-1:] if rank in rings else []
+    in_collective = bool(last) and last[0]["state"] != DONE
+    if first.exitcode == HANG_EXIT_CODE and not disagree:
+        return None
+    return ring_report(rings, world) if disagree or killed or in_collective else None
+
+
+class StragglerWatch:
+    """Names a rank of this machine that keeps the others waiting, while the job runs, from the ranks' ring files.
+
+    Each rank's ring holds, for each collective, when it was called (``time.monotonic()``: one clock for every process
+    of a machine, so no clock offsets between the ranks compared) and in which optimizer step. For each collective of
+    a rank's largest group that every rank of this machine in that group has called, a rank's arrival is how long
+    after the first of them it came, and its arrival in a step the latest of its collectives there. Its lag in a step
+    is how much later than the median of the other ranks it arrived. A rank is late in a step when its lag is the
+    largest and above ``LATE_SHARE`` of the step's time; it is named once it was late in ``LATE_IN`` of the last
+    ``OF_LAST`` steps, and named again only after it stopped being late (at most ``CLEARED_AT`` of the last
+    ``OF_LAST``) and came back, or when another rank takes its place.
+
+    Why these numbers: a rank late by 5% of every step costs the whole job 5% (every rank waits for it): on 1000
+    devices, the work of 50. Measured against the others' median, not the first to come, the ordinary spread of
+    arrivals (the OS scheduler, a data loader's jitter) cancels, and a 5% lag stands out of it even on a loaded
+    machine (``tests/test_stragglers.py``: four ranks on two busy cores). Six of ten steps names a rank that is slow by
+    habit, and not one that paused once (a checkpoint write, an evaluation, Python's garbage collector), within ten
+    steps of it becoming slow. The first ``WARMUP_STEPS`` steps are left out (allocations, compilation). Nothing runs
+    on the ranks for this but two writes to their own memory per collective and one per step: no collective, no store
+    round trip, no system call.
+
+    Across machines each launcher compares its own machine's ranks: the other ranks of a straggler's machine wait for
+    it too, so it is named there; a machine whose ranks are all slow together is not (their lateness shows only as
+    the other machines' wait).
+    """
+
+    POLL_S = 0.1
+    LATE_SHARE = 0.05
+    LATE_IN, OF_LAST, CLEARED_AT = 6, 10, 2
+    WARMUP_STEPS = 2
+
+    def __init__(self, ring_dir: str, world: int) -> None:
+        self.ring_dir, self.world = ring_dir, world
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._reset()
+
+    def _reset(self) -> None:
+        """A fresh start: the job's first attempt, or a restart (a ring with a new pid)."""
+        self.after: dict[int, int] = {}  # rank -> the last record read
+        self.pids: dict[int, int] = {}
+        self.hosts: dict[int, str] = {}
+        self.members: dict[Any, set[int]] = {}  # group key -> this machine's ranks that called in it
+        self.largest: dict[int, Any] = {}  # rank -> its largest group's key
+        self.pending: dict[tuple[Any, int], dict[int, tuple[float, int]]] = {}  # (group, seq) -> rank -> (t0, step)
+        self.lag: dict[int, dict[int, float]] = {}  # rank -> step -> its largest lag in that step
+        self.begins: dict[int, dict[int, float]] = {}  # rank -> step -> its first call's time in that step
+        self.step_of: dict[int, int] = {}  # rank -> the step of its newest record
+        self.decided = self.WARMUP_STEPS - 1  # steps up to this one are counted
+        self.history: collections.deque[int | None] = collections.deque(maxlen=self.OF_LAST)
+        self.named: int | None = None
+        self.totals: dict[int, list[float]] = {}  # rank -> [steps, summed step time, summed lag, late steps]
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="phalanx-straggler-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.POLL_S):
+            try:
+                self.poll(announce=True)
+            except Exception as e:  # noqa: BLE001 - a diagnostic must never end the launcher
+                sys.stderr.write(f"phalanx launch: the straggler watch stopped ({type(e).__name__}: {e})\n")
+                return
+
+    def stop(self) -> str | None:
+        """Stop watching, read what the ranks wrote last, and return the per-rank summary (None: nothing to sum)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        with contextlib.suppress(Exception):
+            self.poll(announce=False)
+        return self.summary()
+
+    def poll(self, announce: bool) -> None:
+        with self._lock:
+            for rank, ring in read_rings(self.ring_dir).items():
+                self._read(rank, ring)
+            self._match()
+            self._decide(announce)
+
+    def _read(self, rank: int, ring: dict[str, Any]) -> None:
+        if self.pids.get(rank, ring["pid"]) != ring["pid"] or ring["count"] < self.after.get(rank, 0):
+            self._reset()  # a restart, or a new process group: the ranks start over
+        self.pids[rank], self.hosts[rank] = ring["pid"], ring["host"]
+        after = self.after.get(rank, 0)
+        for r in ring["records"]:
+            if r["n"] <= after:
+                continue
+            self.step_of[rank] = r["step"]
+            if r["peer"] is not None or r["seq"] <= 0:
+                continue
+            key = r["group_key"]
+            self.members.setdefault(key, set()).add(rank)
+            if rank not in self.largest or key[1] > self.largest[rank][1]:
+                self.largest[rank] = key
+            self.pending.setdefault((key, r["seq"]), {})[rank] = (r["t0"], r["step"])
+        if ring["records"]:
+            self.after[rank] = ring["records"][-1]["n"]
+
+    def _match(self) -> None:
+        for (key, seq), calls in list(self.pending.items()):
+            members = self.members[key]
+            if len(members) < 2 or any(self.largest.get(r) != key for r in members):
+                if len(self.pending) > 100_000:
+                    del self.pending[(key, seq)]
+                continue
+            if len(calls) < len(members):
+                continue
+            del self.pending[(key, seq)]
+            first = min(t0 for t0, _ in calls.values())
+            for rank, (t0, step) in calls.items():
+                lags = self.lag.setdefault(rank, {})
+                lags[step] = max(lags.get(step, 0.0), t0 - first)
+                starts = self.begins.setdefault(rank, {})
+                starts[step] = min(starts.get(step, t0), t0)
+
+    def _decide(self, announce: bool) -> None:
+        ranks = [r for r in self.lag if r in self.step_of]
+        if len(ranks) < 2:
+            return
+        done = min(self.step_of[r] for r in ranks) - 1  # every rank is past it, and has begun the one after
+        for step in range(self.decided + 1, done + 1):
+            arrivals = {r: self.lag[r][step] for r in ranks if step in self.lag[r]}
+            times = [
+                self.begins[r][step + 1] - self.begins[r][step]
+                for r in arrivals
+                if step + 1 in self.begins.get(r, {}) and step in self.begins[r]
+            ]
+            if len(arrivals) < 2 or not times:
+                continue
+            step_s = statistics.median(times)
+            # Against the median of the others, not the first to come: the ordinary spread of arrivals cancels.
+            lags = {
+                r: max(0.0, t - statistics.median([v for j, v in arrivals.items() if j != r]))
+                for r, t in arrivals.items()
+            }
+            slowest = max(lags, key=lambda r: lags[r])
+            late = slowest if lags[slowest] > self.LATE_SHARE * step_s else None
+            self.history.append(late)
+            for r, lag in lags.items():
+                t = self.totals.setdefault(r, [0, 0.0, 0.0, 0])
+                t[0] += 1
+                t[1] += step_s
+                t[2] += lag
+                t[3] += r == late
+            self._name(step, step_s, lags, announce)
+        self.decided = max(self.decided, done)
+        for table in (self.lag, self.begins):  # keep a few steps back: the step after is read for the step time
+            for per_step in table.values():
+                for old in [s for s in per_step if s < self.decided - 2]:
+                    del per_step[old]
+
+    def _name(self, step: int, step_s: float, lags: dict[int, float], announce: bool) -> None:
+        counts = collections.Counter(r for r in self.history if r is not None)
+        top, times = counts.most_common(1)[0] if counts else (None, 0)
+        if times >= self.LATE_IN and top != self.named:
+            self.named = top
+            if announce and top is not None:
+                recent = [lags[top]] if top in lags else []
+                lag_ms = (recent[0] if recent else 0.0) * 1e3
+                sys.stderr.write(
+                    f"phalanx launch: rank {top} (host {self.hosts.get(top, '?')}, pid {self.pids.get(top, '?')}) "
+                    f"is a straggler: it reached the collectives last, {lag_ms:.1f} ms ({lag_ms / (step_s * 1e3):.0%} "
+                    f"of a {step_s * 1e3:.1f} ms step) after the other ranks, in {times} of the last {self.OF_LAST} "
+                    f"steps (at step {step}); every other rank waits for it. Look at its data loading, its share "
+                    "of the machine (other processes, CPU affinity), its device's clocks and temperature\n"
+                )
+        elif self.named is not None and counts.get(self.named, 0) <= self.CLEARED_AT:
+            if announce:
+                sys.stderr.write(
+                    f"phalanx launch: rank {self.named} is no longer late (at step {step}: late in "
+                    f"{counts.get(self.named, 0)} of the last {self.OF_LAST} steps)\n"
+                )
+            self.named = None
+
+    def summary(self) -> str | None:
+        """One line per rank: its mean step time, mean lag, and in how many steps it was the late one (None: fewer
+        than ``OF_LAST`` steps were compared, or fewer than two ranks)."""
+        if len(self.totals) < 2 or max(t[0] for t in self.totals.values()) < self.OF_LAST:
+            return None  # too short a run to say anything
+        steps = max(int(t[0]) for t in self.totals.values())
+        lines = [
+            f"phalanx launch: per-rank summary over {steps} steps (this machine's ranks; lag: how much later than the "
+            "other ranks' median it reached each step's collectives):",
+            "  rank  host              step ms   lag ms   lag/step  late steps",
+        ]
+        shown = sorted(self.totals, key=lambda r: (-self.totals[r][3], r))[:16]
+        for r in sorted(shown):
+            n, step_sum, lag_sum, late = self.totals[r]
+            step_ms, lag_ms = step_sum / n * 1e3, lag_sum / n * 1e3
+            lines.append(
+                f"  {r:<5} {self.hosts.get(r, '?')[:16]:<16} {step_ms:8.1f} {lag_ms:8.2f} {lag_ms / step_ms:9.1%} "
+                f"{int(late):11d}"
+            )
+        if len(self.totals) > len(shown):
+            lines.append(f"  ({len(self.totals) - len(shown)} more ranks, none late more often)")
+        return "\n".join(lines)
 
 
 def _wait_for_node_0(lc: LaunchConfig, timeout_s: float) -> None:
@@ -381,6 +623,7 @@ class _Stopper:
                 # The main thread is inside C++ and cannot run the handler: end what exists, and leave.
                 assert self.signal is not None
                 _end(_children() or [])
+                shutil.rmtree(os.environ.get(ENV_RING_DIR) or "/nonexistent", ignore_errors=True)
                 sys.stdout.flush()
                 sys.stderr.write(self.line(self.signal) + "\n")
                 sys.stderr.flush()

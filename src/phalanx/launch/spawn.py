@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 from typing import Any
 
+from phalanx.runtime.collective_log import ENV_RING_DIR, ring_directory
+
 __all__ = ["spawn", "SpawnError", "gloo_on_loopback"]
 
 
@@ -67,6 +69,7 @@ def _spawn_entry(
     threads: int,
     results_dir: str,
     environ: dict[str, str] | None = None,
+    ring_dir: str | None = None,
 ) -> None:
     if environ is not None:  # forkserver: the server's environment is as old as the server; take the caller's
         os.environ.clear()
@@ -79,6 +82,8 @@ def _spawn_entry(
         PHALANX_INIT_METHOD=init_method,
         OMP_NUM_THREADS=str(threads),
     )
+    if ring_dir is not None:
+        os.environ[ENV_RING_DIR] = ring_dir
     gloo_on_loopback(os.environ)
     import torch
 
@@ -174,17 +179,24 @@ def spawn(
     init_method = f"file://{tmpdir}/store"
     results_dir = os.path.join(tmpdir, "results")
     os.mkdir(results_dir)
+    ring_dir = ring_directory()  # each rank's last collectives, for the error when one fails
     procs = []
     try:
         for rank in range(nprocs):
             p = ctx.Process(
                 target=_spawn_entry,
-                args=(fn, rank, nprocs, init_method, tuple(args), threads, results_dir, environ),
+                args=(fn, rank, nprocs, init_method, tuple(args), threads, results_dir, environ, ring_dir),
                 daemon=False,
             )
             p.start()
             procs.append(p)
-        return _collect(procs, results_dir, timeout)
+        try:
+            return _collect(procs, results_dir, timeout)
+        except SpawnError as e:
+            report = _ring_report(ring_dir, nprocs, e.rank)
+            if report is None:
+                raise
+            raise SpawnError(e.rank, f"{e}\n{report}") from None
     finally:
         for p in procs:
             if p.is_alive():
@@ -195,6 +207,22 @@ def spawn(
                 p.kill()
                 p.join()
         shutil.rmtree(tmpdir, ignore_errors=True)
+        shutil.rmtree(ring_dir, ignore_errors=True)
+
+
+def _ring_report(ring_dir: str, nprocs: int, failed: int) -> str | None:
+    """The ranks' last collectives when the failed rank ended in one (it died there, or the collective raised) or the
+    ranks disagree (as ``phalanx launch``'s ``collective_report``)."""
+    from phalanx.runtime.collective_log import DONE, disagreement, read_rings, ring_report
+
+    rings = read_rings(ring_dir)
+    last = rings[failed]["records"][-1:] if failed in rings else []
+    in_collective = bool(last) and last[0]["state"] != DONE
+    return (
+        ring_report(rings, nprocs, who="phalanx.spawn")
+        if in_collective or (rings and disagreement(rings, nprocs))
+        else None
+    )
 
 
 def _collect(procs: list[Any], results_dir: str, timeout: float | None, grace_s: float = 3.0) -> list[Any]:

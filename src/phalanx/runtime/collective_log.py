@@ -11,14 +11,26 @@ when the log is off (one process, or ``hang_timeout_s=0`` without ``debug_collec
 With ``debug_collectives``, each collective is preceded by a small all-gather of its fingerprint (sequence number, op,
 elements, dtype) over the same ranks, and ranks that disagree stop at once with :class:`CollectiveMismatchError`
 naming each rank's call, before any wrong bytes are reduced.
+
+Under ``phalanx launch`` and ``phalanx.spawn`` each rank also keeps its last entries in a small ring file that the
+launcher reads after the rank has ended (:class:`Ring`): a fixed-size file mapped into memory and written in place,
+so that an entry costs no system call, and survives the process whatever kills it (SIGKILL, SIGABRT from native code:
+the pages belong to the file, not to the process). :func:`ring_report` composes the launcher's report from the
+rings: each rank's last collectives, and the first point where the ranks of a group disagree.
 """
 
 from __future__ import annotations
 
+import itertools
+import mmap
 import os
+import socket
+import struct
 import sys
 import sysconfig
+import tempfile
 import time
+import weakref
 import zlib
 from collections import deque
 from collections.abc import Callable
@@ -26,10 +38,27 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from phalanx.runtime import nccl_rules
 
-__all__ = ["LOG", "CollectiveError", "CollectiveLog", "CollectiveMismatchError", "Entry", "format_site", "watched"]
+__all__ = [
+    "ENV_RING_DIR",
+    "LOG",
+    "CollectiveError",
+    "CollectiveLog",
+    "CollectiveMismatchError",
+    "Entry",
+    "Ring",
+    "format_site",
+    "read_rings",
+    "ring_directory",
+    "ring_report",
+    "watched",
+]
+
+ENV_RING_DIR = "PHALANX_COLLECTIVE_RING_DIR"
+"""Set by ``phalanx launch`` and ``phalanx.spawn`` for their ranks: the directory of the ranks' ring files."""
 
 
 class CollectiveError(RuntimeError):
@@ -86,7 +115,7 @@ class Entry:
     """One collective on one rank. ``group``: the global ranks of its process group; ``seq``: its place in that
     group's sequence (0 for point-to-point); ``peer``: the other rank of a send or a receive."""
 
-    __slots__ = ("done", "dtype", "group", "label", "numel", "op", "peer", "seq", "site", "t0", "work")
+    __slots__ = ("done", "dtype", "group", "label", "numel", "op", "peer", "seq", "site", "slot", "t0", "work")
 
     def __init__(
         self,
@@ -104,6 +133,7 @@ class Entry:
         self.t0 = time.monotonic()
         self.work: Any = None
         self.done = False
+        self.slot = 0  # its record's number in the ring file (0: none)
 
     def fingerprint(self) -> tuple[int, int, int, int, int, int]:
         """What every rank of the group must agree on: the place in the sequence, the op, the payload, phalanx's
@@ -128,13 +158,19 @@ class Entry:
 
 
 def describe(e: dict[str, Any], world: int) -> str:
-    """``all_reduce #812 of ranks 0-3 (ddp bucket 3, 6291456 x float32 = 24.0 MiB)``."""
+    """``all_reduce #812 of ranks 0-3 (ddp bucket 3, 6291456 x float32 = 24.0 MiB)``. ``e["group"]``: the ranks, or
+    their text already (a ring file's record)."""
+    if e["peer"] is not None:
+        return f"{e['op']} {'to' if e['op'] == 'send' else 'from'} rank {e['peer']} ({_payload(e)})"
+    group = e["group"] if isinstance(e["group"], str) else ranks_text(e["group"], world)
+    return f"{e['op']} #{e['seq']} of {group} ({_payload(e)})"
+
+
+def _payload(e: dict[str, Any]) -> str:
+    """``ddp bucket 3, 6291456 x float32 = 24.0 MiB``."""
     size = _ITEM_BYTES.get(e["dtype"], 4) * e["numel"]
     what = f"{e['numel']} x {e['dtype'].removeprefix('torch.')} = {_fmt_bytes(size)}" if e["numel"] else "no payload"
-    label = f"{e['label']}, " if e["label"] else ""
-    if e["peer"] is not None:
-        return f"{e['op']} {'to' if e['op'] == 'send' else 'from'} rank {e['peer']} ({label}{what})"
-    return f"{e['op']} #{e['seq']} of {ranks_text(e['group'], world)} ({label}{what})"
+    return f"{e['label']}, {what}" if e["label"] else what
 
 
 def _fmt_bytes(n: int) -> str:
@@ -169,6 +205,231 @@ _ITEM_BYTES = {
 }
 
 
+# ------------------------------------------------------------------------------------------- the ring file
+# A header, then _CAPACITY records of 256 bytes. A record is written whole by one pack_into (a copy into the mapped
+# page: no system call), with its number (the stamp) last; then the header's count. A reader trusts the records up to
+# the count whose stamps match their number, and leaves out the oldest slot, which a writer killed mid-copy may have
+# half overwritten.
+_MAGIC = b"phxring1"
+# magic, rank, pid, record size, capacity, optimizer steps (at 24), count (at 32), host
+_HEADER = struct.Struct("<8siiIIQQ64s")
+_COUNT = struct.Struct("<Q")
+_STEPS_AT, _COUNT_AT = 24, 32
+_HEAD_BYTES = 128
+# seq, t0, t1, state, line, peer, group crc, group size, step, numel, dtype, op, label, group text, file, stamp
+_RECORD = struct.Struct("<qddB3xIiIIIq12s16s40s40s84sQ")
+_END = struct.Struct("<dB")  # t1 and state, at 16: what finishing an entry writes
+_CAPACITY = 1024
+OPEN, DONE, FAILED = 0, 1, 2
+
+
+class Ring:
+    """This rank's last ``capacity`` entries in a file mapped into memory (see the module docstring and the layout
+    above). Written from the collective's own thread; read by the launcher, after the rank has ended or while it
+    runs (the straggler watch)."""
+
+    def __init__(self, path: str, rank: int, capacity: int = _CAPACITY) -> None:
+        if capacity < 2:
+            raise ValueError(f"a ring's capacity must be >= 2 records (the oldest is never read); got {capacity}")
+        size = _HEAD_BYTES + capacity * _RECORD.size
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self.mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.path, self.capacity = path, capacity
+        host = socket.gethostname().encode()[:64]
+        _HEADER.pack_into(self.mm, 0, _MAGIC, rank, os.getpid(), _RECORD.size, capacity, 0, 0, host)
+        self.count = 0
+        self._numbers = itertools.count(1)
+        self.steps = 0
+        """Optimizer steps this rank has taken (:func:`_stepped`): each record says in which step it was called."""
+        # op, label, dtype, file -> the bytes written for it
+        self._ops: dict[Any, bytes] = {}
+        self._labels: dict[Any, bytes] = {}
+        self._dtypes: dict[Any, bytes] = {}
+        self._files: dict[Any, bytes] = {}
+
+    @staticmethod
+    def _keep(table: dict[Any, bytes], key: Any, text: str, width: int) -> bytes:
+        b = text.encode(errors="replace")
+        b = b if len(b) <= width else b[-width:]  # a long path keeps its end: the file's name
+        if len(table) > 4096:  # labels made with f-strings could grow it without end
+            table.clear()
+        table[key] = b
+        return b
+
+    def put(self, e: Entry, group: tuple[int, int, bytes]) -> int:
+        """Write ``e`` as open; returns its number (its ``slot``). Texts are encoded once each, then looked up."""
+        op = self._ops.get(e.op)
+        if op is None:
+            op = self._keep(self._ops, e.op, e.op, 16)
+        label = self._labels.get(e.label)
+        if label is None:
+            label = self._keep(self._labels, e.label, e.label or "", 40)
+        dtype = self._dtypes.get(e.dtype)
+        if dtype is None:
+            dtype = self._keep(self._dtypes, e.dtype, str(e.dtype or "").removeprefix("torch."), 12)
+        file: bytes | None = b""
+        line = 0
+        if e.site is not None:
+            file, line = self._files.get(e.site[0]), e.site[1]
+            if file is None:
+                file = self._keep(self._files, e.site[0], format_site((e.site[0], 0))[:-2], 84)
+        n = next(self._numbers)  # atomic under the GIL: a collective on another thread (autograd's) takes another
+        self.count = max(self.count, n)
+        at = _HEAD_BYTES + (n - 1) % self.capacity * _RECORD.size
+        peer = -1 if e.peer is None else e.peer
+        _RECORD.pack_into(
+            self.mm, at, e.seq, e.t0, 0.0, OPEN, line, peer, group[0], group[1], self.steps, e.numel, dtype, op,
+            label, group[2], file, n
+        )  # fmt: skip
+        _COUNT.pack_into(self.mm, _COUNT_AT, self.count)
+        return n
+
+    def end(self, slot: int, failed: bool) -> None:
+        if slot > self.count - self.capacity:  # not overwritten since
+            at = _HEAD_BYTES + (slot - 1) % self.capacity * _RECORD.size
+            _END.pack_into(self.mm, at + 16, time.monotonic(), FAILED if failed else DONE)
+
+    def stepped(self) -> None:
+        self.steps += 1
+        _COUNT.pack_into(self.mm, _STEPS_AT, self.steps)
+
+    def clear(self) -> None:
+        self.count = self.steps = 0
+        self._numbers = itertools.count(1)
+        _COUNT.pack_into(self.mm, _COUNT_AT, 0)
+        _COUNT.pack_into(self.mm, _STEPS_AT, 0)
+
+
+def _cstr(b: bytes) -> str:
+    return b.rstrip(b"\0").decode(errors="replace")
+
+
+def read_ring(path: str, after: int = 0) -> dict[str, Any] | None:
+    """A ring file's header and its records numbered above ``after`` (oldest first), or None when the file is not
+    a ring (yet). Each record is a dict as :meth:`Entry.as_dict` gives, with ``t0``/``t1`` (the writer's
+    ``time.monotonic()``, one clock for every process of a machine), ``state``, ``step`` (the optimizer steps the rank
+    had taken when it called) and ``n`` (its number)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    if len(data) < _HEAD_BYTES or data[:8] != _MAGIC:
+        return None
+    _, rank, pid, record_size, capacity, steps, count, host = _HEADER.unpack_from(data, 0)
+    if record_size != _RECORD.size or len(data) < _HEAD_BYTES + capacity * record_size:
+        return None
+    records = []
+    for n in range(max(after + 1, count - capacity + 2, 1), count + 1):
+        fields = _RECORD.unpack_from(data, _HEAD_BYTES + (n - 1) % capacity * record_size)
+        if fields[-1] != n:  # being overwritten as we read
+            continue
+        seq, t0, t1, state, line, peer, gcrc, gsize, step, numel, dtype, op, label, gtext, file, _ = fields
+        file_text = _cstr(file)
+        records.append(
+            {
+                "n": n,
+                "seq": seq,
+                "t0": t0,
+                "t1": t1,
+                "state": state,
+                "op": _cstr(op),
+                "numel": numel,
+                "dtype": ("torch." + _cstr(dtype)) if dtype.strip(b"\0") else "",
+                "label": _cstr(label) or None,
+                "group": _cstr(gtext),
+                "group_key": (gcrc, gsize),
+                "step": step,
+                "peer": None if peer < 0 else peer,
+                "site": f"{file_text}:{line}" if file_text else format_site(None),
+            }
+        )
+    return {"rank": rank, "pid": pid, "host": _cstr(host), "count": count, "steps": steps, "records": records}
+
+
+def ring_directory() -> str:
+    """A new private directory for a job's ring files: in ``/dev/shm`` (memory) where there is one."""
+    shm = "/dev/shm"
+    return tempfile.mkdtemp(prefix="phalanx-ring-", dir=shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None)
+
+
+def read_rings(directory: str) -> dict[int, dict[str, Any]]:
+    """Every rank's ring in ``directory`` (those of this machine), by rank."""
+    out: dict[int, dict[str, Any]] = {}
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return out
+    for name in names:
+        if name.startswith("rank-") and name.endswith(".ring"):
+            ring = read_ring(os.path.join(directory, name))
+            if ring is not None:
+                out[ring["rank"]] = ring
+    return out
+
+
+def _call(r: dict[str, Any]) -> tuple[Any, ...]:
+    return r["op"], r["numel"], r["dtype"], r["label"], r["site"]
+
+
+def disagreement(rings: dict[int, dict[str, Any]], world: int) -> str | None:
+    """The first place where the ranks of a group called different collectives, as one sentence, or None: the
+    lowest sequence number, in any group, that two rings hold with different calls (op, size, label, line)."""
+    calls: dict[tuple[Any, int], dict[int, dict[str, Any]]] = {}
+    for rank, ring in rings.items():
+        for r in ring["records"]:
+            if r["peer"] is None and r["seq"] > 0:
+                calls.setdefault((r["group_key"], r["seq"]), {})[rank] = r
+    found = None
+    for (_, seq), by_rank in calls.items():
+        if len(by_rank) > 1 and len({_call(r) for r in by_rank.values()}) > 1:
+            first = min(r["t0"] for r in by_rank.values())
+            if found is None or (seq, first) < found[:2]:
+                found = (seq, first, by_rank)
+    if found is None:
+        return None
+    by_rank = found[2]
+    kinds: dict[tuple[Any, ...], list[int]] = {}
+    for rank in sorted(by_rank):
+        kinds.setdefault(_call(by_rank[rank]), []).append(rank)
+    parts = []
+    for ranks in sorted(kinds.values(), key=len):  # the odd one out first
+        r = by_rank[ranks[0]]
+        parts.append(f"{ranks_text(ranks, world)} called {r['op']} ({_payload(r)}) at {r['site']}")
+    some = next(iter(by_rank.values()))
+    return (
+        f"the ranks disagree at collective #{found[0]} of {some['group']}: " + ", while ".join(parts) + ". Every rank "
+        "of a group must issue the same collectives in the same order: look for a branch that depends on the rank or "
+        "on the data (debug_collectives=True stops such a call before any bytes move)"
+    )
+
+
+_STATE_TEXT = {OPEN: "in it when the rank ended", DONE: "done", FAILED: "failed"}
+
+
+def ring_report(rings: dict[int, dict[str, Any]], world: int, last: int = 3, who: str = "phalanx launch") -> str:
+    """Each rank's last ``last`` collectives, newest first, then where the ranks disagree (if they do). ``who``
+    begins the lines: the launcher's name."""
+    lines = [f"{who}: each rank's last collectives (its collective log, read after it ended):"]
+    for rank in sorted(rings):
+        ring = rings[rank]
+        records = ring["records"][-last:][::-1]
+        if not records:
+            lines.append(f"  rank {rank} (pid {ring['pid']}): no collective yet")
+            continue
+        for i, r in enumerate(records):
+            head = f"  rank {rank} (pid {ring['pid']}):" if i == 0 else " " * len(f"  rank {rank} (pid {ring['pid']}):")
+            lines.append(f"{head} {describe(r, world)} at {r['site']}, {_STATE_TEXT.get(r['state'], '?')}")
+    found = disagreement(rings, world)
+    if found:
+        lines.append(f"{who}: {found}.")
+    return "\n".join(lines)
+
+
 class CollectiveLog:
     """This process's collectives: a sequence number per group, the open entries and the recent ones."""
 
@@ -177,7 +438,10 @@ class CollectiveLog:
         self.recent: deque[Entry] = deque(maxlen=64)
         self.open: dict[int, Entry] = {}
         self.seq: dict[tuple[int, ...], int] = {}
-        self._groups: dict[int, tuple[tuple[int, ...], bool]] = {}  # id(group) -> (ranks, polled: NCCL)
+        self._groups: dict[int, tuple[tuple[int, ...], bool, tuple[int, int, bytes]]] = {}
+        """id(group) -> (ranks, polled: NCCL, what the ring writes of the group: crc of its ranks, size, text)"""
+        self.ring: Ring | None = None
+        """This rank's ring file, under ``phalanx launch`` and ``phalanx.spawn``."""
         self._key = 0
         self.precheck: Callable[[Entry, Any], None] | None = None
         """Set by the watchdog under ``debug_collectives``: compares this call with the group's before it runs."""
@@ -193,17 +457,29 @@ class CollectiveLog:
         self.seq.clear()
         self._groups.clear()
         self.blocked = None
+        if self.ring is not None:
+            self.ring.clear()
 
-    def _group(self, group: Any) -> tuple[tuple[int, ...], bool]:
+    def open_ring(self, directory: str, rank: int) -> None:
+        """Keep this rank's last entries in ``directory/rank-<rank>.ring`` too (the launcher reads it), and count the
+        optimizer steps there (the launcher's straggler watch compares the ranks step by step)."""
+        global _STEP_HOOK
+        self.ring = Ring(os.path.join(directory, f"rank-{rank}.ring"), rank)
+        if _STEP_HOOK is None:
+            _STEP_HOOK = register_optimizer_step_post_hook(_stepped)
+
+    def _group(self, group: Any) -> tuple[tuple[int, ...], bool, tuple[int, int, bytes]]:
         known = self._groups.get(id(group))
         if known is None:
             g = group if group is not None else dist.group.WORLD
             ranks = tuple(dist.get_process_group_ranks(g))
-            known = self._groups[id(group)] = (ranks, dist.get_backend(g) == "nccl")
+            text = ranks_text(ranks, dist.get_world_size()).encode()
+            ring = (_code(",".join(map(str, ranks))), len(ranks), text if len(text) <= 40 else text[:37] + b"...")
+            known = self._groups[id(group)] = (ranks, dist.get_backend(g) == "nccl", ring)
         return known
 
     def begin(self, op: str, group: Any, payload: Any, label: str | None, peer: int | None) -> tuple[Entry, bool]:
-        ranks, polled = self._group(group)
+        ranks, polled, ring_group = self._group(group)
         if peer is None:
             seq = self.seq.get(ranks, 0) + 1
             self.seq[ranks] = seq
@@ -221,12 +497,16 @@ class CollectiveLog:
         self.recent.append(entry)
         self.open[self._key] = entry
         entry.work = self._key  # replaced by the work when there is one to poll
+        if self.ring is not None:
+            entry.slot = self.ring.put(entry, ring_group)
         return entry, polled
 
-    def finish(self, entry: Entry, key: int) -> None:
+    def finish(self, entry: Entry, key: int, failed: bool = False) -> None:
         entry.done = True
         entry.work = None  # a finished NCCL work holds its tensors: let them go
         self.open.pop(key, None)
+        if entry.slot and self.ring is not None:
+            self.ring.end(entry.slot, failed)
 
     def sweep(self) -> None:
         """Close entries whose device work has completed (NCCL: the host never waits for them itself)."""
@@ -260,6 +540,22 @@ class CollectiveLog:
 
 
 LOG = CollectiveLog()
+_STEP_HOOK: Any = None
+_FIRST_OPTIMIZER: list[Any] = []  # a weak reference to the optimizer whose steps are counted
+
+
+def _stepped(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """After every ``optimizer.step()`` in this process (torch's global hook): count the steps of one optimizer,
+    the first that steps, so that a model with two optimizers counts each step once."""
+    ring = LOG.ring
+    if ring is None:
+        return
+    first = _FIRST_OPTIMIZER[0]() if _FIRST_OPTIMIZER else None
+    if first is None:
+        _FIRST_OPTIMIZER[:] = [weakref.ref(optimizer)]
+    elif first is not optimizer:
+        return
+    ring.stepped()
 
 
 class WatchedWork:
@@ -279,7 +575,7 @@ class WatchedWork:
         try:
             out = self._work.wait(*args, **kwargs)
         except RuntimeError as e:
-            LOG.finish(self._entry, self._key)
+            LOG.finish(self._entry, self._key, failed=True)
             _raise_explained(self._entry, e)
         finally:
             LOG.blocked = None
@@ -367,7 +663,7 @@ def watched(fn: Callable[..., Any], *args: Any, label: str | None = None, **kwar
         LOG.blocked = entry
         out = fn(*args, **kwargs)
     except RuntimeError as e:
-        LOG.finish(entry, key)
+        LOG.finish(entry, key, failed=True)
         _raise_explained(entry, e)
     finally:
         LOG.blocked = None

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from phalanx.logging import get_logger
 from phalanx.runtime import nccl_rules
 from phalanx.runtime.collective_log import (
+    ENV_RING_DIR,
     LOG,
     CollectiveMismatchError,
     Entry,
@@ -424,6 +425,15 @@ def start_watchdog(
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     dog = Watchdog(store, rank, world, timeout, mirrors, device)
     LOG.on = True
+    ring_dir = os.environ.get(ENV_RING_DIR)  # set by phalanx launch and phalanx.spawn: they read the ring at the end
+    if ring_dir:
+        try:
+            LOG.open_ring(ring_dir, rank)
+        except OSError as e:
+            get_logger().warning(
+                f"rank {rank} keeps no collective ring file in {ring_dir} ({e}); a crash's report will not name its "
+                "last collectives"
+            )
     LOG.explain = dog.explain_failure if timeout > 0 else None  # with no thread, nobody would answer
     LOG.precheck = dog.precheck if debug else None
     dog.start()
