@@ -1,10 +1,13 @@
-"""Pipeline parallel benchmark: phalanx gpipe/1f1b against torch.distributed.pipelining's ScheduleGPipe/Schedule1F1B,
-on CPU over gloo, 2 ranks = 2 stages (pp=2, dp=1), 8 micro-batches.
+"""Pipeline parallel benchmark: phalanx gpipe/1f1b/interleaved_1f1b/zb_h1 against torch.distributed.pipelining's
+ScheduleGPipe/Schedule1F1B/ScheduleInterleaved1F1B/ScheduleInterleavedZeroBubble, on CPU over gloo, 2 ranks = 2
+stages (pp=2, dp=1), 8 micro-batches. The interleaved rows hold 2 chunks per rank (4 chunks of 2 blocks); torch's
+zero-bubble row is ScheduleInterleavedZeroBubble with one stage per rank, its ZB-H1 form.
 
     .venv/bin/python benchmarks/bench_pipeline.py                                    # 5 rounds (about 5 min)
     .venv/bin/python benchmarks/bench_pipeline.py --rounds 3
     .venv/bin/python benchmarks/bench_pipeline.py --only torch_1f1b,phalanx_1f1b --rounds 3
     .venv/bin/python benchmarks/bench_pipeline.py --rounds 1 --steps 3 --warmup 1 --no-json   # smoke run
+    .venv/bin/python benchmarks/bench_pipeline.py --only torch_interleaved,phalanx_interleaved,torch_zb,phalanx_zb
 
 Every configuration runs in fresh processes started by phalanx.spawn (2 ranks, gloo, 1 thread each); runs are
 interleaved (every round runs every configuration once, in a rotated order), as in bench_ddp.py and bench_zero.py.
@@ -56,7 +59,47 @@ TOL_FIRST, TOL_FINAL = 1e-5, 1e-5
 TARGETS = {
     "phalanx_gpipe_over_torch_gpipe_step": ("phalanx gpipe", "torch ScheduleGPipe", 1.0),
     "phalanx_1f1b_over_torch_1f1b_step": ("phalanx 1f1b", "torch Schedule1F1B", 1.0),
+    "phalanx_interleaved_over_torch_interleaved_step": (
+        "phalanx interleaved_1f1b", "torch ScheduleInterleaved1F1B", 0.8,
+    ),
+    "phalanx_zb_h1_over_torch_zero_bubble_step": ("phalanx zb_h1", "torch ScheduleInterleavedZeroBubble", 0.8),
+}  # fmt: skip
+PEER = {  # the torch row of the same schedule
+    "gpipe": "torch ScheduleGPipe",
+    "1f1b": "torch Schedule1F1B",
+    "interleaved_1f1b": "torch ScheduleInterleaved1F1B",
+    "zb_h1": "torch ScheduleInterleavedZeroBubble",
 }
+
+
+def theory_bubble(schedule: str, p: int, m: int, costs: dict[str, float] | None = None) -> float:
+    """Each stage's idle share of the step, by the schedule's formula (``phalanx.strategies.pipeline.actions``):
+    gpipe and 1f1b (p-1)/(m+p-1); interleaved with v chunks (p-1)/(v m+p-1); ZB-H1
+    (p-1)(F+B-W) / (m (F+B+W) + (p-1)(F+B-W)) with the measured F, B, W of one micro-batch on one stage."""
+    if schedule == "interleaved_1f1b":
+        return (p - 1) / (2 * m + p - 1)
+    if schedule == "zb_h1" and costs:
+        f, b, w = costs["F"], costs["B"], costs["W"]
+        return (p - 1) * (f + b - w) / (m * (f + b + w) + (p - 1) * (f + b - w))
+    if schedule == "zb_h1":
+        return (p - 1) / (3 * m + p - 1)
+    return (p - 1) / (m + p - 1)
+
+
+def simulated_bubble(schedule: str, p: int, m: int, kinds: list[dict[str, float]]) -> list[float]:
+    """Each stage's idle share of the step when the schedule's actions take the times measured on that stage (ms
+    per micro-batch per stage, split evenly over its chunks): the formula's theory, for stages that differ (under
+    ZB-H1 the first stage has no input gradient to compute, so its B is empty and its W the whole backward)."""
+    from phalanx.strategies.pipeline.actions import schedule_orders, simulate
+
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    costs = [{k: t / v for k, t in kd.items()} for kd in kinds]
+    for c in costs:
+        c.setdefault("B", c.get("BW", 0.0))
+        c.setdefault("W", 0.0)
+    sim = simulate(schedule_orders(schedule, p, v, m), costs)
+    step = max(sim["end"])
+    return [idle / step for idle in sim["idle"]]
 
 
 def configurations(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -65,6 +108,20 @@ def configurations(args: argparse.Namespace) -> list[dict[str, Any]]:
         {"key": "torch_1f1b", "name": "torch Schedule1F1B", "kind": "torch", "schedule": "1f1b"},
         {"key": "phalanx_gpipe", "name": "phalanx gpipe", "kind": "phalanx", "schedule": "gpipe"},
         {"key": "phalanx_1f1b", "name": "phalanx 1f1b", "kind": "phalanx", "schedule": "1f1b"},
+        {
+            "key": "torch_interleaved",
+            "name": "torch ScheduleInterleaved1F1B",
+            "kind": "torch",
+            "schedule": "interleaved_1f1b",
+        },
+        {
+            "key": "phalanx_interleaved",
+            "name": "phalanx interleaved_1f1b",
+            "kind": "phalanx",
+            "schedule": "interleaved_1f1b",
+        },
+        {"key": "torch_zb", "name": "torch ScheduleInterleavedZeroBubble", "kind": "torch", "schedule": "zb_h1"},
+        {"key": "phalanx_zb", "name": "phalanx zb_h1", "kind": "phalanx", "schedule": "zb_h1"},
     ]
     if args.only:
         keep = {s.strip() for s in args.only.split(",") if s.strip()}
@@ -98,6 +155,15 @@ def summarize_round(results: list[dict[str, Any]]) -> dict[str, Any]:
         "threads": [r["threads"] for r in results],
         "describe": results[0].get("describe"),
         "split_check": [r.get("split_check") for r in results],
+        # phalanx's action schedules: per rank, the median time of one micro-batch's F, B, W (BW) on one stage
+        "kind_ms": [
+            {
+                k: 1e3 * statistics.median(r[f"{k}_s"]) / r.get("per_stage_micro", 1)
+                for k in ("F", "B", "W", "BW")
+                if r.get(f"{k}_s")
+            }
+            for r in results
+        ],
     }
 
 
@@ -116,8 +182,8 @@ def base_spec(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(
             f"global batch {base['global_batch']} is not divisible by {base['microbatches']} micro-batches"
         )
-    if base["n_blocks"] % NSTAGES:
-        raise SystemExit(f"{base['n_blocks']} blocks do not split evenly over {NSTAGES} stages")
+    if base["n_blocks"] % (2 * NSTAGES):
+        raise SystemExit(f"{base['n_blocks']} blocks do not split evenly over {2 * NSTAGES} interleaved chunks")
     return base
 
 
@@ -155,9 +221,19 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             continue
         meds = [r["median_ms"] for r in rs]
         bubble = per_rank_median(rs, "bubble", NSTAGES)
+        kinds = [
+            {k: statistics.median(r["kind_ms"][rank][k] for r in rs) for k in rs[0]["kind_ms"][rank]}
+            for rank in range(NSTAGES)
+        ]
+        row_theory = [theory_bubble(cfg["schedule"], p, m)] * NSTAGES
+        if all(kinds) and cfg["schedule"] in ("interleaved_1f1b", "zb_h1"):
+            row_theory = simulated_bubble(cfg["schedule"], p, m, kinds)
         rows.append(
             {
                 **cfg,
+                "theory_bubble": row_theory,
+                "bubble_over_theory": [b / t if b is not None else None for b, t in zip(bubble, row_theory)],
+                "ms_per_micro_batch_per_stage": kinds,
                 "median_ms": statistics.median(meds),
                 "min_ms": min(meds),
                 "round_medians_ms": meds,
@@ -184,7 +260,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     ok_rows = [r for r in rows if "failed" not in r]
     by = {r["name"]: r for r in ok_rows}
     for r in ok_rows:
-        ref_name = "torch ScheduleGPipe" if r["schedule"] == "gpipe" else "torch Schedule1F1B"
+        ref_name = PEER[r["schedule"]]
         r["x_torch_same_schedule"] = r["median_ms"] / by[ref_name]["median_ms"] if ref_name in by else None
 
     # -------- setup check: every row trains the same model as torch ScheduleGPipe (else the first row that ran)
@@ -244,7 +320,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "schedule ms/stage",
         "wait ms/stage",
         "bubble/stage",
-        "bubble max",
+        "theory",
+        "bubble / theory",
         "peak RSS MiB/rank",
         "CPU ms/step/rank",
         "final loss",
@@ -260,14 +337,19 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         print(
             f"| {r['name']} | {r['median_ms']:.1f} | {spread} | {xt} | {_fmt(r['schedule_ms_per_stage'], '{:.1f}')} | "
             f"{_fmt(r['wait_ms_per_stage'], '{:.1f}')} | {_fmt(r['bubble_per_stage'], '{:.3f}')} | "
-            f"{r['bubble_max']:.3f} | {_fmt(r['peak_rss_mib_per_rank'])} | "
+            f"{_fmt(r['theory_bubble'], '{:.3f}')} | {_fmt(r['bubble_over_theory'], '{:.2f}')} | "
+            f"{_fmt(r['peak_rss_mib_per_rank'])} | "
             f"{_fmt(r['cpu_ms_per_step_per_rank'])} | {r['final_loss']:.6f} |"
         )
     print(
         "\n(bubble = wait / schedule wall time per stage. phalanx: `last_step_timing` idle_s / step_s, the time "
         "blocked on p2p receives. torch: wall time inside `schedules._wait_batch_p2p` (receives, and in 1F1B the "
-        "sends fused with them) / wall time of `schedule.step()`.)"
+        "sends fused with them) / wall time of `schedule.step()`. theory: the schedule's formula, for zb_h1 with "
+        "the measured F, B, W per micro-batch.)"
     )
+    for r in ok_rows:
+        if any(r["ms_per_micro_batch_per_stage"]):
+            print(f"{r['name']}: ms per micro-batch per stage {r['ms_per_micro_batch_per_stage']}")
     if targets:
         print("\n| target | ratio | target | verdict | per round (median) |\n|---|---:|---:|---|---|")
         for t in targets.values():
@@ -324,7 +406,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "wait_ms_per_stage": "phalanx: last_step_timing['idle_s'] (blocked on p2p receives); torch: wall time in "
             "schedules._wait_batch_p2p (all p2p waits; 1F1B fuses sends with receives)",
             "bubble_per_stage": "median over steps of wait / schedule time, median over rounds",
-            "theoretical_bubble": "(p-1)/(m+p-1)",
+            "theoretical_bubble": "(p-1)/(m+p-1) for gpipe and 1f1b (the header's figure); per row: theory_bubble",
+            "theory_bubble": theory_bubble.__doc__,
+            "bubble_over_theory": "bubble_per_stage / theory_bubble",
             "peak_rss_mib_per_rank": "VmHWM of /proc/self/status at the end of training, median over rounds",
             "ru_maxrss_mib_per_rank": "getrusage(RUSAGE_SELF).ru_maxrss at the end of training (never below the "
             "driver's RSS, see bench_zero)",
@@ -355,8 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--only",
         default="",
-        help="comma-separated keys, kinds or names: torch_gpipe, torch_1f1b, phalanx_gpipe, phalanx_1f1b "
-        "(kinds: torch, phalanx)",
+        help="comma-separated keys, kinds or names: torch_gpipe, torch_1f1b, phalanx_gpipe, phalanx_1f1b, "
+        "torch_interleaved, phalanx_interleaved, torch_zb, phalanx_zb (kinds: torch, phalanx)",
     )
     p.add_argument("--adamw", choices=["default", "foreach", "fused"], default="default")
     p.add_argument("--seed", type=int, default=1234)

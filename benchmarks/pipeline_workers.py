@@ -50,12 +50,23 @@ def build_model(spec: dict[str, Any]) -> nn.Sequential:
     return nn.Sequential(*[ResBlock(spec["d"]) for _ in range(spec["n_blocks"])])
 
 
-def stage_blocks(spec: dict[str, Any], stage: int, nstages: int) -> range:
+def virtual_stages(spec: dict[str, Any]) -> int:
+    """Chunks per rank: 2 under the interleaved schedule, else 1."""
+    return 2 if spec["schedule"] == "interleaved_1f1b" else 1
+
+
+def chunk_blocks(spec: dict[str, Any], chunk: int, nchunks: int) -> range:
     n = spec["n_blocks"]
-    if n % nstages:
-        raise ValueError(f"{n} blocks do not split evenly over {nstages} stages")
-    k = n // nstages
-    return range(stage * k, (stage + 1) * k)
+    if n % nchunks:
+        raise ValueError(f"{n} blocks do not split evenly over {nchunks} chunks")
+    k = n // nchunks
+    return range(chunk * k, (chunk + 1) * k)
+
+
+def stage_blocks(spec: dict[str, Any], stage: int, nstages: int) -> list[int]:
+    """The blocks rank ``stage`` holds: one run of blocks, or (interleaved) chunks stage, stage + p, ..."""
+    v = virtual_stages(spec)
+    return [i for c in range(stage, nstages * v, nstages) for i in chunk_blocks(spec, c, nstages * v)]
 
 
 def make_batch(spec: dict[str, Any], step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,17 +124,33 @@ class _WaitTimer:
 
 
 def run_torch(spec: dict[str, Any]) -> dict[str, Any]:
-    """torch.distributed.pipelining: PipelineStage(stage Sequential) + ScheduleGPipe / Schedule1F1B, then AdamW."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    """torch.distributed.pipelining: PipelineStage(stage Sequential) + ScheduleGPipe / Schedule1F1B /
+    ScheduleInterleaved1F1B (two chunks per rank, r and r + p) / ScheduleInterleavedZeroBubble (one chunk per
+    rank: its ZB-H1 form), then AdamW."""
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+    )
 
     rank, size = init_gloo()
     model = build_model(spec)
     idx = stage_blocks(spec, rank, size)
-    stage_mod = nn.Sequential(*[model[i] for i in idx])
+    v = virtual_stages(spec)
+    chunks = [nn.Sequential(*[model[i] for i in chunk_blocks(spec, c, size * v)]) for c in range(rank, size * v, size)]
+    stage_mod = nn.Sequential(*chunks)
     del model
-    stage = PipelineStage(stage_mod, rank, size, torch.device("cpu"))
-    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[spec["schedule"]]
-    schedule = cls(stage, n_microbatches=spec["microbatches"], loss_fn=F.mse_loss)
+    stages = [PipelineStage(ch, c, size * v, torch.device("cpu")) for ch, c in zip(chunks, range(rank, size * v, size))]
+    cls: Any = {
+        "gpipe": ScheduleGPipe,
+        "1f1b": Schedule1F1B,
+        "interleaved_1f1b": ScheduleInterleaved1F1B,
+        "zb_h1": ScheduleInterleavedZeroBubble,
+    }[spec["schedule"]]
+    multi = spec["schedule"] in ("interleaved_1f1b", "zb_h1")
+    schedule = cls(stages if multi else stages[0], n_microbatches=spec["microbatches"], loss_fn=F.mse_loss)
     opt = make_adamw(stage_mod.parameters(), spec)
     timer = _WaitTimer()
     first, last = rank == 0, rank == size - 1
@@ -158,7 +185,9 @@ def _mse(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
 def phalanx_timing(engine: Any) -> dict[str, float]:
     """The last step's schedule wall time and time blocked on p2p receives, from ``last_step_timing``."""
     t = engine.strategy.last_step_timing
-    return {"schedule_s": float(t["step_s"]), "wait_s": float(t["idle_s"])}
+    out = {"schedule_s": float(t["step_s"]), "wait_s": float(t["idle_s"])}
+    out.update({f"{k}_s": float(t[f"{k}_s"]) for k in ("F", "B", "W", "BW") if f"{k}_s" in t})
+    return out
 
 
 def run_phalanx(spec: dict[str, Any]) -> dict[str, Any]:
@@ -176,7 +205,7 @@ def run_phalanx(spec: dict[str, Any]) -> dict[str, Any]:
     model = build_model(spec)  # after Engine(), which reseeds
     stage_idx = engine.topology.pp_stage
     idx = stage_blocks(spec, stage_idx, size)
-    expected = _signature([p for i in idx for p in model[i].parameters()])
+    expected = _signature([p for i in idx for p in model[i].parameters()])  # in the model's order
     opt = make_adamw(model.parameters(), spec)
     model, opt = engine.prepare(model, opt)
     kept = [p for p in model.parameters()]
@@ -200,6 +229,7 @@ def run_phalanx(spec: dict[str, Any]) -> dict[str, Any]:
     out = _train(spec, rank, step, kept)
     out["describe"] = engine.strategy.describe()
     out["split_check"] = {"stage": stage_idx, "blocks": list(idx), "ok": split_ok}
+    out["per_stage_micro"] = spec["microbatches"]  # F_s, B_s, W_s, BW_s add up every micro-batch of a step
     return out
 
 

@@ -218,7 +218,11 @@ class Zero3Options(Options):
 
 
 # ------------------------------------------------------------ pipeline
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zb_h1")
+_SCHEDULE_ALIASES = {  # what other tools call them, for the error message
+    "interleaved1f1b": "interleaved_1f1b", "interleaved": "interleaved_1f1b", "zbh1": "zb_h1",
+    "zerobubble": "zb_h1", "interleavedzerobubble": "zb_h1", "zbvzerobubble": "zb_h1", "zb1p": "zb_h1",
+}  # fmt: skip
 
 
 def parse_partition(spec: str) -> str | list[int]:
@@ -262,8 +266,17 @@ class PipelineOptions(Options):
     pp_schedule: str = option(
         "1f1b",
         "1f1b (warm-up, one forward one backward, cool-down: at most pp_size micro-batches of activations held per "
-        "stage) or gpipe (every forward, then every backward: all micro-batches held).",
-        choices=SCHEDULES,
+        "stage), gpipe (every forward, then every backward: all micro-batches held), interleaved_1f1b (1F1B over "
+        "pp_virtual_stages chunks per rank, bubble / v: torch's Interleaved1F1B, Megatron's virtual pipeline) or "
+        "zb_h1 (zero-bubble ZB-H1: each backward split into input and weight gradients, the latter deferred into "
+        "the bubble; 1F1B's memory).",
+    )
+    pp_virtual_stages: int | None = option(
+        None,
+        "Model chunks per rank for pp_schedule=interleaved_1f1b (Megatron's virtual_pipeline_model_parallel_size); "
+        "default 2 there, 1 for the other schedules.",
+        check=lambda v: v >= 1,
+        fix="use 2 or more chunks per rank with pp_schedule=interleaved_1f1b",
     )
     pp_microbatches: int | None = option(
         None,
@@ -284,7 +297,38 @@ class PipelineOptions(Options):
         "or gather parameters once per micro-batch.",
     )
 
+    def virtual_stages(self) -> int:
+        """Chunks per rank: pp_virtual_stages, or its default for the schedule."""
+        if self.pp_virtual_stages is not None:
+            return self.pp_virtual_stages
+        return 2 if self.pp_schedule == "interleaved_1f1b" else 1
+
     def check(self, config: EngineConfig) -> None:
+        if self.pp_schedule not in SCHEDULES:
+            known = _SCHEDULE_ALIASES.get(str(self.pp_schedule).lower().replace("_", "").replace("-", ""))
+            raise ConfigError(
+                f"invalid pp_schedule: got {self.pp_schedule!r} (use one of: {', '.join(SCHEDULES)}"
+                + (f"; {self.pp_schedule!r} is pp_schedule={known!r} here)" if known else ")")
+            )
+        if self.pp_schedule == "interleaved_1f1b" and self.virtual_stages() < 2:
+            raise ConfigError(
+                f"pp_schedule='interleaved_1f1b' needs pp_virtual_stages >= 2 chunks per rank; got "
+                f"pp_virtual_stages={self.pp_virtual_stages} (use 2 or more, or pp_schedule='1f1b' for one chunk)"
+            )
+        if self.pp_schedule != "interleaved_1f1b" and self.virtual_stages() != 1:
+            raise ConfigError(
+                f"pp_virtual_stages={self.pp_virtual_stages} applies to pp_schedule='interleaved_1f1b' only; got "
+                f"pp_schedule={self.pp_schedule!r} (use pp_schedule='interleaved_1f1b', or leave pp_virtual_stages "
+                "unset)"
+            )
+        if self.pp_schedule == "interleaved_1f1b" and self.pp_size is not None and self.pp_microbatches is not None:
+            if self.pp_microbatches % self.pp_size:
+                m, pp = self.pp_microbatches, self.pp_size
+                raise ConfigError(
+                    f"pp_schedule='interleaved_1f1b' sends micro-batches round the pipeline in groups of pp_size, so "
+                    f"pp_microbatches must be a multiple of pp_size={pp}; got pp_microbatches={m} (use "
+                    f"{max(pp, m - m % pp)} or {m + pp - m % pp}, as Megatron-LM requires)"
+                )
         try:
             _check_partition(self.pp_partition)
         except ValueError as e:

@@ -29,23 +29,37 @@ class PipelineStage(nn.Module):
     (``"4.fc.weight"``), so state dicts and checkpoints do not depend on the stage split."""
 
     _runner: _Runner
+    chunk_blocks: dict[int, list[str]]
+    """Under virtual stages, the block names of each of this rank's chunks (by global chunk index)."""
 
     def __init__(self, blocks: list[tuple[str, nn.Module]], runner: _Runner) -> None:
         super().__init__()
+        object.__setattr__(self, "chunk_blocks", {})
         for name, block in blocks:
             self.add_module(name, block)
         object.__setattr__(self, "_runner", runner)  # not a submodule: no parameters, not in state_dict
 
     def run_blocks(self, *args: Any, **kwargs: Any) -> Any:
         """This stage's blocks in order, as ``nn.Sequential`` runs them (the first may take several arguments)."""
-        x: Any = None
-        for i, block in enumerate(self._modules.values()):
-            assert block is not None
-            x = block(*args, **kwargs) if i == 0 else block(x)
-        return x
+        return _run(list(self._modules.values()), args, kwargs)
+
+    def run_chunk(self, chunk: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The blocks of one chunk of this stage (virtual stages: a rank holds several), in order."""
+        names = self.chunk_blocks.get(chunk)
+        if names is None:
+            return self.run_blocks(*args, **kwargs)  # one chunk per rank: every block
+        return _run([self._modules[n] for n in names], args, kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._runner._model_call(self, args, kwargs)
+
+
+def _run(blocks: list[nn.Module | None], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    x: Any = None
+    for i, block in enumerate(blocks):
+        assert block is not None
+        x = block(*args, **kwargs) if i == 0 else block(x)
+    return x
 
 
 class NoBackward(torch.autograd.Function):
@@ -66,10 +80,13 @@ class NoBackward(torch.autograd.Function):
 
 
 class MicroBatch:
-    __slots__ = ("index", "input", "called", "output", "is_tuple", "inputs_flat", "outputs_flat", "loss")
+    __slots__ = (
+        "index", "chunk", "input", "called", "output", "is_tuple", "inputs_flat", "outputs_flat", "loss", "weights",
+    )  # fmt: skip
 
-    def __init__(self, index: int, received: Any) -> None:
-        self.index = index
+    def __init__(self, index: int, received: Any, chunk: int = 0) -> None:
+        self.index, self.chunk = index, chunk
+        self.weights: Any = None  # zero-bubble: the deferred weight-gradient half of the backward
         self.input = received
         self.called = False
         self.output: Any = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any
 
 import torch
@@ -127,9 +127,12 @@ def check_no_shared_parameters(blocks: list[tuple[str, nn.Module]], stage_of_blo
                 )
 
 
-def materialise_stage(model: nn.Sequential, lo: int, hi: int, device: torch.device) -> None:
-    """Give blocks ``lo..hi-1`` of ``model`` (this rank's stage) their values on ``device``; the other blocks end on
-    the meta device, their parameter objects kept.
+def materialise_stage(
+    model: nn.Sequential, lo: int, hi: int, device: torch.device, held: Container[int] | None = None
+) -> None:
+    """Give blocks ``lo..hi-1`` of ``model`` (this rank's stage), or the blocks whose indices are in ``held`` (a
+    rank's chunks under virtual stages), their values on ``device``; the other blocks end on the meta device, their
+    parameter objects kept.
 
     A meta-built model is initialised by ``DeferredInit``, zero3's and ddp's path: each block in order, on the host
     from the CPU generator (never the device's: CUDA's draws other numbers from the same seed), including the blocks
@@ -141,7 +144,7 @@ def materialise_stage(model: nn.Sequential, lo: int, hi: int, device: torch.devi
     for i, block in enumerate(model.children()):
         if init is not None and has_meta(block):
             init.materialise_through(block, cpu)
-        if lo <= i < hi:
+        if (i in held) if held is not None else (lo <= i < hi):
             place_module(block, device, what=f"pipeline block {i}")
         else:
             _drop_to_meta(block)

@@ -49,6 +49,9 @@ from phalanx.runtime.placement import place_module
 from phalanx.strategies._replicas import group_rank0
 from phalanx.strategies.base import Strategy
 from phalanx.strategies.context_parallel.context import check_even_targets
+from phalanx.strategies.pipeline.actions import Action, schedule_orders
+from phalanx.strategies.pipeline.hf_plan import has_pp_plan, sequential_from_pp_plan
+from phalanx.strategies.pipeline.lanes import ChunkLink, build_lanes
 from phalanx.strategies.pipeline.microbatch import (
     MicroBatch,
     NoBackward,
@@ -66,7 +69,8 @@ from phalanx.strategies.pipeline.partition import (
     partition_blocks,
     time_blocks,
 )
-from phalanx.strategies.pipeline.schedules import SCHEDULE_RUNS
+from phalanx.strategies.pipeline.schedules import ACTION_SCHEDULES, SCHEDULE_RUNS
+from phalanx.strategies.pipeline.split_backward import backward_inputs
 from phalanx.strategies.pipeline.sync import stage_sync
 
 if TYPE_CHECKING:
@@ -96,6 +100,14 @@ class PipelineStrategy(Strategy):
         self.is_first, self.is_last = self.stage_index == 0, self.stage_index == self.pp_size - 1
         self.schedule = self.opts.pp_schedule
         self.microbatches = self.opts.pp_microbatches or 2 * self.pp_size
+        self.virtual_stages = self.opts.virtual_stages()
+        self.num_chunks = self.pp_size * self.virtual_stages
+        """Chunks of the model over the pipeline: chunk c runs on stage c % pp_size (pp_size without virtual stages)."""
+        self.my_chunks = list(range(self.stage_index, self.num_chunks, self.pp_size))
+        self.action_orders: list[list[Action]] | None = None
+        if self.schedule in ACTION_SCHEDULES:
+            # Checked now, on every rank alike: the micro-batch count against the schedule's rule.
+            self.action_orders = schedule_orders(self.schedule, self.pp_size, self.virtual_stages, self.microbatches)
         self.partition = parse_partition(self.opts.pp_partition)
         # The same (dp, tp) coordinates in the previous and next stage.
         here = topo.coordinates(topo.rank)
@@ -107,16 +119,35 @@ class PipelineStrategy(Strategy):
         self.block_names: list[str] = []
         self.block_costs: list[float] = []
         self.last_step_timing: dict[str, float] = {}
-        """``step_s`` (the schedule's wall time) and ``idle_s`` (time blocked on receives) of the last train_step."""
+        """``step_s`` (the schedule's wall time) and ``idle_s`` (time blocked on receives) of the last train_step;
+        under interleaved_1f1b and zb_h1 also ``F_s``, ``B_s``, ``W_s`` and ``BW_s``: the time in each kind of work."""
+        self.kind_s: dict[str, float] = {}
         self.peak_in_flight = 0
         """The most micro-batches whose activations this stage held at once in the last train_step."""
         self._pending_partition: nn.Sequential | None = None  # pp_partition=time: split at the first step
         self._remote: dict[int, weakref.ref[torch.Tensor]] = {}
         self._pp_optimizers: list[torch.optim.Optimizer] = []
         self._layout: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = []  # per stage: state_dict entries
+        self._order: list[str] = []  # every state_dict key, in the model's order
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._sd_keys: dict[str, str] = {}
         self.link = StageLink(self.stage_index, self.prev_rank, self.next_rank, self.device, self.stats)
+        self.chunk_link: ChunkLink | None = None
+        self._records: dict[tuple[int, int], MicroBatch] = {}
+        if self.action_orders is not None or self.virtual_stages > 1:
+            column = topo.axis_ranks(("pp",))
+            lanes: dict[str, Any] = {}
+            if self.pp_size > 1:
+                columns = list(dict.fromkeys(tuple(topo.axis_ranks(("pp",), r)) for r in range(topo.world_size)))
+                lanes = build_lanes([list(c) for c in columns], topo.rank, wrap=self.virtual_stages > 1)
+            self.chunk_link = ChunkLink(
+                self.stage_index,
+                column,
+                lanes,
+                self.device,
+                self.stats,
+                lambda c, i: self._records[(c, i)].outputs_flat,
+            )
         self._out_meta: dict[Any, Any] = {}
         self._active: MicroBatch | None = None
         self._in_flight = 0
@@ -135,17 +166,22 @@ class PipelineStrategy(Strategy):
             )
         if isinstance(model, nn.ModuleList):
             model = nn.Sequential(*model)
+        elif not isinstance(model, nn.Sequential) and has_pp_plan(model):
+            model = sequential_from_pp_plan(model)  # a transformers model, by its base_model_pp_plan
         if not isinstance(model, nn.Sequential):
             raise TypeError(
-                "strategy='pipeline' splits an nn.Sequential (or a list of blocks) into stages; "
-                f"got {type(model).__name__}. Write the model as nn.Sequential(block0, block1, ...), where each block "
-                "takes the previous block's output (a tensor or a tuple of tensors)"
+                "strategy='pipeline' splits an nn.Sequential (or a list of blocks, or a transformers model with a "
+                f"base_model_pp_plan) into stages; got {type(model).__name__}. Write the model as "
+                "nn.Sequential(block0, block1, ...), where each block takes the previous block's output (a tensor or "
+                "a tuple of tensors)"
             )
         blocks = list(model.named_children())
-        if len(blocks) < self.pp_size:
+        if len(blocks) < self.num_chunks:
+            per = f" x pp_virtual_stages={self.virtual_stages} chunks" if self.virtual_stages > 1 else " stages"
             raise ValueError(
-                f"cannot split {len(blocks)} blocks into pp_size={self.pp_size} stages: every stage needs at least one "
-                f"block (use pp_size <= {len(blocks)}, or split the model into more blocks)"
+                f"cannot split {len(blocks)} blocks into pp_size={self.pp_size}{per}: every chunk needs at least one "
+                f"block (use pp_size{' x pp_virtual_stages' if self.virtual_stages > 1 else ''} <= {len(blocks)}, or "
+                "split the model into more blocks)"
             )
         self.block_names = [n for n, _ in blocks]
         if self.partition == "time":
@@ -161,30 +197,36 @@ class PipelineStrategy(Strategy):
             return stage
         if isinstance(self.partition, list):
             starts = [0, *self.partition]
-            if len(starts) != self.pp_size or starts[-1] >= len(blocks):
+            if len(starts) != self.num_chunks or starts[-1] >= len(blocks):
                 raise ValueError(
                     f"pp_partition={self.opts.pp_partition!r} gives {len(starts)} stages over {len(blocks)} blocks; "
-                    f"pp_size={self.pp_size} needs {self.pp_size - 1} cut points, each below {len(blocks)}"
+                    f"pp_size={self.pp_size}"
+                    + (f" x pp_virtual_stages={self.virtual_stages}" if self.virtual_stages > 1 else "")
+                    + f" needs {self.num_chunks - 1} cut points, each below {len(blocks)}"
                 )
             self.block_costs = block_costs("parameters", [b for _, b in blocks])
         else:
             self.block_costs = block_costs(self.partition, [b for _, b in blocks])
-            starts = partition_blocks(self.block_costs, self.pp_size)
+            starts = partition_blocks(self.block_costs, self.num_chunks)
         return self._split(model, starts)
 
     def _split(self, model: nn.Sequential, starts: list[int]) -> PipelineStage:
         blocks = list(model.named_children())
         self.stage_starts = starts
         bounds = [*starts, len(blocks)]
-        stage_of_block = [s for s in range(self.pp_size) for _ in range(bounds[s], bounds[s + 1])]
+        chunk_of_block = [c for c in range(self.num_chunks) for _ in range(bounds[c], bounds[c + 1])]
+        stage_of_block = [c % self.pp_size for c in chunk_of_block]
         check_no_shared_parameters(blocks, stage_of_block)
-        lo, hi = bounds[self.stage_index], bounds[self.stage_index + 1]
-        mine = blocks[lo:hi]
+        held = {i for i, s in enumerate(stage_of_block) if s == self.stage_index}
+        mine = [b for i, b in enumerate(blocks) if i in held]
+        others = [b for i, b in enumerate(blocks) if i not in held]
         # Every stage's state_dict layout (names, shapes, dtypes), kept so that any rank can rebuild the whole.
         self._layout = [[] for _ in range(self.pp_size)]
+        self._order = []
         for (name, block), s in zip(blocks, stage_of_block):
             for k, v in block.state_dict(keep_vars=True).items():
                 self._layout[s].append((f"{name}.{k}", tuple(v.shape), v.dtype))
+                self._order.append(f"{name}.{k}")
         # The whole model's saved tensors (what each stage's sharded_state gives: parameters once, every buffer)
         # and how its state_dict keys map to them, for checkpoints.
         # A tensor shared by two blocks (of one stage) is saved once, under its first name, as named_parameters
@@ -202,16 +244,20 @@ class PipelineStrategy(Strategy):
         # Every block initialised in order on the host (a meta-built model gets the values of a CPU build), this
         # stage's on the device; the others end on meta, their parameter objects kept: this rank never holds
         # another stage's parameters.
-        materialise_stage(model, lo, hi, self.device)
-        for _name, block in blocks[:lo] + blocks[hi:]:
+        materialise_stage(model, 0, 0, self.device, held=held)
+        for _name, block in others:
             for p in block.parameters():
                 self._remote[id(p)] = weakref.ref(p)
         if self.stage_module is not None:  # pp_partition=time: drop the blocks of the other stages from the timed stage
-            for name, _ in blocks[:lo] + blocks[hi:]:
+            for name, _ in others:
                 delattr(self.stage_module, name)
             stage = self.stage_module
         else:
             stage = PipelineStage(mine, self)
+        if self.virtual_stages > 1:
+            stage.chunk_blocks.update(
+                {c: [blocks[i][0] for i in range(bounds[c], bounds[c + 1])] for c in self.my_chunks}
+            )
         self.stage_module = stage
         self._pending_partition = None
         if any(p.requires_grad for p in stage.parameters()):
@@ -223,7 +269,7 @@ class PipelineStrategy(Strategy):
         for opt in self._pp_optimizers:  # pp_partition=time: the optimizers were prepared before the split
             self._adopt_optimizer(opt)
         get_logger().debug(
-            f"pipeline stage {self.stage_index}/{self.pp_size}: blocks {lo}..{hi - 1}, "
+            f"pipeline stage {self.stage_index}/{self.pp_size}: blocks {sorted(held)}, "
             f"{sum(p.numel() for p in stage.parameters())} parameters"
         )
         return stage
@@ -262,6 +308,9 @@ class PipelineStrategy(Strategy):
         assert self.stage_module is not None
         key = ("train", self.stage_module.training, signature(micro[0]))
         self.link.idle_s, self.peak_in_flight, self._in_flight, self._items = 0.0, 0, 0, None
+        if self.chunk_link is not None:
+            self.chunk_link.idle_s = 0.0
+        self.kind_s = dict.fromkeys(("F", "B", "W", "BW"), 0.0)
         if self.precision.scaler is not None and not self.is_last and not self._scale_ready:
             self.precision.scale_loss(torch.zeros((), device=self.device))  # creates the scale that unscale_ reads
             self._scale_ready = True
@@ -271,9 +320,12 @@ class PipelineStrategy(Strategy):
         try:
             SCHEDULE_RUNS[self.schedule](self, micro, mbs, loss_fn, key)
             self.link.wait_sends()
+            if self.chunk_link is not None:
+                self.chunk_link.wait_sends()
         finally:
             self.sync.hold(False)
             self._active = None
+            self._records.clear()
         # The last stage knows the loss and the item count (1 per replica when loss_fn returned a mean, which was
         # divided by m already): every stage learns both, without waiting on the device. Summed over the replicas,
         # the count is the gradients' divisor either way: the items of the whole step, or dp_size.
@@ -292,12 +344,17 @@ class PipelineStrategy(Strategy):
             watched(dist.all_reduce, total, group=self.topology.dp_group)
         self.set_grad_scale((1.0 / total[0]).to(torch.float32))
         self.sync.reduce()
-        self.last_step_timing = {"step_s": time.perf_counter() - t0, "idle_s": self.link.idle_s}
+        idle = self.link.idle_s + (self.chunk_link.idle_s if self.chunk_link is not None else 0.0)
+        self.last_step_timing = {"step_s": time.perf_counter() - t0, "idle_s": idle}
+        if self.action_orders is not None:
+            self.last_step_timing.update({f"{k}_s": v for k, v in self.kind_s.items()})
         return (summary[0] / summary[1]).to(torch.float32)
 
-    def _forward(self, index: int, batch: Any, received: Any, loss_fn: Callable[..., Any], key: Any) -> MicroBatch:
+    def _forward(
+        self, index: int, batch: Any, received: Any, loss_fn: Callable[..., Any], key: Any, chunk: int | None = None
+    ) -> MicroBatch:
         assert self.stage_module is not None
-        mb = MicroBatch(index, received)
+        mb = MicroBatch(index, received, self.stage_index if chunk is None else chunk)
         mb.inputs_flat = flat_tensors(received) if received is not None else []
         self._active = mb
         try:
@@ -311,10 +368,10 @@ class PipelineStrategy(Strategy):
                 "loss_fn(model, batch) did not call model(...): under strategy='pipeline' it must call the model "
                 "exactly once per micro-batch"
             )
-        if self.is_last:
+        if mb.chunk == self.num_chunks - 1:
             mb.loss = self._loss_of(result)
         else:
-            mb.outputs_flat = boundary_tensors(mb.output, self.stage_index)
+            mb.outputs_flat = boundary_tensors(mb.output, mb.chunk)
             mb.is_tuple, mb.output = isinstance(mb.output, (tuple, list)), None
         self._in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self._in_flight)
@@ -337,7 +394,7 @@ class PipelineStrategy(Strategy):
         return result.reshape(()) / self.microbatches
 
     def _backward(self, mb: MicroBatch, grads: list[torch.Tensor] | None) -> list[torch.Tensor]:
-        if self.is_last:
+        if mb.chunk == self.num_chunks - 1:
             assert mb.loss is not None
             self.precision.scale_loss(mb.loss).backward()
             mb.loss = mb.loss.detach()
@@ -354,6 +411,39 @@ class PipelineStrategy(Strategy):
         self._in_flight -= 1
         return input_grads
 
+    def _backward_input(self, mb: MicroBatch, grads: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """Zero-bubble B: the gradients of this chunk's inputs only; the weights' part is kept in ``mb.weights``
+        for ``_backward_weight``."""
+        if mb.chunk == self.num_chunks - 1:
+            assert mb.loss is not None
+            roots: list[torch.Tensor] = [self.precision.scale_loss(mb.loss)]
+            root_grads: list[torch.Tensor | None] = [None]
+            mb.loss = mb.loss.detach()
+        else:
+            assert grads is not None
+            pairs = [(o, g) for o, g in zip(mb.outputs_flat, grads) if o.requires_grad]
+            roots, root_grads = [o for o, _ in pairs], [g for _, g in pairs]  # type: ignore[misc]
+            mb.outputs_flat = []
+        inputs = [t for t in mb.inputs_flat if t.requires_grad]
+        found, mb.weights = backward_inputs(roots, list(root_grads), inputs, self._chunk_parameters(mb.chunk))
+        mb.inputs_flat, mb.input = [], None
+        return [g if g is not None else torch.zeros_like(t) for g, t in zip(found, inputs)]
+
+    def _chunk_parameters(self, chunk: int) -> list[nn.Parameter]:
+        stage = self.stage_module
+        assert stage is not None
+        names = stage.chunk_blocks.get(chunk)
+        if names is None:
+            return list(stage.parameters())
+        return [p for n in names for p in stage.get_submodule(n).parameters()]
+
+    def _backward_weight(self, mb: MicroBatch) -> None:
+        """Zero-bubble W: the weight gradients that ``_backward_input`` left; the micro-batch's graph goes with it."""
+        if mb.weights is not None:
+            mb.weights.run()
+            mb.weights = None
+        self._in_flight -= 1
+
     # ------------------------------------------------------------------------- calls of model(...)
     def _model_call(self, stage: PipelineStage, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         mb = self._active
@@ -364,8 +454,10 @@ class PipelineStrategy(Strategy):
                 "loss_fn called model(...) twice in one micro-batch; under strategy='pipeline' call it once"
             )
         mb.called = True
-        mb.output = stage.run_blocks(*args, **kwargs) if self.is_first else stage.run_blocks(mb.input)
-        if not self.is_last:
+        mb.output = (
+            stage.run_chunk(mb.chunk, args, kwargs) if mb.chunk == 0 else stage.run_chunk(mb.chunk, (mb.input,), {})
+        )
+        if mb.chunk != self.num_chunks - 1:
             raise StageDone
         return mb.output
 
@@ -375,11 +467,36 @@ class PipelineStrategy(Strategy):
         self._require_split("model(...) outside engine.train_step")
         grad = torch.is_grad_enabled()
         key = ("forward", stage.training, signature((args, kwargs)))
+        if self.virtual_stages > 1:
+            return self._forward_only_chunks(stage, args, kwargs, key, grad)
         with torch.no_grad():
             x = stage.run_blocks(*args, **kwargs) if self.is_first else stage.run_blocks(self.link.recv_forward(key))
             if not self.is_last:
                 self.link.send_forward(boundary_tensors(x, self.stage_index), isinstance(x, (tuple, list)), key)
                 self.link.wait_sends()
+            out = self._broadcast_output(x if self.is_last else None, key)
+        if grad:
+            return map_floats(out, lambda t: NoBackward.apply(t.requires_grad_(True)))
+        return out
+
+    def _forward_only_chunks(
+        self, stage: PipelineStage, args: tuple[Any, ...], kwargs: dict[str, Any], key: Any, grad: bool
+    ) -> Any:
+        """``model(x)`` outside train_step under virtual stages: the batch goes round the ranks, chunk by chunk."""
+        link = self.chunk_link
+        assert link is not None
+        link.start(
+            [[("F", c, 0) for c in range(r, self.num_chunks, self.pp_size)] for r in range(self.pp_size)],
+            self.num_chunks,
+            key,
+        )
+        x: Any = None
+        with torch.no_grad():
+            for c in self.my_chunks:
+                x = stage.run_chunk(c, args, kwargs) if c == 0 else stage.run_chunk(c, (link.recv_forward(c, 0),), {})
+                if c < self.num_chunks - 1:
+                    link.send_forward(c, 0, boundary_tensors(x, c), isinstance(x, (tuple, list)))
+            link.wait_sends()
             out = self._broadcast_output(x if self.is_last else None, key)
         if grad:
             return map_floats(out, lambda t: NoBackward.apply(t.requires_grad_(True)))
@@ -424,7 +541,7 @@ class PipelineStrategy(Strategy):
             watched(dist.all_reduce, times)  # every rank must cut at the same blocks: use the mean over ranks
             times = times.cpu() / self.topology.world_size
         self.block_costs = times.tolist()
-        self._split(model, partition_blocks(self.block_costs, self.pp_size))
+        self._split(model, partition_blocks(self.block_costs, self.num_chunks))
 
     # --------------------------------------------------------------------------- strategy interface
     def grad_shard_group(self) -> Any:
@@ -460,8 +577,7 @@ class PipelineStrategy(Strategy):
                     n = math.prod(shape)
                     out[name] = flat[offset : offset + n].view(shape).clone()
                     offset += n
-        order = [name for layout in self._layout for name, _, _ in layout]
-        return {k: out[k] for k in order}
+        return {k: out[k] for k in self._order}  # the model's order (a stage's chunks are not contiguous)
 
     def sharded_state(self, model: nn.Module, optimizers: Any = None) -> list[ShardEntry]:
         self._require_split("saving the state")
@@ -522,6 +638,7 @@ class PipelineStrategy(Strategy):
             "dp_size": self.topology.dp_size,
             "stage": self.stage_index,
             "schedule": self.schedule,
+            "virtual_stages": self.virtual_stages,
             "microbatches": self.microbatches,
             "partition": self.opts.pp_partition,
             "pp_zero_stage": self.opts.pp_zero_stage,
