@@ -27,12 +27,20 @@ SCRIPT = Path(__file__).resolve().parent / "data" / "blog" / "bert_sentiment.py"
 GOOD = ["干净", "方便", "舒适", "热情", "安静", "不错", "满意", "推荐"]
 BAD = ["很脏", "吵闹", "失望", "破旧", "冷漠", "潮湿", "很差", "难吃"]
 FILLER = ["酒店", "房间", "服务", "早餐", "位置", "前台", "我们", "这次", "还是", "比较", "非常", "的", "了"]
-# The 1-process reference: the script itself, its batch of 64 per device doubled to the 2 ranks' global batch.
-REFERENCE = (
-    "import runpy, phalanx; made = phalanx.TrainingArguments; "
-    "phalanx.TrainingArguments = lambda **kw: made(**{**kw, 'per_device_train_batch_size': 128}); "
-    "runpy.run_path(%r, run_name='__main__')"
-)
+
+
+def _reference(where: str) -> None:
+    """The 1-process reference: the script itself, its batch of 64 per device doubled to the 2 ranks' global batch.
+    It runs in one process forked from the tests' forkserver, which has torch and transformers imported already (a
+    fresh interpreter spends about 10 s of CPU importing them)."""
+    import runpy
+
+    import phalanx
+
+    os.chdir(where)
+    made = phalanx.TrainingArguments
+    phalanx.TrainingArguments = lambda **kw: made(**{**kw, "per_device_train_batch_size": 128})
+    runpy.run_path(str(SCRIPT), run_name="__main__")
 
 
 def _write_inputs(where: Path) -> None:
@@ -65,15 +73,29 @@ def _write_inputs(where: Path) -> None:
     (where / "ChnSentiCorp_htl_all.csv").write_text("\n".join(rows) + "\n", encoding="utf-8")
 
 
-def _run(where: Path, inputs: Path, *command: str) -> dict:
+def _inputs(where: Path, inputs: Path) -> Path:
     where.mkdir()
     for name in ("model", "ChnSentiCorp_htl_all.csv"):
         os.symlink(inputs / name, where / name)
+    return where
+
+
+def _run(where: Path, inputs: Path, *command: str) -> dict:
     env = {**os.environ, "PHALANX_DEVICE": "cpu"}
     proc = subprocess.run(
-        [sys.executable, *command], cwd=where, capture_output=True, text=True, timeout=240, env=env, check=False
+        [sys.executable, *command],
+        cwd=_inputs(where, inputs),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return _ended_on(where)
+
+
+def _ended_on(where: Path) -> dict:
     # load_best_model_at_end: the run ends on the best checkpoint's weights, which its model.safetensors holds
     last = max(where.glob("checkpoints/checkpoint-*"), key=lambda p: int(p.name.rpartition("-")[2]))
     state = json.loads((last / "trainer_state.json").read_text())
@@ -86,12 +108,13 @@ def _run(where: Path, inputs: Path, *command: str) -> dict:
     }
 
 
-def test_the_blogs_bert_script_trains_the_same_weights_on_two_ranks(tmp_path):
+def test_the_blogs_bert_script_trains_the_same_weights_on_two_ranks(tmp_path, run_ranks):
     inputs = tmp_path / "inputs"
     inputs.mkdir()
     _write_inputs(inputs)
     start = load_file(inputs / "model" / "model.safetensors")
-    one = _run(tmp_path / "one", inputs, "-c", REFERENCE % str(SCRIPT))
+    run_ranks(_reference, 1, str(_inputs(tmp_path / "one", inputs)), timeout=240)
+    one = _ended_on(tmp_path / "one")
     for strategy in ("ddp", "zero3"):
         two = _run(
             tmp_path / strategy, inputs, "-m", "phalanx", "launch", "-n", "2", "--strategy", strategy, str(SCRIPT)
