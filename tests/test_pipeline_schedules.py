@@ -113,7 +113,7 @@ def _lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-def _llama_reference(steps: int) -> tuple[list[float], list[torch.Tensor]]:
+def _llama_reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = _llama()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ids, losses = _tokens(steps), []
@@ -125,7 +125,7 @@ def _llama_reference(steps: int) -> tuple[list[float], list[torch.Tensor]]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, [p.detach().clone() for p in model.parameters()]
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _llama_pipelined(steps: int, schedules: list[str]) -> list[dict]:
@@ -138,25 +138,113 @@ def _llama_pipelined(steps: int, schedules: list[str]) -> list[dict]:
         ids, losses = _tokens(steps), []
         for s in range(steps):
             losses.append(engine.train_step(ids[s * 8 : (s + 1) * 8], _lm_loss).item())
-        out.append({"losses": losses, "params": [p.detach().clone() for p in engine.get_state_dict(model).values()]})
+        out.append({"losses": losses, "state": engine.get_state_dict(model)})
     return out
 
 
 def test_llama_pipelined_by_its_pp_plan_matches_single_process(run_ranks):
     pytest.importorskip("transformers")
     steps = 3
-    ref_losses, ref_params = _llama_reference(steps)
+    ref_losses, ref_state = _llama_reference(steps)
     schedules = ["interleaved_1f1b", "zb_h1"]
     for rank, per_rank in enumerate(run_ranks(_llama_pipelined, 2, steps, schedules)):
         for schedule, res in zip(schedules, per_rank):
             where = f"{schedule}, rank {rank}"
             torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(ref_losses), **TOL, msg=where)
-            # The blocks' state holds the model's parameters in its order (and the rotary inv_freq buffer, which
-            # is not persistent in the model's own state dict): compare the parameters by shape and order.
-            params = [t for t in res["params"] if t.dim() > 0 and t.shape != (4,)]  # drop inv_freq (head_dim / 2)
-            assert [p.shape for p in params] == [p.shape for p in ref_params], where
-            for i, (a, b) in enumerate(zip(params, ref_params)):
-                torch.testing.assert_close(a, b, **TOL, msg=f"parameter {i}, {where}")
+            # The state carries the model's own names (as under ddp or in one process).
+            assert list(res["state"]) == list(ref_state), where
+            for k, v in ref_state.items():
+                torch.testing.assert_close(res["state"][k], v, **TOL, msg=f"{k}, {where}")
+
+
+def _hf_lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=ids[:, :-1]).logits  # unpipelined: the model's own output
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def _llama_checkpoints(root: str) -> dict:
+    """Pipelined (pp2, 2 steps) -> save_model and save_state; ddp on the same 2 ranks loads that state, steps, saves;
+    pipelined loads the ddp state back. A tied Llama is refused."""
+    import os
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    ids = _tokens(4)
+    out: dict = {}
+    engine = phalanx.Engine(strategy="pipeline", pp_schedule="1f1b", pp_microbatches=2, seed=0)
+    model = _llama()
+    model, _ = engine.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for s in range(2):
+        engine.train_step(ids[s * 8 : (s + 1) * 8], _lm_loss)
+    out["stage_keys"] = sorted(engine.unwrap_model(model).state_dict())
+    with torch.no_grad():
+        out["logits"] = model(ids[16:24, :-1])
+    engine.save_model(model, os.path.join(root, "hf"))
+    engine.save_state(os.path.join(root, "pp"))
+    out["pp_state"] = engine.get_state_dict(model)
+    out["pp_next_loss"] = engine.train_step(ids[16:24], _lm_loss).item()
+    out["pp_next_state"] = engine.get_state_dict(model)
+
+    ddp = phalanx.Engine(strategy="ddp", seed=0)
+    torch.manual_seed(11)
+    other = LlamaForCausalLM(_llama().config)  # other weights: load_state must replace them all
+    other, _ = ddp.prepare(other, torch.optim.AdamW(other.parameters(), lr=1e-2))
+    ddp.load_state(os.path.join(root, "pp"))
+    out["ddp_loaded"] = ddp.get_state_dict(other)
+    half = ids[16:24][ddp.rank * 4 : (ddp.rank + 1) * 4]
+    out["ddp_next_loss"] = ddp.reduce(ddp.train_step(half, _hf_lm_loss), "mean").item()
+    out["ddp_next_state"] = ddp.get_state_dict(other)
+    ddp.save_state(os.path.join(root, "ddp"))
+
+    back = phalanx.Engine(strategy="pipeline", pp_schedule="1f1b", pp_microbatches=2, seed=0)
+    torch.manual_seed(12)
+    again = LlamaForCausalLM(_llama().config)
+    again, _ = back.prepare(again, torch.optim.AdamW(again.parameters(), lr=1e-2))
+    back.load_state(os.path.join(root, "ddp"))
+    out["pp_loaded"] = back.get_state_dict(again)
+
+    tied = LlamaForCausalLM(LlamaConfig(**{**_llama().config.to_dict(), "tie_word_embeddings": True}))
+    try:
+        phalanx.Engine(strategy="pipeline", pp_microbatches=2, seed=0).prepare(tied)
+        out["tied"] = None
+    except ValueError as e:
+        out["tied"] = str(e)
+    return out
+
+
+def test_llama_pipelined_checkpoints_carry_the_models_own_names(run_ranks, tmp_path):
+    """save_model -> from_pretrained gives the pipelined model's logits (within 1e-5) under the unpipelined model's
+    keys; save_state pipelined -> load_state under ddp and back give the same tensors (within 1e-6), and a step
+    after the load matches the pipelined one (within 1e-5)."""
+    pytest.importorskip("transformers")
+    import safetensors.torch
+    from transformers import LlamaForCausalLM
+
+    results = run_ranks(_llama_checkpoints, 2, str(tmp_path))
+    own = set(_llama().state_dict())
+    saved = safetensors.torch.load_file(tmp_path / "hf" / "model.safetensors")
+    assert set(saved) == own
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    ids = _tokens(4)
+    with torch.no_grad():
+        logits = loaded(input_ids=ids[16:24, :-1]).logits
+    tight = dict(rtol=1e-6, atol=1e-6)
+    stage_keys = []
+    for rank, res in enumerate(results):
+        where = f"rank {rank}"
+        torch.testing.assert_close(res["logits"], logits, **TOL, msg=where)
+        stage_keys += res["stage_keys"]
+        assert set(res["pp_state"]) == own, where
+        for name, value in [("ddp_loaded", res["pp_state"]), ("pp_loaded", res["ddp_next_state"])]:
+            assert set(res[name]) == own, f"{name}, {where}"
+            for k in own:
+                torch.testing.assert_close(res[name][k], value[k], **tight, msg=f"{name} {k}, {where}")
+        assert res["ddp_next_loss"] == pytest.approx(res["pp_next_loss"], rel=1e-5, abs=1e-5), where
+        for k in own:
+            torch.testing.assert_close(res["ddp_next_state"][k], res["pp_next_state"][k], **TOL, msg=f"{k}, {where}")
+        assert res["tied"] is not None and "tie_word_embeddings=False" in res["tied"], res["tied"]
+    # Each stage's unwrapped module holds its own part of the model, under the model's names.
+    assert sorted(stage_keys) == sorted(own)
 
 
 # ------------------------------------------------------------------------------------- split backward alone

@@ -11,18 +11,23 @@ the causal mask itself, as the base model's forward would for a batch without pa
 called as ``model(input_ids)`` and returns the logits (a tensor, not a ``ModelOutput``); ``loss_fn`` computes the
 loss from them. Padding masks and caches are not taken.
 
-The blocks keep the model's own modules, so parameters are shared with it (not copied); their state-dict names
-are the blocks' (``"1.layer.self_attn.q_proj.weight"``), in the model's order.
+The blocks keep the model's own modules, so parameters are shared with it (not copied). The sequence also records
+where each block's modules sit in the model (``PlannedSequential.homes``): the pipeline stage registers them there,
+so that state dicts and checkpoints carry the model's own names (``"model.layers.0.self_attn.q_proj.weight"``,
+``"lm_head.weight"``), as under ddp, and ``save_model`` writes what ``from_pretrained`` loads. The stage also takes
+the model's config (``PlannedSequential.config``, with ``architectures`` set), which ``save_model`` writes as
+``config.json``.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["has_pp_plan", "sequential_from_pp_plan"]
+__all__ = ["PlannedSequential", "block_homes", "has_pp_plan", "sequential_from_pp_plan"]
 
 
 def _base_of(model: nn.Module) -> nn.Module | None:
@@ -40,6 +45,21 @@ def _plan_of(model: nn.Module) -> dict[str, Any] | None:
 def has_pp_plan(model: nn.Module) -> bool:
     """Whether ``model`` is a transformers model that declares ``base_model_pp_plan``."""
     return _plan_of(model) is not None
+
+
+class PlannedSequential(nn.Sequential):
+    """The blocks of a transformers model, with ``homes``: for each block's name, its modules and their qualified
+    names in the model; and ``config``: the model's config, for ``config.json``."""
+
+    homes: dict[str, list[tuple[str, nn.Module]]]
+    config: Any
+
+
+def block_homes(model: nn.Sequential) -> dict[str, list[tuple[str, nn.Module]]]:
+    """Where the modules of each block of ``model`` sit in the model the user built: a transformers model's blocks
+    wrap its modules (``"3"`` -> ``[("model.layers.2", layer)]``); any other block is its own, under its name."""
+    homes = getattr(model, "homes", None)
+    return dict(homes) if isinstance(homes, dict) else {n: [(n, b)] for n, b in model.named_children()}
 
 
 class _Embed(nn.Module):
@@ -115,4 +135,10 @@ def sequential_from_pp_plan(model: nn.Module) -> nn.Sequential:
     head_plan = getattr(model, "_pp_plan", None) or {}
     if model is not base:
         blocks += [_Tail(getattr(model, n)) for n in head_plan if "." not in n and n not in plan]
-    return nn.Sequential(*blocks)
+    planned = PlannedSequential(*blocks)
+    # Each wrapped module's place in the model; a block's modules are its direct children.
+    where = {id(m): n for n, m in model.named_modules()}
+    planned.homes = {n: [(where[id(m)], m) for m in b.children()] for n, b in planned.named_children()}
+    planned.config = copy.deepcopy(getattr(model, "config", config))
+    planned.config.architectures = [name]
+    return planned

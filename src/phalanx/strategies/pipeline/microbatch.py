@@ -25,33 +25,85 @@ class StageDone(BaseException):
 
 
 class PipelineStage(nn.Module):
-    """This rank's blocks of the pipelined model. Parameter and buffer names are those of the whole model
-    (``"4.fc.weight"``), so state dicts and checkpoints do not depend on the stage split."""
+    """This rank's blocks of the pipelined model. Parameter and buffer names are those of the whole model, so
+    state dicts and checkpoints do not depend on the stage split: ``"4.fc.weight"`` for an ``nn.Sequential``, and
+    for a transformers model the model's own (``"model.layers.2.self_attn.q_proj.weight"``, ``"lm_head.weight"``).
+
+    The blocks that run are kept apart from the module tree that names the tensors: each block's modules are
+    registered at their places in the model (``homes``: block name -> [(qualified name, module)]; by default a
+    block sits under its own name), so that a block wrapping a module of the model adds no level to its names."""
 
     _runner: _Runner
+    _blocks: dict[str, nn.Module]
+    _homes: dict[str, list[tuple[str, nn.Module]]]
     chunk_blocks: dict[int, list[str]]
     """Under virtual stages, the block names of each of this rank's chunks (by global chunk index)."""
 
-    def __init__(self, blocks: list[tuple[str, nn.Module]], runner: _Runner) -> None:
+    def __init__(
+        self,
+        blocks: list[tuple[str, nn.Module]],
+        runner: _Runner,
+        homes: dict[str, list[tuple[str, nn.Module]]] | None = None,
+    ) -> None:
         super().__init__()
         object.__setattr__(self, "chunk_blocks", {})
-        for name, block in blocks:
-            self.add_module(name, block)
+        object.__setattr__(self, "_blocks", dict(blocks))  # not submodules: the tree below names the tensors
+        object.__setattr__(self, "_homes", {n: (homes or {}).get(n, [(n, b)]) for n, b in blocks})
+        for name, _ in blocks:
+            for path, module in self._homes[name]:
+                _place(self, path, module)
         object.__setattr__(self, "_runner", runner)  # not a submodule: no parameters, not in state_dict
+
+    def block(self, name: str) -> nn.Module:
+        """The block called ``name`` in the pipelined ``nn.Sequential``."""
+        return self._blocks[name]
+
+    def drop_blocks(self, names: list[str]) -> None:
+        """Forget the blocks ``names`` (another stage's, once ``pp_partition='time'`` has split the model)."""
+        for name in names:
+            del self._blocks[name]
+            for path, _ in self._homes.pop(name):
+                _unplace(self, path)
 
     def run_blocks(self, *args: Any, **kwargs: Any) -> Any:
         """This stage's blocks in order, as ``nn.Sequential`` runs them (the first may take several arguments)."""
-        return _run(list(self._modules.values()), args, kwargs)
+        return _run(list(self._blocks.values()), args, kwargs)
 
     def run_chunk(self, chunk: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The blocks of one chunk of this stage (virtual stages: a rank holds several), in order."""
         names = self.chunk_blocks.get(chunk)
         if names is None:
             return self.run_blocks(*args, **kwargs)  # one chunk per rank: every block
-        return _run([self._modules[n] for n in names], args, kwargs)
+        return _run([self._blocks[n] for n in names], args, kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._runner._model_call(self, args, kwargs)
+
+
+def _place(root: nn.Module, path: str, module: nn.Module) -> None:
+    """Register ``module`` as ``root``'s submodule at the dotted ``path``, with empty containers on the way."""
+    *parents, leaf = path.split(".")
+    at = root
+    for part in parents:
+        child = at._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            at.add_module(part, child)
+        at = child
+    at.add_module(leaf, module)
+
+
+def _unplace(root: nn.Module, path: str) -> None:
+    """Remove the submodule at ``path``, and the containers it leaves empty."""
+    parts = path.split(".")
+    chain = [root]
+    for part in parts[:-1]:
+        chain.append(chain[-1]._modules[part])  # type: ignore[arg-type]
+    del chain[-1]._modules[parts[-1]]
+    for parent, part, child in reversed(list(zip(chain, parts, chain[1:]))):
+        if child._modules or child._parameters or child._buffers:
+            break
+        del parent._modules[part]
 
 
 def _run(blocks: list[nn.Module | None], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -114,17 +114,26 @@ def time_blocks(blocks: list[nn.Module], batch: Any, loss_fn: Callable[..., Any]
     return times
 
 
-def check_no_shared_parameters(blocks: list[tuple[str, nn.Module]], stage_of_block: list[int]) -> None:
+def check_no_shared_parameters(
+    blocks: list[tuple[str, nn.Module]],
+    stage_of_block: list[int],
+    homes: dict[str, list[tuple[str, nn.Module]]] | None = None,
+) -> None:
+    """Refuse a parameter held by blocks of two stages: each stage would train its own copy, and the tie would
+    silently break. ``homes`` names the parameters as the model does (see ``hf_plan.block_homes``)."""
     owner: dict[int, tuple[str, int]] = {}
     for (name, block), s in zip(blocks, stage_of_block):
-        for pname, p in block.named_parameters(remove_duplicate=False):
-            first = owner.setdefault(id(p), (f"{name}.{pname}", s))
-            if first[1] != s:
-                raise ValueError(
-                    f"parameter {first[0]} (stage {first[1]}) is also {name}.{pname} (stage {s}); pipeline stages "
-                    "cannot share a parameter, e.g. an embedding tied to the output head. Untie it, or keep both "
-                    "blocks in one stage with explicit cut points (pp_partition='i,j,...')"
-                )
+        for path, module in (homes or {}).get(name, [(name, block)]):
+            for pname, p in module.named_parameters(remove_duplicate=False):
+                first = owner.setdefault(id(p), (f"{path}.{pname}", s))
+                if first[1] != s:
+                    raise ValueError(
+                        f"parameter {first[0]} (stage {first[1]}) is also {path}.{pname} (stage {s}); pipeline "
+                        "stages cannot share a parameter, e.g. an input embedding tied to the output head, whose "
+                        "tie each stage's own copy would silently break. Untie it (a transformers model: build it "
+                        "with tie_word_embeddings=False in its config), use pp_size=1, or keep both blocks in one "
+                        "stage with explicit cut points (pp_partition='i,j,...')"
+                    )
 
 
 def materialise_stage(

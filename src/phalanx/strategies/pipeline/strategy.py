@@ -50,7 +50,7 @@ from phalanx.strategies._replicas import group_rank0
 from phalanx.strategies.base import Strategy
 from phalanx.strategies.context_parallel.context import check_even_targets
 from phalanx.strategies.pipeline.actions import Action, schedule_orders
-from phalanx.strategies.pipeline.hf_plan import has_pp_plan, sequential_from_pp_plan
+from phalanx.strategies.pipeline.hf_plan import block_homes, has_pp_plan, sequential_from_pp_plan
 from phalanx.strategies.pipeline.lanes import ChunkLink, build_lanes
 from phalanx.strategies.pipeline.microbatch import (
     MicroBatch,
@@ -192,7 +192,8 @@ class PipelineStrategy(Strategy):
                 )
             place_module(model, self.device, what="pipeline: the whole model, to time its blocks")
             self._pending_partition = model
-            stage = PipelineStage(blocks, self)  # every block, until the first step has timed them
+            stage = PipelineStage(blocks, self, block_homes(model))  # every block, until the first step timed them
+            self._adopt_config(stage, model)
             self.stage_module = stage
             return stage
         if isinstance(self.partition, list):
@@ -216,31 +217,39 @@ class PipelineStrategy(Strategy):
         bounds = [*starts, len(blocks)]
         chunk_of_block = [c for c in range(self.num_chunks) for _ in range(bounds[c], bounds[c + 1])]
         stage_of_block = [c % self.pp_size for c in chunk_of_block]
-        check_no_shared_parameters(blocks, stage_of_block)
+        homes = block_homes(model)
+        check_no_shared_parameters(blocks, stage_of_block, homes)
         held = {i for i, s in enumerate(stage_of_block) if s == self.stage_index}
         mine = [b for i, b in enumerate(blocks) if i in held]
         others = [b for i, b in enumerate(blocks) if i not in held]
-        # Every stage's state_dict layout (names, shapes, dtypes), kept so that any rank can rebuild the whole.
+        # Every stage's state_dict layout (names, shapes, dtypes), kept so that any rank can rebuild the whole. The
+        # names are those the stage module gives: each block's modules at their places in the model (``homes``).
         self._layout = [[] for _ in range(self.pp_size)]
         self._order = []
-        for (name, block), s in zip(blocks, stage_of_block):
-            for k, v in block.state_dict(keep_vars=True).items():
-                self._layout[s].append((f"{name}.{k}", tuple(v.shape), v.dtype))
-                self._order.append(f"{name}.{k}")
+        for (name, _block), s in zip(blocks, stage_of_block):
+            for path, module in homes[name]:
+                for k, v in module.state_dict(keep_vars=True).items():
+                    self._layout[s].append((f"{path}.{k}", tuple(v.shape), v.dtype))
+                    self._order.append(f"{path}.{k}")
         # The whole model's saved tensors (what each stage's sharded_state gives: parameters once, every buffer)
         # and how its state_dict keys map to them, for checkpoints.
         # A tensor shared by two blocks (of one stage) is saved once, under its first name, as named_parameters
         # of the stage gives it.
         self._shapes, self._sd_keys, first = {}, {}, {}
-        for name, block in blocks:
-            for k, t in [*block.named_parameters(), *block.named_buffers()]:
-                if id(t) not in first:
-                    first[id(t)] = f"{name}.{k}"
-                    self._shapes[f"{name}.{k}"] = tuple(t.shape)
-        for name, block in blocks:
-            self._sd_keys.update(
-                {f"{name}.{k}": first.get(id(v), f"{name}.{k}") for k, v in block.state_dict(keep_vars=True).items()}
-            )
+        for name, _block in blocks:
+            for path, module in homes[name]:
+                for k, t in [*module.named_parameters(), *module.named_buffers()]:
+                    if id(t) not in first:
+                        first[id(t)] = f"{path}.{k}"
+                        self._shapes[f"{path}.{k}"] = tuple(t.shape)
+        for name, _block in blocks:
+            for path, module in homes[name]:
+                self._sd_keys.update(
+                    {
+                        f"{path}.{k}": first.get(id(v), f"{path}.{k}")
+                        for k, v in module.state_dict(keep_vars=True).items()
+                    }
+                )
         # Every block initialised in order on the host (a meta-built model gets the values of a CPU build), this
         # stage's on the device; the others end on meta, their parameter objects kept: this rank never holds
         # another stage's parameters.
@@ -249,11 +258,11 @@ class PipelineStrategy(Strategy):
             for p in block.parameters():
                 self._remote[id(p)] = weakref.ref(p)
         if self.stage_module is not None:  # pp_partition=time: drop the blocks of the other stages from the timed stage
-            for name, _ in others:
-                delattr(self.stage_module, name)
+            self.stage_module.drop_blocks([name for name, _ in others])
             stage = self.stage_module
         else:
-            stage = PipelineStage(mine, self)
+            stage = PipelineStage(mine, self, homes)
+            self._adopt_config(stage, model)
         if self.virtual_stages > 1:
             stage.chunk_blocks.update(
                 {c: [blocks[i][0] for i in range(bounds[c], bounds[c + 1])] for c in self.my_chunks}
@@ -273,6 +282,14 @@ class PipelineStrategy(Strategy):
             f"{sum(p.numel() for p in stage.parameters())} parameters"
         )
         return stage
+
+    @staticmethod
+    def _adopt_config(stage: PipelineStage, model: nn.Sequential) -> None:
+        """A transformers model's config on the stage, so that ``engine.save_model`` writes its ``config.json``
+        beside the weights (which carry the model's own names) and ``from_pretrained`` loads the directory."""
+        config = getattr(model, "config", None)
+        if config is not None:
+            stage.config = config
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         self.sync.check_optimizer(optimizer)  # now, even when pp_partition=time adopts it only at the first step
@@ -435,7 +452,7 @@ class PipelineStrategy(Strategy):
         names = stage.chunk_blocks.get(chunk)
         if names is None:
             return list(stage.parameters())
-        return [p for n in names for p in stage.get_submodule(n).parameters()]
+        return [p for n in names for p in stage.block(n).parameters()]
 
     def _backward_weight(self, mb: MicroBatch) -> None:
         """Zero-bubble W: the weight gradients that ``_backward_input`` left; the micro-batch's graph goes with it."""
