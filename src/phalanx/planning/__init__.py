@@ -5,7 +5,8 @@
 ``model.py`` reads a model's sizes without allocating it (a factory, a transformers config or weights on disk, built
 on the meta device); ``activations.py`` counts what a decoder layer keeps for backward under each checkpointing
 policy; ``estimate.py`` gives one layout's bytes per rank (model states, activations, buffers, transients) and its
-traffic; ``layouts.py`` lists the layouts a world allows and recommends one; ``reference.py`` holds the ZeRO paper's
+traffic; ``schedules.py`` gives each pipeline schedule's bubble and what each rank holds; ``layouts.py`` lists the
+layouts a world allows (pipelines under each schedule) and recommends one; ``reference.py`` holds the ZeRO paper's
 and DeepSpeed's model-state formulas; ``cli.py`` is the command. docs/plan.md has the formulas and their sources.
 """
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from phalanx.planning.model import ModelShape
 
-__all__ = ["POLICIES", "LayerTerm", "layer_terms", "ActivationBytes", "activation_bytes"]
+__all__ = ["POLICIES", "LayerTerm", "layer_terms", "deferred_bytes", "ActivationBytes", "activation_bytes"]
 
 POLICIES = ("none", "selective", "full")
 
@@ -129,6 +129,38 @@ def _mlp_terms(gated: bool, tokens: int, width: int, act_bytes: int, t: int) -> 
     return [LayerTerm("activation input", n, True), LayerTerm("down input", n, False)]
 
 
+def deferred_bytes(
+    shape: ModelShape,
+    batch: int,
+    seq: int,
+    act_bytes: int,
+    tp: int = 1,
+    residual_bytes: int | None = None,
+    layers: int | None = None,
+    with_head: bool = True,
+) -> float:
+    """What one micro-batch keeps between its input gradient (B) and its weight gradient (W) under zb_h1, beside the
+    activations it already holds: the gradient that reached each node with a weight (``split_backward.py``), the
+    size of that node's output. Per layer: Q, K and V, the output projection's output, the MLP's first matmuls'
+    outputs (top-k copies for experts, and the router's scores) and the down projection's, and each norm's output
+    (its weight); with the head, the logits' gradient and the final norm's."""
+    if not shape.is_decoder:
+        return 0.0
+    sb, t, h = batch * seq, tp, shape.hidden
+    res = act_bytes if residual_bytes is None else residual_bytes
+    a = shape.heads or 1
+    hq = a * (shape.head_dim or h // a)
+    hkv = (shape.kv_heads or a) * (shape.head_dim or h // a)
+    k, width = 1, shape.intermediate
+    if shape.experts:
+        k, width = shape.experts_per_token or 1, shape.expert_intermediate or shape.intermediate
+    first = (2 if shape.gated_mlp else 1) * k * sb * width / t + (sb * shape.experts if shape.experts else 0)  # router
+    layer = ((hq + 2 * hkv) * sb / t + h * sb + first + k * h * sb) * act_bytes + 2 * sb * h * res
+    n = shape.layers if layers is None else layers
+    head = (sb * shape.vocab / t * act_bytes + sb * h * res) if with_head else 0.0
+    return n * layer + head
+
+
 @dataclass(frozen=True)
 class ActivationBytes:
     """Peak activation bytes on one rank under each policy, and the parts they are made of."""
@@ -160,9 +192,15 @@ def activation_bytes(
     with_head: bool = True,
     residual_bytes: int | None = None,
     weight_casts: bool = False,
+    heads_in_flight: int = 1,
+    deferred: int = 0,
 ) -> ActivationBytes:
     """Peak activation bytes per rank of ``layers`` decoder layers (default all) with ``in_flight`` micro-batches of
-    ``batch`` x ``seq`` tokens alive at once, the sequence split over ``cp`` ranks and the heads over ``tp``."""
+    ``batch`` x ``seq`` tokens alive at once, the sequence split over ``cp`` ranks and the heads over ``tp``.
+
+    A pipeline's schedule sets the last two: ``heads_in_flight``, the micro-batches whose head and loss outputs are
+    kept at once (``with_head``; gpipe and zb_h1 keep several), and ``deferred``, the micro-batches whose weight
+    gradients wait (zb_h1), each keeping the gradient that reached every weight's node (:func:`deferred_bytes`)."""
     if not shape.is_decoder:
         return ActivationBytes(0, 0, 0, 0, 0, in_flight, {p: 0.0 for p in POLICIES})
     s = -(-seq // cp)
@@ -180,13 +218,16 @@ def activation_bytes(
         # when they are not fp32 themselves (the model's output holds them); in backward, the gradients of both.
         norm = sum(x.nbytes for x in _norm_terms("final", shape.norm, tokens * shape.hidden, res))
         per_logit = 4 + (act_bytes if act_bytes != 4 else 0)
-        head = norm + tokens * shape.hidden * act_bytes + 2 * logits * per_logit
+        # kept per micro-batch in flight; the gradients only for the one in backward
+        head_kept = norm + tokens * shape.hidden * act_bytes + logits * per_logit
         if weight_casts:
-            head += shape.vocab * shape.hidden * act_bytes / tp
+            head_kept += shape.vocab * shape.hidden * act_bytes / tp
+        head = heads_in_flight * head_kept + logits * per_logit
     stack = in_flight * n
+    waiting = deferred * deferred_bytes(shape, batch, s, act_bytes, tp, res, n, with_head) if deferred else 0.0
     peak = {
-        "none": stack * layer + head,
-        "selective": stack * kept + (max(layer - kept, 0) if n else 0) + head,
-        "full": stack * block_in + (layer if n else 0) + head,
+        "none": stack * layer + head + waiting,
+        "selective": stack * kept + (max(layer - kept, 0) if n else 0) + head + waiting,
+        "full": stack * block_in + (layer if n else 0) + head + waiting,
     }
     return ActivationBytes(layer, kept, block_in, head, n, in_flight, peak)

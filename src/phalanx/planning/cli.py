@@ -29,9 +29,10 @@ from phalanx.planning.estimate import (
     Workload,
     World,
 )
-from phalanx.planning.layouts import plan, recommend
+from phalanx.planning.layouts import DEFAULT_SCHEDULES, plan, recommend
 from phalanx.planning.model import ModelShape, PlanError, human_count, load_shape
 from phalanx.planning.reference import deepspeed_rows, zero_paper_bytes
+from phalanx.planning.schedules import SCHEDULES
 
 __all__ = ["add_plan_flags", "plan_command", "plan_report", "plan_text"]
 
@@ -74,6 +75,18 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
         default=0.25,
         help="recommend no pipeline whose stages idle more than this share of a step (default 0.25)",
     )
+    p.add_argument(
+        "--pp-schedule",
+        choices=["all", *SCHEDULES],
+        default="all",
+        help="the pipeline schedule (the engine's pp_schedule) to plan pipeline layouts under; all (the default): "
+        f"each of {', '.join(DEFAULT_SCHEDULES)}",
+    )
+    p.add_argument(
+        "--pp-virtual-stages",
+        type=int,
+        help="model chunks a rank for interleaved_1f1b (the engine's pp_virtual_stages; default 2)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
 
@@ -106,10 +119,24 @@ def plan_command(ns: argparse.Namespace) -> int:
             optimizer=ns.optimizer,
             bucket_mb=ns.bucket_mb,
         )
+        schedules = DEFAULT_SCHEDULES if ns.pp_schedule == "all" else (ns.pp_schedule,)
+        virtual = ns.pp_virtual_stages
+        if virtual is not None and "interleaved_1f1b" not in schedules:
+            raise PlanError(
+                f"--pp-virtual-stages {virtual} applies to --pp-schedule interleaved_1f1b (or all) only; got "
+                f"--pp-schedule {ns.pp_schedule} (leave --pp-virtual-stages out)"
+            )
+        if virtual is not None and virtual < 2:
+            raise PlanError(
+                f"--pp-virtual-stages {virtual}: interleaved_1f1b needs 2 or more chunks a rank (use 2 or more, or "
+                "--pp-schedule 1f1b for one chunk)"
+            )
+        if not 0 <= ns.max_bubble <= 1:
+            raise PlanError(f"--max-bubble {ns.max_bubble}: a share of the step, between 0 and 1 (e.g. 0.25)")
+        estimates = plan(shape, world, work, schedules, virtual or 2)
     except PlanError as e:
         print(f"phalanx plan: {e}", file=sys.stderr)
         return 2
-    estimates = plan(shape, world, work)
     if ns.json:
         print(json.dumps(plan_report(shape, world, work, estimates, ns.max_bubble), indent=1))
     else:
@@ -213,10 +240,15 @@ def plan_text(
             f"recommended: {best.layout.name}: {num(best.total())}{room} {unit} a device, sends {num(best.sent)} "
             f"{unit} a rank per step ({', '.join(f'{k}={v}' for k, v in settings.items())})"
         )
-    elif any(e.fits for e in estimates):
+    elif any(e.fits and e.counted for e in estimates):
         out.append(
             f"recommended: none: only pipelines fit, and their stages idle more than {max_bubble:.0%} of a step "
-            "(raise --grad-accum for more micro-batches a step, or --max-bubble)"
+            "(raise --grad-accum for more micro-batches a step, plan another --pp-schedule, or raise --max-bubble)"
+        )
+    elif any(e.fits for e in estimates):
+        out.append(
+            "recommended: none: only pipelines fit, and their activations and messages are not counted for a model "
+            "that is not a decoder stack (give its transformers config)"
         )
     else:
         smallest = min(estimates, key=lambda e: e.total("full"))

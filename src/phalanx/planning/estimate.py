@@ -29,8 +29,9 @@ Traffic is what each rank sends per optimizer step, for a step of the same globa
 micro-batch size times the world size times the accumulation): ring all-reduce 2(n-1)/n of the buffer, reduce-scatter
 and all-gather (n-1)/n each; zero3 gathers every unit in forward and again in backward; tensor parallelism all-reduces
 each layer's activations twice in forward and twice in backward (Megatron-LM); a pipeline stage sends each
-micro-batch's activations forward and their gradients back; ring attention passes K and V around the context-parallel
-ranks (and dK, dV in backward); expert parallelism sends each token to its experts and back, in forward and backward.
+micro-batch's activations forward and their gradients back (each of its chunks, interleaved); ring attention passes K
+and V around the context-parallel ranks (and dK, dV in backward); expert parallelism sends each token to its experts
+and back, in forward and backward.
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ import torch
 from torch import nn
 
 from phalanx.config.general import PRECISIONS
+from phalanx.config.strategy_options import SCHEDULES
 from phalanx.planning.activations import POLICIES, activation_bytes
 from phalanx.planning.model import ModelShape, PlanError
+from phalanx.planning.schedules import bubble, check_schedule, in_flight
 from phalanx.strategies._grads import build_buckets
 
 __all__ = [
@@ -159,18 +162,34 @@ class Layout:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    schedule: str = "1f1b"
+    """The pipeline's ``pp_schedule`` (when pp > 1): 1f1b, gpipe, interleaved_1f1b or zb_h1."""
+    virtual_stages: int = 1
+    """``pp_virtual_stages``: model chunks a pipeline rank holds (2 or more for interleaved_1f1b, else 1)."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise PlanError(f"strategy={self.strategy!r}: use one of {', '.join(STRATEGIES)}")
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"pp_schedule={self.schedule!r}: use one of {', '.join(SCHEDULES)}")
+        if (self.schedule == "interleaved_1f1b") != (self.virtual_stages > 1) or self.virtual_stages < 1:
+            raise PlanError(
+                f"pp_schedule={self.schedule!r} with pp_virtual_stages={self.virtual_stages}: interleaved_1f1b "
+                "takes 2 or more chunks a rank, the other schedules one"
+            )
         if self.offload and self.strategy not in ("zero1", "zero2", "zero3"):
             raise PlanError(f"offload is for the zero strategies; got {self.strategy} with offload")
 
     @property
     def name(self) -> str:
         degrees = [f"{axis}{n}" for axis, n in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp), ("ep", self.ep))]
+        schedule = []
+        if self.pp > 1 and self.schedule != "1f1b":
+            schedule = [self.schedule + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")]
         return " ".join(
-            [d for d in degrees if not d.endswith("p1")] + [self.strategy + ("+offload" if self.offload else "")]
+            [d for d in degrees if not d.endswith("p1")]
+            + [self.strategy + ("+offload" if self.offload else "")]
+            + schedule
         )
 
     @property
@@ -183,6 +202,9 @@ class Layout:
         if self.pp > 1:
             out["pp_size"] = self.pp
             out["pp_zero_stage"] = 1 if self.strategy == "zero1" else 0
+            out["pp_schedule"] = self.schedule
+            if self.virtual_stages > 1:
+                out["pp_virtual_stages"] = self.virtual_stages
         for axis in ("tp", "cp", "ep"):
             if getattr(self, axis) > 1:
                 out[f"{axis}_size"] = getattr(self, axis)
@@ -219,9 +241,13 @@ class Estimate:
     host_link: float = 0.0
     """Bytes copied between device and host per step under offload (gradient slices down, parameters up)."""
     bubble: float = 0.0
-    """The share of a step a pipeline's stages idle (1F1B and GPipe alike): (pp - 1) / (m + pp - 1)."""
+    """The share of a step a pipeline's stages idle under its schedule (``schedules.bubble``): (pp - 1) / (m + pp - 1)
+    for 1F1B and GPipe, (pp - 1) / (v m + pp - 1) interleaved, (pp - 1) / (3 m + pp - 1) for ZB-H1 (m >= pp)."""
     policy: str | None = None
     """The least recomputation under which it fits (none, selective, full); None: it does not fit."""
+    counted: bool = True
+    """False where part of its cost is not counted: a pipeline of a model that is not a decoder stack (its
+    activations and the messages between its stages are unknown). The recommendation passes over it."""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -262,6 +288,7 @@ class Estimate:
             "bubble": round(self.bubble, 4),
             "fits": self.fits,
             "policy": self.policy,
+            "counted": self.counted,
             "notes": list(self.notes),
         }
 
@@ -300,22 +327,24 @@ def _piece(shape: ModelShape, layout: Layout) -> _Piece:
 
 
 def _stage(shape: ModelShape, layout: Layout, piece: _Piece) -> None:
-    """Narrow ``piece`` to the pipeline's largest stage: ceil(L/pp) layers, with the embedding on the first stage
-    and the final norm and head on the last (a tied head gets its own copy there)."""
-    per = -(-len(piece.units) // layout.pp) if piece.units else 0
+    """Narrow ``piece`` to the pipeline's largest rank: pp x v chunks of ceil(L/(pp v)) layers, rank r holding chunks
+    r, r + pp, ... (v = 1: one stage of ceil(L/pp) layers), with the embedding on the first rank and the final norm
+    and head on the last (a tied head gets its own copy there)."""
+    pp, v = layout.pp, layout.virtual_stages
+    per = -(-len(piece.units) // (pp * v)) if piece.units else 0
     embed = shape.embed_params / layout.tp
     rest = piece.root - embed + (embed if shape.tied_embeddings else 0)
     stages = []
-    for i in range(layout.pp):
-        units = piece.units[i * per : (i + 1) * per]
-        extra = (embed if i == 0 else 0) + (rest if i == layout.pp - 1 else 0)
+    for i in range(pp):
+        units = [u for c in range(i, pp * v, pp) for u in piece.units[c * per : (c + 1) * per]]
+        extra = (embed if i == 0 else 0) + (rest if i == pp - 1 else 0)
         stages.append((sum(units) + extra, units, extra))
     total, units, extra = max(stages, key=lambda s: s[0])
     whole = sum(piece.units) + piece.root or 1
     scale = total / whole
     piece.dense, piece.experts, piece.frozen = piece.dense * scale, piece.experts * scale, piece.frozen * scale
     piece.units, piece.root = units, extra
-    piece.layers = -(-(shape.layers or len(shape.units)) // layout.pp)
+    piece.layers = v * -(-(shape.layers or len(shape.units)) // (pp * v))
     piece.numels = [n * scale for n in piece.numels]
 
 
@@ -421,7 +450,10 @@ def _sent(
         # logits gathered over the vocabulary.
         sent += m * ((4 * layers + 2) * all_reduce * act + (t - 1) / t * tokens * shape.vocab * a)
     if layout.pp > 1:
-        sent += m * act * (2 if layout.pp > 2 else 1)
+        # Each of a rank's v chunks sends its output on and its input's gradient back, but for the first chunk's
+        # gradient and the last chunk's output; with two ranks, each holds one of those.
+        v = layout.virtual_stages
+        sent += m * act * (2 * v if layout.pp > 2 else 2 * v - 1)
     if layout.cp > 1:
         c = layout.cp
         kv = 2 * tokens * (shape.kv_heads or shape.heads) * (shape.head_dim or shape.hidden // max(shape.heads, 1)) * a
@@ -444,6 +476,14 @@ def estimate(shape: ModelShape, world: World, work: Workload, layout: Layout) ->
     shard = dp * layout.cp
     n, ne = shard, max(1, shard // layout.ep)
     m = work.grad_accum * layout.model_parallel
+    if layout.pp > 1:
+        check_schedule(layout.schedule, layout.pp, m, layout.virtual_stages)
+        chunks = layout.pp * layout.virtual_stages
+        if chunks > (shape.layers or len(shape.units) or chunks):
+            raise PlanError(
+                f"{layout.name}: {chunks} pipeline chunks (pp x pp_virtual_stages) need a layer each, and the model "
+                f"has {shape.layers or len(shape.units)} (use fewer stages or virtual stages)"
+            )
     piece = _piece(shape, layout)
     params, grads, opt, host = _states(layout, work, world, piece, n, ne)
     buffers, grad_transient, step_transient, host_transient = _buffers_and_transients(layout, work, world, piece, n)
@@ -469,7 +509,8 @@ def estimate(shape: ModelShape, world: World, work: Workload, layout: Layout) ->
         host=host + host_transient,
         sent=_sent(shape, layout, work, world, piece, n, ne, m),
         host_link=host_link,
-        bubble=(layout.pp - 1) / (m + layout.pp - 1),
+        bubble=bubble(layout.schedule, layout.pp, m, layout.virtual_stages) if layout.pp > 1 else 0.0,
+        counted=shape.is_decoder or layout.model_parallel == 1,
         notes=notes,
     )
     est.policy = _fitting_policy(est, world)
@@ -490,10 +531,21 @@ def _activations(shape: ModelShape, work: Workload, layout: Layout, piece: _Piec
     )
     if layout.pp == 1:
         return dict(activation_bytes(shape, **common).peak)  # type: ignore[arg-type]
-    # 1F1B: the first stage holds min(m, pp) micro-batches in flight, the last one (with the head) one.
-    first = activation_bytes(shape, in_flight=min(m, layout.pp), with_head=False, **common)  # type: ignore[arg-type]
-    last = activation_bytes(shape, in_flight=1, with_head=True, **common)  # type: ignore[arg-type]
-    return {k: max(first.peak[k], last.peak[k]) for k in POLICIES}
+    # Each rank's peak under the schedule (1F1B: the first rank holds min(m, pp) micro-batches, the last one with
+    # the head); the counts are of chunks, piece.layers / v layers each.
+    common["layers"] = piece.layers // layout.virtual_stages
+    peaks = [
+        activation_bytes(
+            shape,
+            in_flight=held.chunks,
+            with_head=held.heads > 0,
+            heads_in_flight=held.heads,
+            deferred=held.deferred,
+            **common,  # type: ignore[arg-type]
+        ).peak
+        for held in in_flight(layout.schedule, layout.pp, m, layout.virtual_stages)
+    ]
+    return {k: max(p[k] for p in peaks) for k in POLICIES}
 
 
 def _fitting_policy(est: Estimate, world: World) -> str | None:
