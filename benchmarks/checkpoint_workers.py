@@ -10,11 +10,22 @@ fsynced and dropped from the page cache (``posix_fadvise(DONTNEED)``), so loads 
 
 A checksum (float64 sum of every parameter and every non-scalar optimizer state element, each counted once over
 the ranks) is taken before the save and after the load; a run whose two checksums differ fails.
+
+With ``spec["async"]`` each repeat saves twice, in the same process and from the same state: synchronously
+(``sync_save_s``, barrier to barrier), then asynchronously (phalanx ``save_state(..., async_save=True)``, DCP
+``async_save``), and training goes on at once with one step (forward, backward, ``optimizer.step()``).
+``call_s`` is the time from the call to its return; ``held_s`` how long that step's ``optimizer.step()`` waited
+before it could change the state (phalanx holds it until its thread has copied the parameters and optimizer
+state; measured between a step pre-hook registered before the save and one registered after it, so it is 0 where
+nothing holds the step); ``blocked_s`` = ``call_s`` + ``held_s``, what training waits for. ``save_s`` runs from
+the call until the wait for the checkpoint returns (the step included). The load then reads the asynchronous
+checkpoint and must give the checksum of the state at the call, not after the step.
 """
 
 from __future__ import annotations
 
 import gc
+import math
 import os
 import shutil
 import time
@@ -106,6 +117,10 @@ def _measure(
     loader: Loader,
     before: float,
     extra_loads: dict[str, Loader] | None = None,
+    save_async: Callable[[], Callable[[], Any]] | None = None,
+    train_step: Callable[[], None] | None = None,
+    optimizer: Any = None,
+    checksum_now: Callable[[], float] | None = None,
 ) -> dict[str, Any]:
     """``spec["repeats"]`` times: sync, time ``save``, evict the files, build the fresh state, time the load (and
     each extra load), delete the checkpoint. Returns every repeat's times; the driver takes their median."""
@@ -115,7 +130,35 @@ def _measure(
     for _ in range(spec["repeats"]):
         if rank == 0:
             os.sync()  # no save waits on dirty pages of an earlier one
-        save_s, _ = _timed(save)
+        if save_async is not None:
+            assert train_step is not None and optimizer is not None and checksum_now is not None
+            before = checksum_now()  # the state both saves take; the step after the asynchronous call changes it
+            sync_s, _ = _timed(save)
+            times.setdefault("sync_save_s", []).append(sync_s)
+            if rank == 0:
+                _evict(path)
+                shutil.rmtree(path, ignore_errors=True)
+                os.sync()
+            marks: list[float] = []
+            mark = marks.append
+            arrive = optimizer.register_step_pre_hook(lambda *_, mark=mark: mark(time.perf_counter()))
+            dist.barrier()
+            t0 = time.perf_counter()
+            finish = save_async()
+            call_s = time.perf_counter() - t0
+            leave = optimizer.register_step_pre_hook(lambda *_, mark=mark: mark(time.perf_counter()))
+            train_step()
+            arrive.remove()
+            leave.remove()
+            held_s = marks[1] - marks[0]
+            times.setdefault("call_s", []).append(call_s)
+            times.setdefault("held_s", []).append(held_s)
+            times.setdefault("blocked_s", []).append(call_s + held_s)
+            finish()
+            save_s = time.perf_counter() - t0
+            dist.barrier()
+        else:
+            save_s, _ = _timed(save)
         nbytes = _evict(path) if rank == 0 else 0
         times.setdefault("save_s", []).append(save_s)
         for name, make in {"load": loader, **(extra_loads or {})}.items():
@@ -127,7 +170,9 @@ def _measure(
             del load
             gc.collect()  # the fresh model and optimizer go now, not at some later collection (peak RSS)
             times.setdefault(f"{name}_s", []).append(seconds)
-            if after != before:
+            # Equal but for the last bits of the float64 sums: ddp's balanced byte split between the ranks follows
+            # the optimizer state's key order, which a load changes (step last), so the sums group differently.
+            if not math.isclose(after, before, rel_tol=1e-12, abs_tol=0.0):
                 raise RuntimeError(f"rank {rank}: checksum {after!r} after {name}, {before!r} before saving")
         dist.barrier()
         if rank == 0:
@@ -202,9 +247,16 @@ def run_dcp(spec: dict[str, Any]) -> dict[str, Any]:
         _plain_step(model, opt, spec)
     before = checksum(model, opt)
 
+    # DCP's advice for async_save: its background collectives on a gloo group of their own.
+    group = dist.new_group(backend="gloo") if spec.get("async") else None
+
     def save() -> None:
         msd, osd = get_state_dict(model, opt)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=spec["path"])
+
+    def save_async() -> Callable[[], Any]:
+        msd, osd = get_state_dict(model, opt)
+        return dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=spec["path"], process_group=group).result
 
     def loader() -> Callable[[], float]:
         model2, opt2 = build(spec["seed"] + 1)
@@ -218,7 +270,28 @@ def run_dcp(spec: dict[str, Any]) -> dict[str, Any]:
 
         return load
 
-    out = _measure(spec, rank, save, loader, before)
+    def train_step() -> None:
+        if sharded:
+            model(_batch(spec)[rank::size]).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        else:
+            _plain_step(model, opt, spec)
+
+    if spec.get("async"):
+        out = _measure(
+            spec,
+            rank,
+            save,
+            loader,
+            before,
+            save_async=save_async,
+            train_step=train_step,
+            optimizer=opt,
+            checksum_now=lambda: checksum(model, opt),
+        )
+    else:
+        out = _measure(spec, rank, save, loader, before)
     dist.destroy_process_group()
     return out
 
@@ -258,7 +331,24 @@ def run_phalanx(spec: dict[str, Any]) -> dict[str, Any]:
 
         return make
 
-    out = _measure(
+    def train_step() -> None:
+        engine.backward(model(_batch(spec)[rank::size]).pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+
+    if spec.get("async"):
+        return _measure(
+            spec,
+            rank,
+            lambda: engine.save_state(spec["path"]),
+            loader(True),
+            before,
+            save_async=lambda: engine.save_state(spec["path"], async_save=True).result,
+            train_step=train_step,
+            optimizer=opt,
+            checksum_now=lambda: checksum(engine, model, opt),
+        )
+    return _measure(
         spec,
         rank,
         lambda: engine.save_state(spec["path"]),
@@ -266,7 +356,6 @@ def run_phalanx(spec: dict[str, Any]) -> dict[str, Any]:
         before,
         extra_loads={"load_noverify": loader(False)},
     )
-    return out
 
 
 RUNNERS = {"torch_save": run_torch_save, "dcp": run_dcp, "phalanx": run_phalanx}

@@ -1,10 +1,15 @@
 """Kill a random rank (SIGKILL) at a random moment of a save, many times: the last checkpoint must always load.
 
     .venv/bin/python soak/kill_during_save.py --runs 20 --seed 0
+    .venv/bin/python soak/kill_during_save.py --runs 20 --seed 0 --async     # saves written on a thread
 
 Each run: 2 ranks train an 8 x Linear(1024) MLP with AdamW (a checkpoint of about 100 MB), save ``step-1``, take
 one more step and save ``step-2``; while the second save is under way, one rank, drawn at random, kills itself at a
-delay drawn uniformly from 0 to 1.2 x the measured length of a save. Afterwards, in this process:
+delay drawn uniformly from 0 to 1.2 x the measured length of a save. With ``--async`` both saves are
+``async_save=True``: the call returns at once, the thread copies the state (the next optimizer step waits for
+that copy) and writes it while the ranks go on training (steps of the same model), and the delay is drawn over 1.2 x the measured time from the call until the checkpoint is
+in place (the handle's done callback), so that most kills fall in the background write; a run that ends on
+``step-1`` was killed before the write was complete. Afterwards, in this process:
 ``latest_checkpoint`` must name a complete checkpoint (``step-1``, or ``step-2`` when the kill came after it was
 complete), every file must pass its checksums, and ``load_state`` into a fresh model must give that step's weights.
 Printed: how many runs ended on each checkpoint, and the number of corrupt or unloadable ones (the goal: 0).
@@ -43,20 +48,34 @@ def step(engine: phalanx.Engine, model: torch.nn.Module, opt: torch.optim.Optimi
     opt.zero_grad()
 
 
-def work(directory: str, victim: int, delay: float) -> float:
+def work(directory: str, victim: int, delay: float, background: bool = False) -> tuple[float, float]:
+    """Returns (seconds from the call until the step-2 checkpoint was in place on this rank's view, seconds the save
+    call blocked training)."""
     engine = phalanx.Engine(strategy="zero2")
     model, opt = engine.prepare(*build())
     step(engine, model, opt, 1)
-    engine.save_state(f"{directory}/step-1")
+    engine.save_state(f"{directory}/step-1", async_save=background)
+    if background:
+        engine.wait_for_checkpoint()  # step-1 is complete before any kill: it is the checkpoint that must survive
     step(engine, model, opt, 2)
     if engine.rank == victim:
         threading.Timer(delay, lambda: os.kill(os.getpid(), 9)).start()
     start = time.perf_counter()
-    engine.save_state(f"{directory}/step-2")
-    took = time.perf_counter() - start
+    if background:
+        saving = engine.save_state(f"{directory}/step-2", async_save=True)
+        blocked = time.perf_counter() - start
+        written: list[float] = []
+        saving.add_done_callback(lambda _: written.append(time.perf_counter() - start))  # on the writer thread
+        for i in range(3):  # training goes on while the thread writes (the checkpoint holds step 2's state)
+            step(engine, model, opt, 10 + i)
+        engine.wait_for_checkpoint()
+        took = written[0]  # the background write alone: the kills are drawn over it
+    else:
+        engine.save_state(f"{directory}/step-2")
+        took = blocked = time.perf_counter() - start
     if engine.rank == victim:
         time.sleep(delay + 1)  # the timer has not fired yet: let it (the save was complete before the kill)
-    return took
+    return took, blocked
 
 
 def weights_of(path: Path) -> dict[str, torch.Tensor]:
@@ -70,20 +89,34 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--async", dest="background", action="store_true", help="save with async_save=True")
+    p.add_argument("--window", type=float, default=1.2, help="kills fall in 0-WINDOW x the measured save (1.2)")
     args = p.parse_args()
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         calib = Path(tmp) / "calibration"
-        took = statistics.median(phalanx.spawn(work, nprocs=2, args=(str(calib), -1, 0.0)))
+        # Ranks forked from a server that imported torch once: a loaded machine does not push a run past its timeout.
+        times = phalanx.spawn(work, nprocs=2, args=(str(calib), -1, 0.0, args.background), start_method="forkserver")
+        took = statistics.median(t for t, _ in times)
+        blocked = max(b for _, b in times)
         reference = {name: weights_of(calib / name) for name in ("step-1", "step-2")}
-        print(f"one save takes {took:.2f} s; kills fall uniformly in 0-{1.2 * took:.2f} s after it starts")
+        print(
+            f"one {'asynchronous ' if args.background else ''}save takes {took:.2f} s (the call blocked training "
+            f"{blocked:.2f} s); kills fall uniformly in 0-{args.window * took:.2f} s after the call"
+        )
         ended: dict[str, int] = {}
         corrupt = 0
         for run in range(args.runs):
             directory = Path(tmp) / f"run{run}"
-            victim, delay = rng.randrange(2), rng.uniform(0, 1.2 * took)
+            victim, delay = rng.randrange(2), rng.uniform(0, args.window * took)
             try:
-                phalanx.spawn(work, nprocs=2, args=(str(directory), victim, delay), timeout=120)
+                phalanx.spawn(
+                    work,
+                    nprocs=2,
+                    args=(str(directory), victim, delay, args.background),
+                    timeout=600,
+                    start_method="forkserver",
+                )
                 how = "no kill took effect"
             except SpawnError as e:
                 how = str(e).splitlines()[0][:80]

@@ -16,7 +16,7 @@ from phalanx.trainer.arguments import TrainingArguments, UnknownArgumentError
 
 # Fields of ours that transformers 5 does not have: deprecated spellings it removed, and phalanx's own.
 PHALANX_ONLY = {"warmup_ratio", "evaluation_strategy", "strategy", "precision", "strategy_options", "tp_size",
-                "ep_size", "dp_shard_size", "dp_replicate_size"}  # fmt: skip
+                "ep_size", "dp_shard_size", "dp_replicate_size", "save_async"}  # fmt: skip
 
 
 @pytest.fixture(autouse=True)

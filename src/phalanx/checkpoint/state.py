@@ -47,6 +47,17 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx._version import __version__
+from phalanx.checkpoint.async_save import (
+    WRITER,
+    AsyncSave,
+    Hold,
+    await_outcome,
+    collect_reports,
+    holds_steps,
+    new_save_id,
+    report_name,
+    write_report,
+)
 from phalanx.checkpoint.format import (
     FORMAT,
     MANIFEST,
@@ -76,6 +87,9 @@ __all__ = [
     "Checkpoint",
     "TrainingParts",
     "save_checkpoint",
+    "save_checkpoint_async",
+    "wait_for_async_save",
+    "AsyncSave",
     "load_checkpoint",
     "save_model_file",
     "agree",
@@ -116,40 +130,11 @@ def save_checkpoint(
     the checkpoint is complete at ``path`` (or raises the same error). ``also_write(directory)`` runs on rank 0 once
     the checkpoint is whole in its staging directory, before it moves into place, to add files beside it (the
     Trainer's ``model.safetensors``): they appear with the checkpoint or not at all."""
-    if keep_last is not None and keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1 (the number of checkpoints to keep); got {keep_last}")
-    target = Path(os.path.abspath(os.path.expanduser(path)))
+    target, staging, entries, state, _ = _begin_save(path, parts, strategy, topology, device, keep_last, True)
     rank, world = topology.rank, topology.world_size
-    staging = target.parent / f".{target.name}.partial"
-
-    # The tensors, each rank its share, and (rank 0's copy is the one saved) everything else as JSON. An error on
-    # one rank must reach the others, which would otherwise wait for it in the next collective.
-    entries: list[ShardEntry] = []
-    state: dict[str, Any] | None = None
-    error = None
-    try:
-        for i, model in enumerate(parts.models):
-            entries += [_rekey(e, i) for e in strategy.sharded_state(model, parts.optimizers)]
-        _refuse_nonfinite(entries, target)
-        if rank == 0:
-            extra: dict[str, torch.Tensor] = {}
-            state = _global_state(parts, strategy, extra)
-            entries += [ShardEntry(k, tuple(t.shape), 0, t.numel(), t.reshape(-1)) for k, t in extra.items()]
-            recover_interrupted_swap(target)
-            if target.exists() and not is_checkpoint(target) and not _empty_dir(target):
-                raise CheckpointError(
-                    f"{target} exists and is not a phalanx checkpoint; save_state replaces only a checkpoint (choose "
-                    "another directory, or remove this one yourself)"
-                )
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(staging, ignore_errors=True)  # a save that crashed earlier
-            staging.mkdir()
-    except Exception as e:  # noqa: BLE001
-        error = f"{type(e).__name__}: {e}"
-    agree(error, device, f"saving the checkpoint {target}")
-
     written: dict[str, Any] | None = None
     rng: dict[str, Any] | None = None
+    error = None
     try:
         written = write_shard(staging, rank, world, entries) if entries else None
         rng = _rng_state(device, parts.rng_trackers)
@@ -169,17 +154,177 @@ def save_checkpoint(
     if rank == 0:
         try:
             assert state is not None
-            manifest = _manifest(state, reports, strategy, topology)
-            write_json_durably(staging / MANIFEST, manifest)
-            if also_write is not None:
-                also_write(staging)
-            swap_into_place(staging, target)
-            if keep_last is not None:
-                rotate(target, keep_last)
+            _finish(staging, target, _manifest(state, reports, strategy, topology), also_write, keep_last)
         except Exception as e:  # noqa: BLE001
             error = f"{type(e).__name__}: {e}"
     agree(error, device, f"saving the checkpoint {target}")
     return target
+
+
+def save_checkpoint_async(
+    path: str | os.PathLike[str],
+    parts: TrainingParts,
+    strategy: Strategy,
+    topology: Topology,
+    device: torch.device,
+    keep_last: int | None = None,
+    also_write: Callable[[Path], None] | None = None,
+    timeout_s: float = 1800.0,
+) -> AsyncSave:
+    """``save_checkpoint``, returning once the state that anything but an optimizer step can change is taken: a
+    thread copies the parameters and optimizer state to host memory (the next step of each optimizer in ``parts``
+    waits for that copy) and writes the shards, and on rank 0 the manifest, renames the checkpoint into place and
+    rotates (see ``async_save.py``). Every rank
+    calls it; the first collective (shared with a synchronous save) raises on every rank when the previous save
+    failed. ``timeout_s`` bounds how long the thread waits for the other ranks' parts or for rank 0's outcome."""
+    if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds; got {timeout_s!r}")
+    target, staging, entries, state, save_id = _begin_save(path, parts, strategy, topology, device, keep_last, False)
+    rank, world = topology.rank, topology.world_size
+    # What only an optimizer step changes (parameters, optimizer state) is copied by the thread, and the next step
+    # waits for that copy; the rest (buffers, which a forward changes; the JSON state, the RNG) is taken now.
+    later = _changed_only_by_steps(entries, parts.optimizers)
+    staged, copies = WRITER.stage(entries, later)
+    rng = _rng_state(device, parts.rng_trackers)
+    handle = AsyncSave(target, rank)
+    if copies.pending:
+        WRITER.hold = Hold(copies, parts.optimizers)
+
+    def write() -> None:
+        written, error = None, None
+        try:
+            try:
+                copies.run()
+            finally:
+                copies.wait_on_host()  # what was queued has landed before the buffers are read or reused
+            _refuse_nonfinite(staged, target)
+            written = write_shard(staging, rank, world, staged) if staged else None
+        except Exception as e:  # noqa: BLE001 - rank 0 must learn of it, and gives the save up
+            error = f"{type(e).__name__}: {e}"
+        mine = {"save_id": save_id, "error": error, "file": written, "rng": rng}
+        if rank != 0:
+            write_report(staging, rank, mine)
+            if error:
+                raise CheckpointError(f"rank {rank}: {error}")
+            await_outcome(staging, target, save_id, timeout_s)
+            return
+        try:
+            others = collect_reports(staging, world, save_id, timeout_s)
+        except TimeoutError as e:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise CheckpointError(f"saving the checkpoint {target} failed (nothing was replaced): {e}") from None
+        reports = [mine] + [others[r] for r in range(1, world)]
+        failed = [f"rank {r}: {rep['error']}" for r, rep in enumerate(reports) if rep["error"]]
+        if failed:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise CheckpointError(f"saving the checkpoint {target} failed (nothing was replaced): " + "; ".join(failed))
+        for r in range(1, world):
+            (staging / report_name(r)).unlink()
+        assert state is not None
+        manifest = {**_manifest(state, reports, strategy, topology), "save_id": save_id}
+        try:
+            _finish(staging, target, manifest, also_write, keep_last)
+        except Exception:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+    WRITER.start(handle, write)
+    return handle
+
+
+def _changed_only_by_steps(entries: list[ShardEntry], optimizers: list[torch.optim.Optimizer]) -> list[bool]:
+    """For each entry, whether it lies in a parameter or an optimizer state tensor of ``optimizers`` (same
+    storage), which only their ``step()`` changes, so that a step pre-hook can hold the change until it is copied.
+    None is, when an optimizer cannot be held (not a ``torch.optim.Optimizer`` with torch's step hooks): the call
+    then copies everything itself."""
+    if not optimizers or not all(holds_steps(o) for o in optimizers):
+        return [False] * len(entries)
+    stepped: set[int] = set()
+    for opt in optimizers:
+        tensors = [p for g in opt.param_groups for p in g["params"]]
+        tensors += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        stepped.update(t.untyped_storage().data_ptr() for t in tensors)
+    stepped.discard(0)
+    return [e.data.untyped_storage().data_ptr() in stepped for e in entries]
+
+
+def wait_for_async_save(device: torch.device) -> Path | None:
+    """``engine.wait_for_checkpoint()``: a collective. Wait for this process's asynchronous save; every rank raises
+    the same error if it failed on any (and was not raised yet). Returns its path, None if there was none."""
+    if not isinstance(device, torch.device):
+        raise TypeError(f"wait_for_async_save takes the engine's device; got {device!r}")
+    last = WRITER.last
+    failure = WRITER.settle()
+    agree(failure, device, f"the asynchronous save of {last.path if last else None}")
+    return last.path if last is not None else None
+
+
+def _begin_save(
+    path: str | os.PathLike[str],
+    parts: TrainingParts,
+    strategy: Strategy,
+    topology: Topology,
+    device: torch.device,
+    keep_last: int | None,
+    check_finite: bool,
+) -> tuple[Path, Path, list[ShardEntry], dict[str, Any] | None, str]:
+    """The first part of every save, a collective: this rank's shards (views of live state), rank 0's JSON state,
+    its fresh staging directory and the save's id (rank 0's, on every rank). It first waits for this process's
+    asynchronous save in flight, and every rank raises the same error if that one failed (it is reported once) or
+    if anything here failed on any rank."""
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 (the number of checkpoints to keep); got {keep_last}")
+    target = Path(os.path.abspath(os.path.expanduser(path)))
+    staging = target.parent / f".{target.name}.partial"
+    previous = WRITER.last
+    earlier = WRITER.settle()
+    # The tensors, each rank its share, and (rank 0's copy is the one saved) everything else as JSON. An error on
+    # one rank must reach the others, which would otherwise wait for it in the next collective.
+    entries: list[ShardEntry] = []
+    state: dict[str, Any] | None = None
+    error = None
+    if earlier is not None:
+        assert previous is not None
+        error = f"the earlier asynchronous save of {previous.path} failed, so this one was not started: {earlier}"
+    try:
+        if error is None:
+            for i, model in enumerate(parts.models):
+                entries += [_rekey(e, i) for e in strategy.sharded_state(model, parts.optimizers)]
+            if check_finite:  # an asynchronous save checks its host copies on its thread instead: no host sync here
+                _refuse_nonfinite(entries, target)
+        if error is None and topology.rank == 0:
+            extra: dict[str, torch.Tensor] = {}
+            state = _global_state(parts, strategy, extra)
+            entries += [ShardEntry(k, tuple(t.shape), 0, t.numel(), t.reshape(-1)) for k, t in extra.items()]
+            recover_interrupted_swap(target)
+            if target.exists() and not is_checkpoint(target) and not _empty_dir(target):
+                raise CheckpointError(
+                    f"{target} exists and is not a phalanx checkpoint; save_state replaces only a checkpoint (choose "
+                    "another directory, or remove this one yourself)"
+                )
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)  # a save that crashed earlier
+            staging.mkdir()
+    except Exception as e:  # noqa: BLE001
+        error = f"{type(e).__name__}: {e}"
+    save_id = agree(error, device, f"saving the checkpoint {target}", new_save_id() if topology.rank == 0 else "")
+    return target, staging, entries, state, save_id
+
+
+def _finish(
+    staging: Path,
+    target: Path,
+    manifest: dict[str, Any],
+    also_write: Callable[[Path], None] | None,
+    keep_last: int | None,
+) -> None:
+    """Rank 0, every shard file written: the manifest, the extra files, the rename into place, the rotation."""
+    write_json_durably(staging / MANIFEST, manifest)
+    if also_write is not None:
+        also_write(staging)
+    swap_into_place(staging, target)
+    if keep_last is not None:
+        rotate(target, keep_last)
 
 
 def _refuse_nonfinite(entries: list[ShardEntry], target: Path) -> None:
@@ -291,16 +436,18 @@ def _check_tiling(key: str, info: dict[str, Any]) -> None:
         assert covered == math.prod(info["shape"]) // parts, f"{key}: runs cover {covered} of {info['shape']}/{parts}"
 
 
-def agree(error: str | None, device: torch.device, what: str) -> None:
-    """Raise the same CheckpointError on every rank if any rank had ``error``, naming the ranks."""
+def agree(error: str | None, device: torch.device, what: str, share: str = "") -> str:
+    """Raise the same CheckpointError on every rank if any rank had ``error``, naming the ranks. Returns rank 0's
+    ``share`` (a save's id), handed over in the same collective."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         if error:
             raise CheckpointError(f"{what} failed: {error}")
-        return
-    errors = [b.decode() for b in all_gather_bytes((error or "").encode(), device)]
-    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+        return share
+    replies = [json.loads(b) for b in all_gather_bytes(json.dumps([error or "", share]).encode(), device)]
+    failed = [f"rank {r}: {e}" for r, (e, _) in enumerate(replies) if e]
     if failed:
         raise CheckpointError(f"{what} failed: " + "; ".join(failed))
+    return str(replies[0][1])
 
 
 # ---------------------------------------------------------------------------------------- RNG state
@@ -396,6 +543,7 @@ def load_checkpoint(
     verify: bool = True,
 ) -> dict[str, int]:
     """Load ``path`` into ``parts``: all checks first, on every rank, then the tensors. Returns the counters."""
+    WRITER.release_hold()  # an asynchronous save in flight has copied the state this load replaces
     error, ck = None, None
     try:
         # First, before anything that can fail on one rank only: under tensor and pipeline parallelism together the

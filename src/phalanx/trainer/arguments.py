@@ -191,6 +191,10 @@ class TrainingArguments:
     """Checkpoints to keep in output_dir; the best and the newest are never deleted. None keeps all."""
     save_only_model: bool = False
     """Checkpoints hold the model only (no optimizer, scheduler or RNG state), so they cannot be resumed."""
+    save_async: bool = False
+    """phalanx's own: write each checkpoint on a thread while training goes on (``engine.save_state(...,
+    async_save=True)``); training stops only while the state is copied to host memory. One save is written at a
+    time, a failure is raised at the next save, and ``train()`` returns once the last one is in place."""
     load_best_model_at_end: bool = False
     """Load the best checkpoint (by metric_for_best_model) when training ends."""
     metric_for_best_model: str | None = None
