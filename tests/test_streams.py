@@ -52,8 +52,8 @@ def _loader(dataset, batch_size: int, workers: int = 0) -> PreparedIterableLoade
 
 
 # ------------------------------------------------------------------------------------------------ ranks x workers
-def _read_epoch(shards: int, per_shard: int, workers: int) -> list[list[int]]:
-    engine = phalanx.Engine(seed=0)
+def _read_epoch(shards: int, per_shard: int, workers: int, tp_size: int = 1) -> list[list[int]]:
+    engine = phalanx.Engine(seed=0, tp_size=tp_size)
     loader = engine.prepare(DataLoader(_Tagged(shards, per_shard), batch_size=3, **_workers(workers)))
     assert loader.sharded
     return [b.tolist() for b in loader]
@@ -70,6 +70,14 @@ def test_two_ranks_of_two_workers_each_read_a_quarter_of_a_16_shard_stream(run_r
         for b in batches:
             for sample, worker in b:
                 assert (sample // 100) % 4 == rank * 2 + worker
+
+
+def test_tp_peers_read_the_same_shards_and_only_the_data_ranks_split_them(run_ranks):
+    # 4 ranks as tp2 x dp2: the positions are exchanged over the data group (ranks 0,2 and 1,3), not the world.
+    ranks = run_ranks(_read_epoch, 4, 8, 3, 0, 2)
+    assert ranks[0] == ranks[1] and ranks[2] == ranks[3]  # a tp pair is one data rank: the same batches
+    seen = Counter(row[0] for batches in (ranks[0], ranks[2]) for b in batches for row in b)
+    assert seen == Counter(s * 100 + k for s in range(8) for k in range(3))  # each sample read once, none lost
 
 
 # ------------------------------------------------------------------------------------------------ resume in O(1)

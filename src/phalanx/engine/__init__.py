@@ -1,6 +1,8 @@
 """The Engine, the one object a training script talks to, and what it hands back from ``prepare``.
 
-- ``engine.py``       Engine: prepare, accumulate, backward, clip, step, train_step; the state and collectives calls
+- ``engine.py``       Engine: prepare, accumulate, backward, clip, step, train_step; the collectives calls
+- ``state_calls.py``  the Engine's state calls: save_state (async too), load_state (other tools' runs too),
+                      resume_from, load_model, save_model
 - ``collectives.py``  gather, gather_for_metrics, reduce, split_between_processes, save: the work behind those calls
 - ``prepared.py``     PreparedOptimizer and PreparedScheduler
 - ``data.py``         the prepared DataLoader: the global sample order, sharded over the data-parallel ranks

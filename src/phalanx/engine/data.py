@@ -417,8 +417,16 @@ class PreparedIterableLoader(_Transformed):
     """
 
     def __init__(
-        self, loader: DataLoader, rank: int, world_size: int, device: torch.device, active: ActiveLoaders
+        self,
+        loader: DataLoader,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        active: ActiveLoaders,
+        data_cpu_group: Callable[[], Any] = lambda: None,
     ) -> None:
+        """``data_cpu_group``: the data ranks' gloo group (``Topology.data_cpu_group``), asked for (collectively)
+        only when the stream is sharded, for the ranks' exchange of positions."""
         if loader.batch_size is None:
             raise TypeError("engine.prepare needs a DataLoader with batch_size over an IterableDataset")
         name = type(loader.dataset).__name__
@@ -426,7 +434,7 @@ class PreparedIterableLoader(_Transformed):
         shards = len(source.names()) if source is not None else 0
         self._stream: StreamReader | None = None
         if source is not None and shards >= world_size:
-            self._stream = StreamReader(loader, source, rank, world_size)
+            self._stream = StreamReader(loader, source, rank, world_size, data_cpu_group())
             if shards < world_size * max(1, loader.num_workers):
                 warn_once(
                     f"{name} has {shards} shards for {world_size} ranks x {loader.num_workers} workers: some workers "

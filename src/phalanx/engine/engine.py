@@ -21,7 +21,6 @@ import os
 import weakref
 from collections.abc import Callable, Iterator
 from numbers import Number
-from pathlib import Path
 from typing import IO, Any
 
 import torch
@@ -30,11 +29,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, IterableDataset
 
 import phalanx.engine.collectives as collectives
-from phalanx.checkpoint.format import CheckpointError
-from phalanx.checkpoint.model_files import load_weights
-from phalanx.checkpoint.pretrained import model_files_writer, write_model_dir
 from phalanx.checkpoint.resume import Resumer
-from phalanx.checkpoint.state import TrainingParts, load_checkpoint, save_checkpoint
 from phalanx.config.dialects.dummies import DummyOptim, DummyScheduler, realise_optimizer, realise_scheduler
 from phalanx.config.mesh import Mesh
 from phalanx.config.registry import get_strategy_class
@@ -44,23 +39,21 @@ from phalanx.engine.data import ActiveLoaders, PreparedDataLoader, PreparedItera
 from phalanx.engine.guards import (
     as_prepared,
     check_backward_has_a_model,
-    check_checkpointable,
     check_loader_batch,
     check_materialised,
     check_not_released,
     check_prepared_models,
     check_train_step,
-    prepared_index,
-    save_model_arguments,
     warn_accumulation_unused,
 )
 from phalanx.engine.nonfinite import NonFiniteGuard
 from phalanx.engine.precision import Precision, agree_found_inf, loss_scaling, precision_report
 from phalanx.engine.prepared import PreparedOptimizer, PreparedScheduler, autocast_forward, kind_of
+from phalanx.engine.state_calls import StateCalls
 from phalanx.engine.tensor_parallel import TensorParallelState
 from phalanx.logging import configure_logging, warn_once
 from phalanx.runtime import nccl_rules
-from phalanx.runtime.comm import all_gather_bytes, all_reduce
+from phalanx.runtime.comm import all_reduce
 from phalanx.runtime.memory import peak_memory_bytes, set_mmap_threshold
 from phalanx.runtime.topology import Topology
 from phalanx.runtime.watchdog import start_watchdog
@@ -72,14 +65,13 @@ from phalanx.strategies.deferred_init import (
     check_init_fn_applies,
     check_initialised,
     has_meta,
-    mark_loaded,
     uninitialised,
 )
 
 __all__ = ["Engine", "PreparedOptimizer", "PreparedScheduler"]  # the last two live in prepared.py
 
 
-class Engine:
+class Engine(StateCalls):
     """Trains with one strategy and one precision on whatever world the launcher started.
 
     Keyword arguments override the config file and ``PHALANX_*`` environment variables handed down by
@@ -246,15 +238,22 @@ class Engine:
 
     def prepare_loader(self, loader: DataLoader) -> PreparedDataLoader | PreparedIterableLoader:
         """A DataLoader whose every global batch (``batch_size`` x the data-parallel world) is split over the ranks,
-        in an order drawn from the seed and the epoch; an ``IterableDataset``'s stream is split the same way.
-        A loader this engine prepared already is returned as it is."""
+        in an order drawn from the seed and the epoch. A sharded stream (``ShardedStream``, ``FileShards``, a
+        ``datasets.IterableDataset``) is dealt out by shard over the ranks and their workers, each sample read once;
+        any other ``IterableDataset`` is read whole by every rank, which keeps its slice (see docs/engine.md,
+        Streams). A loader this engine prepared already is returned as it is."""
         if any(loader is p for p in self._prepared_loaders):
             return loader  # type: ignore[return-value]
         check_loader_batch(loader, self.config, self._origins)
         prepared: PreparedDataLoader | PreparedIterableLoader
         if isinstance(loader.dataset, IterableDataset):
             prepared = PreparedIterableLoader(
-                loader, self.topology.data_rank, self.topology.data_size, self.device, self._loaders
+                loader,
+                self.topology.data_rank,
+                self.topology.data_size,
+                self.device,
+                self._loaders,
+                self.topology.data_cpu_group,
             )
         else:
             prepared = PreparedDataLoader(
@@ -635,149 +634,6 @@ class Engine:
                 "the training loader to engine.prepare, or count epochs in your own loop"
             )
         return self._prepared_loaders[0].epoch
-
-    # ------------------------------------------------------------ checkpoints
-    def register_for_checkpointing(self, *objects: Any) -> None:
-        """Save and restore ``objects`` (anything with ``state_dict()`` and ``load_state_dict()``) with
-        ``save_state``/``load_state``, in the order registered. Their state is saved from rank 0, as JSON and
-        tensors."""
-        for obj in objects:
-            check_checkpointable(obj)
-            self._checkpointed.append(obj)
-        self._resume_if_ready()
-
-    def save_state(
-        self, output_dir: str | os.PathLike[str], keep_last: int | None = None, model_files: bool = False
-    ) -> Path:
-        """Save everything needed to resume: models and optimizer state (each rank its shards, in parallel),
-        schedulers, the loss scaler, loader positions, every rank's RNG, ``global_step`` and registered objects.
-
-        Every rank must call it, at the end of an accumulation window. The directory appears only once it is
-        complete; ``keep_last=k`` then deletes all but the k most recent checkpoints beside it. Loads on any world
-        size and under any strategy (``load_state``); ``phalanx checkpoint consolidate`` makes a plain state dict.
-        ``model_files=True`` also writes the (one) model as ``save_model`` does, ``model.safetensors`` and
-        ``config.json``, streamed from the shards, so that ``from_pretrained(output_dir)`` loads the checkpoint.
-        """
-        if self._micro_steps != 0 or self._in_accumulate:
-            raise RuntimeError(
-                f"engine.save_state was called inside an accumulation window (after micro-batch {self._micro_steps} of "
-                f"grad_accum_steps={self.config.grad_accum_steps}), where gradients are partial and are not saved; "
-                "call it after the window's optimizer.step()"
-            )
-        also_write = model_files_writer(self._models, self.unwrap_model) if model_files else None
-        return save_checkpoint(
-            output_dir,
-            self._parts(),
-            self._tp.state_view(self.strategy),
-            self.topology,
-            self.device,
-            keep_last,
-            also_write,
-        )
-
-    def load_state(self, input_dir: str | os.PathLike[str] | None, verify: bool = True) -> None:
-        """Resume from a ``save_state`` checkpoint, saved on any world size under any strategy. Prepare the same
-        models, optimizers, schedulers and loaders (and register the same objects) first. Every rank must call it.
-
-        Everything is checked on every rank before anything is loaded: the format version, every file and (with
-        ``verify``) every checksum, names and shapes against the model. On the same world size each rank gets its
-        own RNG state back; on another, RNG is reseeded from (seed, global_step, rank).
-        """
-        if input_dir is None:
-            raise CheckpointError(
-                "engine.load_state got None instead of a checkpoint directory (latest_checkpoint(parent) returns None "
-                "when the parent holds no complete checkpoint: start from scratch then)"
-            )
-        view = self._tp.state_view(self.strategy)
-        counters = load_checkpoint(input_dir, self._parts(), view, self.topology, self.device, verify)
-        for m in self._models:
-            mark_loaded(self.unwrap_model(m))
-        self.global_step = counters.get("global_step", 0)
-        self._resumer.done = True  # loaded once (by resume_from or by the script itself): never another on top
-
-    def _prepared_counts(self) -> dict[str, int]:
-        objects: tuple[list[Any], ...] = (self._models, self._optimizers, self._schedulers)
-        objects += (self._prepared_loaders, self._checkpointed)
-        return dict(zip(("models", "optimizers", "schedulers", "loaders", "objects"), map(len, objects)))
-
-    def _resume_if_ready(self) -> None:
-        """``resume_from``: load the newest checkpoint there once everything it holds is prepared (see resume.py)."""
-        r = self._resumer
-        if r.done:
-            return
-        r.look(self.rank, self._share_from_rank0)
-        if not r.done and r.pending is not None and r.ready(self._prepared_counts()):
-            self.load_state(r.pending)
-            r.loaded(self.rank, self.world_size, self.global_step)
-
-    def _share_from_rank0(self, text: str) -> str:
-        return all_gather_bytes(text.encode(), self.device)[0].decode()
-
-    def _check_resumed(self) -> None:
-        """Before the first backward: a checkpoint that ``resume_from`` found must have been loaded by now."""
-        self._resume_if_ready()  # objects prepared one by one (prepare_model, ...) did not ask yet
-        r = self._resumer
-        if r.done or r.pending is None:
-            return
-        raise RuntimeError(
-            f"resume_from={r.directory}: its newest checkpoint {r.pending.name} holds state for objects not prepared "
-            f"yet ({r.missing(self._prepared_counts())}), so it was not loaded, and training would start from step 0 "
-            "instead of resuming. Prepare (and register_for_checkpointing) everything the checkpoint was saved with "
-            "before the first backward"
-        )
-
-    def load_model(
-        self,
-        path: str | os.PathLike[str],
-        model: nn.Module | None = None,
-        optimizer_state: dict[str, dict[str, torch.Tensor]] | None = None,
-    ) -> None:
-        """Load weights only into a prepared model (the only one, or ``model``): the optimizer, schedulers, loaders,
-        counters and RNG stay as they are. Every rank must call it; each reads only the slices it holds.
-        ``optimizer_state`` ({parameter name: {"exp_avg": tensor, ...}}, whole tensors) is loaded with the weights
-        into the prepared optimizers, each rank taking its share: how a torch optimizer's ``state_dict()`` (after
-        mapping its indices to names) moves into a sharded run.
-
-        ``path`` is a ``save_state`` checkpoint (saved on any world size under any strategy), a ``.safetensors``
-        file, or a directory that ``save_model`` or transformers' ``save_pretrained`` wrote (``model.safetensors``,
-        or shards with ``model.safetensors.index.json``). Names and shapes are checked on every rank before anything
-        is read; a tied weight may be stored under any of its names; pickles (``pytorch_model.bin``) are refused.
-        """
-        index = prepared_index(model, self._models, self.unwrap_model)
-        optimizers = [o.optimizer for o in self._optimizers] if optimizer_state is not None else None
-        view = self._tp.state_view(self.strategy)
-        load_weights(view, self._models[index], path, index, self.device, optimizers, optimizer_state)
-        mark_loaded(self.unwrap_model(self._models[index]))
-
-    def save_model(self, *args: Any, metadata: dict[str, str] | None = None) -> Path:
-        """``save_model(save_directory)`` or ``save_model(model, save_directory)``: the whole model in a directory that
-        loads back; returns the path of its ``model.safetensors``. Every rank must call it; rank 0 writes.
-
-        A transformers model is written by its own ``save_pretrained`` with the gathered weights, so that
-        ``from_pretrained(save_directory)`` loads it: ``config.json``, ``model.safetensors`` with each tied weight
-        once, as transformers writes them. Any other module: ``model.safetensors`` with every ``state_dict()`` key,
-        tied ones included, and the metadata ``{"format": "pt"}`` plus ``metadata`` (load it with
-        ``model.load_state_dict(safetensors.torch.load_file(path))``), and ``config.json`` when the module has a
-        ``config`` with ``save_pretrained`` or ``to_json_file``.
-        """
-        model, directory = save_model_arguments(args, self._models)
-        state = self.get_state_dict(model)
-        return write_model_dir(
-            state, self.unwrap_model(model), Path(directory), metadata, self.is_main_process, self.device
-        )
-
-    def _parts(self) -> TrainingParts:
-        return TrainingParts(
-            models=list(self._models),
-            optimizers=[o.optimizer for o in self._optimizers],
-            schedulers=list(self._schedulers),
-            loaders=list(self._prepared_loaders),
-            objects=list(self._checkpointed),
-            precision=self.precision,
-            counters={"global_step": self.global_step},
-            seed=self.config.seed,
-            rng_trackers=self._tp.trackers(),
-        )
 
     # --------------------------------------------------------------- reports
     def memory_report(self) -> dict[str, Any]:

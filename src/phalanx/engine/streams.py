@@ -51,6 +51,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from phalanx.logging import warn_once
+from phalanx.runtime.collective_log import watched
 from phalanx.runtime.comm import all_gather_bytes
 
 __all__ = ["FileShards", "ShardedSource", "ShardedStream", "StreamReader", "sharded_source"]
@@ -294,7 +295,7 @@ class StreamReader:
     """A rank's side of a sharded stream: runs the DataLoader of one pass, exchanges positions with the other ranks
     after each batch, and holds the position of every shard (module docstring)."""
 
-    def __init__(self, loader: DataLoader, source: _Adapter, rank: int, world_size: int) -> None:
+    def __init__(self, loader: DataLoader, source: _Adapter, rank: int, world_size: int, group: Any = None) -> None:
         if loader.batch_size is None:
             raise TypeError("engine.prepare needs a DataLoader with batch_size over a sharded stream")
         self.loader, self.source = loader, source
@@ -313,7 +314,7 @@ class StreamReader:
         """Real samples handed over on all ranks in this epoch."""
         self.rotation = 0
         self._skip = 0
-        self._exchange = _Exchange(world_size)
+        self._exchange = _Exchange(world_size, group)
         self._loaded = False  # a position loaded by load_state_dict, for the next pass to start from
         self.padding = False
         """The batch being handed over is padding: this rank is out of samples and others are not (it repeats its
@@ -485,11 +486,9 @@ class _Exchange:
 
     _HEADER = 3
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, group: Any) -> None:
         self.world_size = world_size
-        self.group: Any = None
-        if world_size > 1 and dist.get_backend() != "gloo":
-            self.group = dist.new_group(backend="gloo")
+        self.group = group  # the data ranks on gloo (Topology.data_cpu_group): a tp or pp peer reads the same shards
         self._pending: tuple[Any, list[torch.Tensor]] | None = None
         self._settled: tuple[list[dict[str, Any]], list[int], int] = ([], [], 0)
         self._mine: tuple[bytes, int, int] = (b"", -1, 0)  # what this rank sent, when alone
@@ -517,7 +516,7 @@ class _Exchange:
                 bytearray(positions), dtype=torch.uint8
             )
         out = [torch.empty_like(buffer) for _ in range(self.world_size)]
-        work = dist.all_gather(out, buffer, group=self.group, async_op=True)
+        work = watched(dist.all_gather, out, buffer, group=self.group, async_op=True, label="stream positions")
         self._pending = (work, out)
 
     def settle(self) -> tuple[list[dict[str, Any]], list[int], int]:

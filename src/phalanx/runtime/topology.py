@@ -32,6 +32,7 @@ from typing import Any
 import torch.distributed as dist
 
 from phalanx.config.mesh import Mesh, MeshError
+from phalanx.runtime import nccl_rules
 
 __all__ = ["Topology", "TopologyError"]
 
@@ -195,6 +196,26 @@ class Topology:
                 self.ep_group = dist.group.WORLD  # dispatch always names its group
             self.expert_dp_group = self._groups(m.expert_replica_ranks)
             self.expert_shard_group = self._groups(m.expert_shard_ranks)
+
+    def data_cpu_group(self) -> Any:
+        """The data ranks in a gloo group of their own, for small host-side exchanges that must not sync a device
+        (a sharded stream's positions), declared a host group to ``nccl_rules``. Made on gloo too, so that a gloo run
+        takes the path a NCCL run needs. Collective the first time: every rank must call it. None when this rank is
+        its only data rank."""
+        if "_data_cpu" in self.__dict__:
+            return self.__dict__["_data_cpu"]
+        mine: Any = None
+        if dist.is_initialized() and self.world_size > 1 and self.data_size > 1:
+            seen: set[tuple[int, ...]] = set()
+            for r in range(self.world_size):  # every rank creates every group, in rank order
+                ranks = tuple(self.mesh.axis_ranks(_DATA, r))
+                if ranks not in seen:
+                    seen.add(ranks)
+                    made = dist.new_group(list(ranks), backend="gloo")
+                    mine = made if self.rank in ranks else mine
+            nccl_rules.host_group(mine)
+        self.__dict__["_data_cpu"] = mine
+        return mine
 
     def describe(self, limit: int = 16) -> str:
         """The mesh and every rank's coordinates, as ``phalanx config -n N`` and ``phalanx launch`` print them."""

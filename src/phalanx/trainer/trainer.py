@@ -35,7 +35,8 @@ from phalanx.logging import get_logger, warn_once
 from phalanx.runtime.collective_log import watched
 from phalanx.runtime.world import seed_everything as phalanx_seed
 from phalanx.trainer.arguments import TrainingArguments, optimizer_cls_and_kwargs, settle_for_trainer
-from phalanx.trainer.callbacks import CallbackHandler, TrainerCallback, restore_callback_states
+from phalanx.trainer.callbacks import CallbackHandler, TrainerCallback
+from phalanx.trainer.checkpointing import resume_trainer, save_trainer_checkpoint
 from phalanx.trainer.conventions import (
     decay_parameter_names,
     find_labels,
@@ -51,19 +52,11 @@ from phalanx.trainer.nested import nested_map
 from phalanx.trainer.optimization import create_optimizer, create_optimizer_and_scheduler, create_scheduler
 from phalanx.trainer.outputs import EvalPrediction, PredictionOutput, TrainOutput
 from phalanx.trainer.reporting import JsonlLoggingCallback, default_callbacks
-from phalanx.trainer.rotation import rotate_checkpoints, sorted_checkpoints
 from phalanx.trainer.state import (
-    ExportableState,
     TrainerControl,
     TrainerState,
     TrainerStateHolder,
-    arguments_that_differ,
     record_best_metric,
-)
-from phalanx.trainer.transformers_checkpoint import (
-    is_transformers_checkpoint,
-    latest_transformers_checkpoint,
-    resume_from_transformers,
 )
 
 __all__ = ["Trainer", "EvalPrediction", "TrainOutput", "PredictionOutput"]
@@ -566,6 +559,8 @@ class Trainer:
             self._log_save_evaluate(window, total)
             if self.state.global_step >= self.state.max_steps:
                 break
+        if self.args.save_async:  # train() returns with its checkpoints in place (or raises, naming the rank)
+            self.engine.wait_for_checkpoint()
 
     def _plateau(self) -> bool:
         """A schedule that steps on the evaluation's metric (ReduceLROnPlateau, GreedyLR), not on each step."""
@@ -610,31 +605,7 @@ class Trainer:
         return min(1.0, float(done) / size)
 
     def _resume(self, resume: str | bool, per_epoch: int) -> None:
-        if resume is True:
-            found = sorted_checkpoints(self.output_dir)
-            theirs = latest_transformers_checkpoint(self.output_dir) if not found else None
-            if not found and theirs is None:
-                raise ValueError(
-                    f"No valid checkpoint found in output directory ({self.args.output_dir}): resume_from_checkpoint="
-                    "True looks there for a complete checkpoint-<step> (train without it to start fresh, or give the "
-                    "checkpoint's path)"
-                )
-            resume = str(found[-1][1] if found else theirs)
-        if not Path(str(resume)).is_dir():
-            raise ValueError(
-                f"Can't find a valid checkpoint at {resume}: resume_from_checkpoint names a checkpoint-<step> "
-                "directory that does not exist (give an existing one, or True for the latest in output_dir)"
-            )
-        if is_transformers_checkpoint(path := str(resume)):  # written by transformers' Trainer: read as it is
-            resume_from_transformers(self, Path(path), per_epoch)
-        else:
-            self.engine.load_state(path)  # the TrainerState comes back with it (TrainerStateHolder)
-        differ = arguments_that_differ(self.args, self.state)
-        if differ:  # as transformers warns: this run follows its own arguments
-            warn_once(f"arguments that differ from the checkpoint's ({resume}): " + "; ".join(differ))
-        if self.args.restore_callback_states_from_checkpoint:
-            saved = self.state.stateful_callbacks or {}
-            self.control = restore_callback_states(self.callback_handler, self.control, saved)
+        resume_trainer(self, resume, per_epoch)
 
     def _log_save_evaluate(self, window: torch.Tensor, total: list[Any]) -> None:
         if self.control.should_log and self.state.global_step > self._last_log[1]:
@@ -672,17 +643,7 @@ class Trainer:
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
     def _save_checkpoint(self, new_best: bool) -> None:
-        path = Path(self.output_dir) / f"checkpoint-{self.state.global_step}"
-        if new_best:
-            self.state.best_model_checkpoint = str(path)
-        # The control and the callbacks that export state (EarlyStoppingCallback's counter, say), as HF saves them.
-        exportable = [cb for cb in [*self.callback_handler.callbacks, self.control] if isinstance(cb, ExportableState)]
-        self.state.stateful_callbacks = TrainerState(stateful_callbacks=exportable).stateful_callbacks
-        self.engine.save_state(path, model_files=True)  # model.safetensors + config.json: from_pretrained loads it
-        if self.engine.is_main_process:
-            self.state.save_to_json(path / "trainer_state.json")  # for tools that read HF's file
-            rotate_checkpoints(self.output_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
-        self.engine.wait_for_everyone()
+        save_trainer_checkpoint(self, new_best)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         logs = {**logs, "epoch": self.state.epoch}

@@ -5,7 +5,9 @@
 
 What is read, and how:
 
-- the weights, from ``model.safetensors`` (or its shards and index), each rank only the slices it holds;
+- the weights, from ``model.safetensors`` (or its shards and index), each rank only the slices it holds; a
+  checkpoint written under DeepSpeed (``global_stepN/``) or FSDP (``pytorch_model_fsdp_0/`` and ``optimizer_0/``)
+  has its weights and moments read from those instead, by parameter name (checkpoint/foreign/);
 - ``optimizer.pt``: the moments and step of every parameter, and the hyperparameters of each group. transformers'
   file numbers the parameters in the order of the optimizer's groups; phalanx names them by the optimizer it built
   (the same groups, in the same order, as transformers builds them) and loads them under any strategy;
@@ -31,11 +33,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from phalanx.checkpoint.foreign import detect, load_foreign
 from phalanx.checkpoint.format import MANIFEST, CheckpointError
 from phalanx.logging import warn_once
+from phalanx.strategies.deferred_init import mark_loaded
 from phalanx.trainer.state import TrainerState
 
-__all__ = ["is_transformers_checkpoint", "latest_transformers_checkpoint", "resume_from_transformers"]
+__all__ = [
+    "is_transformers_checkpoint",
+    "latest_transformers_checkpoint",
+    "resume_from_transformers",
+    "resume_from_foreign",
+]
 
 TRAINER_STATE = "trainer_state.json"
 _NAME = re.compile(r"checkpoint-(\d+)")
@@ -85,13 +94,36 @@ def _optimizer_state(saved: dict[str, Any], order: list[list[str]], path: Path) 
     return {by_index[i]: dict(state) for i, state in saved.get("state", {}).items() if i in by_index}
 
 
+def place_data(trainer: Any, step: int, per_epoch: int) -> None:
+    """Where the data goes on after ``step`` optimizer steps: the same epoch and batch at which transformers itself
+    would go on (it skips the batches of the epoch already seen)."""
+    epoch, step_in_epoch = divmod(step, max(1, per_epoch))
+    loader = trainer._train_loader
+    samples = step_in_epoch * trainer.args.gradient_accumulation_steps * loader.total_batch_size
+    loader.load_state_dict({"epoch": epoch, "samples_done": samples, "seed": loader.state_dict()["seed"]})
+
+
+def resume_from_foreign(trainer: Any, path: Path, per_epoch: int) -> None:
+    """Another tool's checkpoint with no ``trainer_state.json`` (a DeepSpeed or DCP folder): the weights, moments and
+    step from it (``engine.load_state``), and the data placed after that step as transformers would place it."""
+    trainer.engine.load_state(path)
+    trainer.state.global_step = trainer.engine.global_step
+    place_data(trainer, trainer.engine.global_step, per_epoch)
+
+
 def resume_from_transformers(trainer: Any, path: Path, per_epoch: int) -> None:
     """Load everything transformers' Trainer saved at ``path`` into the prepared ``trainer`` (every rank calls it);
     ``per_epoch`` is the number of optimizer steps in an epoch, which places the data."""
-    engine, args = trainer.engine, trainer.args
+    engine = trainer.engine
     optimizer_file = path / "optimizer.pt"
     state = None
-    if optimizer_file.is_file():
+    layout = detect(path)  # written under DeepSpeed (global_stepN/) or FSDP (pytorch_model_fsdp_0/, optimizer_0/)
+    if layout is not None:
+        parts, view = engine._parts(), engine._tp.state_view(engine.strategy)
+        load_foreign(path, layout, parts, view, engine.topology, engine.device, weights_and_optimizer_only=True)
+        for model in parts.models:
+            mark_loaded(engine.unwrap_model(model))
+    elif optimizer_file.is_file():
         saved = _load(optimizer_file)
         state = _optimizer_state(saved, trainer._optimizer_order, optimizer_file)
         inner = trainer.optimizer.optimizer  # the prepared optimizer's own groups: the hyperparameters go there
@@ -99,7 +131,8 @@ def resume_from_transformers(trainer: Any, path: Path, per_epoch: int) -> None:
             group.update({k: v for k, v in hyper.items() if k != "params"})
     else:
         warn_once(f"{path} has no optimizer.pt: the optimizer starts afresh from the checkpoint's weights")
-    engine.load_model(path, optimizer_state=state)  # the weights, and the moments with them, under any strategy
+    if layout is None:
+        engine.load_model(path, optimizer_state=state)  # the weights, and the moments with them, under any strategy
     scheduler_file = path / "scheduler.pt"
     if scheduler_file.is_file():
         saved = _load(scheduler_file)
@@ -114,10 +147,7 @@ def resume_from_transformers(trainer: Any, path: Path, per_epoch: int) -> None:
     loaded.is_local_process_zero, loaded.is_world_process_zero = engine.is_local_main_process, engine.is_main_process
     trainer.state = loaded
     engine.global_step = loaded.global_step
-    epoch, step_in_epoch = divmod(loaded.global_step, max(1, per_epoch))
-    loader = trainer._train_loader
-    samples = step_in_epoch * args.gradient_accumulation_steps * loader.total_batch_size
-    loader.load_state_dict({"epoch": epoch, "samples_done": samples, "seed": loader.state_dict()["seed"]})
+    place_data(trainer, loaded.global_step, per_epoch)
 
     rng_file = path / (f"rng_state_{engine.rank}.pth" if engine.world_size > 1 else "rng_state.pth")
     if rng_file.is_file():
