@@ -201,7 +201,7 @@ def _log_after_polled_steps() -> dict[str, int]:
     engine = phalanx.Engine(strategy="zero2", hang_timeout_s=60)
     real = LOG._group
     LOG._groups.clear()
-    LOG._group = lambda group: (real(group)[0], True)  # type: ignore[method-assign]  # as NCCL's are: polled
+    LOG._group = lambda group: (real(group)[0], True, real(group)[2])  # type: ignore[method-assign]  # polled, as NCCL's
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
