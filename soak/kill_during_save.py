@@ -7,9 +7,10 @@ Each run: 2 ranks train an 8 x Linear(1024) MLP with AdamW (a checkpoint of abou
 one more step and save ``step-2``; while the second save is under way, one rank, drawn at random, kills itself at a
 delay drawn uniformly from 0 to 1.2 x the measured length of a save. With ``--async`` both saves are
 ``async_save=True``: the call returns at once, the thread copies the state (the next optimizer step waits for
-that copy) and writes it while the ranks go on training (steps of the same model), and the delay is drawn over 1.2 x the measured time from the call until the checkpoint is
-in place (the handle's done callback), so that most kills fall in the background write; a run that ends on
-``step-1`` was killed before the write was complete. Afterwards, in this process:
+that copy) and writes it while the ranks go on training (steps of the same model), and the delay is drawn over
+1.2 x the measured time from the call until the checkpoint is in place (the handle's done callback), so that most
+kills fall in the background write; a run that ends on ``step-1`` was killed before the write was complete.
+Afterwards, in this process:
 ``latest_checkpoint`` must name a complete checkpoint (``step-1``, or ``step-2`` when the kill came after it was
 complete), every file must pass its checksums, and ``load_state`` into a fresh model must give that step's weights.
 Printed: how many runs ended on each checkpoint, and the number of corrupt or unloadable ones (the goal: 0).
