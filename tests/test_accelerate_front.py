@@ -280,6 +280,15 @@ def test_prepare_returns_a_prepared_loader_as_it_is_and_saves_into_an_empty_fold
     with pytest.raises(Exception, match="exists and is not a phalanx checkpoint"):
         accelerator.save_state(str(tmp_path / "full"))
     assert (tmp_path / "full" / "notes.txt").read_text() == "mine"
+    # The Engine's async_save is taken through Accelerate's save_state (it used to be warned about and dropped).
+    model = accelerator.prepare(torch.nn.Linear(2, 2))
+    saving = accelerator.save_state(str(tmp_path / "async"), async_save=True)
+    assert saving.result() == tmp_path / "async" and accelerator.wait_for_checkpoint() == tmp_path / "async"
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.zero_()
+    accelerator.load_state(str(tmp_path / "async"))
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
 class _ByBatch(torch.utils.data.Dataset):

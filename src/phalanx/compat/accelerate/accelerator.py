@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx.checkpoint.async_save import AsyncSave
 from phalanx.compat.accelerate.folders import automatic_folder, latest_automatic, same_folder_everywhere
 from phalanx.compat.accelerate.join import UnevenInputsJoin, joined_models
 from phalanx.compat.accelerate.loaders import accelerate_loader_rules, keep_global_rngs
@@ -574,11 +575,13 @@ class Accelerator(Engine):
 
     def save_state(  # type: ignore[override]
         self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True, **kwargs: Any
-    ) -> Path:
+    ) -> Path | AsyncSave:
         """Accelerate's ``save_state``: into ``output_dir``, which every process must name alike; without it, into
         ``project_dir/checkpoints/checkpoint_<i>`` under ``ProjectConfiguration(automatic_checkpoint_naming=True)``,
-        keeping ``total_limit`` of them. ``safe_serialization`` changes nothing: phalanx writes its own format."""
+        keeping ``total_limit`` of them. ``safe_serialization`` changes nothing: phalanx writes its own format.
+        The Engine's ``keep_last``, ``model_files`` and ``async_save`` are taken too."""
         keep_last, model_files = kwargs.pop("keep_last", None), kwargs.pop("model_files", False)
+        async_save = bool(kwargs.pop("async_save", False))
         if kwargs:
             warn_once(f"save_state({', '.join(sorted(kwargs))}=...) is not used by phalanx.accelerate")
         automatic = output_dir is None or self.project_configuration.automatic_checkpoint_naming
@@ -592,7 +595,11 @@ class Accelerator(Engine):
             keep_last = self.project_configuration.total_limit
         assert output_dir is not None
         same_folder_everywhere("save_state", output_dir, self.device)
-        saved = super().save_state(output_dir, keep_last, model_files)
+        saved: Path | AsyncSave = (
+            super().save_state(output_dir, keep_last, model_files, async_save=True)
+            if async_save
+            else super().save_state(output_dir, keep_last, model_files)
+        )
         if automatic:
             self.project_configuration.iteration += 1
         return saved
